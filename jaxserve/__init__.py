@@ -1,0 +1,38 @@
+"""jaxserve: a vLLM-style LLM inference engine for JAX/XLA.
+
+The public API is exported lazily (module-level ``__getattr__``) so that ``import jaxserve.core``
+and the plain data modules never load jax (DESIGN.md section 1).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "LLM": "jaxserve.engine.llm",
+    "LLMEngine": "jaxserve.engine.llm_engine",
+    "SamplingParams": "jaxserve.sampling_params",
+    "RequestOutput": "jaxserve.outputs",
+    "CompletionOutput": "jaxserve.outputs",
+    "Logprob": "jaxserve.outputs",
+}
+
+__all__ = sorted(_LAZY)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from jaxserve.engine.llm import LLM
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
+    from jaxserve.sampling_params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'jaxserve' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

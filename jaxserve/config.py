@@ -1,0 +1,148 @@
+"""Frozen, validated configuration dataclasses (host side, no jax).
+
+Each config validates itself in ``__post_init__`` with messages that name the field, the value and
+the limit (DESIGN.md section 7). ``EngineConfig`` composes them; ``EngineConfig.from_kwargs`` maps
+the flat keyword arguments of ``LLM(...)`` onto them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "reference", "pallas")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+def _positive_int(owner: str, name: str, value: object, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{owner}.{name} must be an int, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{owner}.{name} must be >= 1, got {value}")
+
+
+def _choice(owner: str, name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{owner}.{name} must be one of {choices}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What to load and in which precision.
+
+    model: HF checkpoint folder, Orbax folder, or a built-in name such as "tiny-random-llama".
+    max_model_len: longest prompt + output in tokens; None = the model's max_position_embeddings.
+    """
+
+    model: str = "tiny-random-llama"
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    tokenizer: str | None = None  # defaults to `model`
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise TypeError(f"ModelConfig.model must be a non-empty str, got {self.model!r}")
+        _choice("ModelConfig", "dtype", self.dtype, DTYPES)
+        _positive_int("ModelConfig", "max_model_len", self.max_model_len, allow_none=True)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise TypeError(f"ModelConfig.seed must be an int, got {self.seed!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache.
+
+    block_size: tokens per KV block (P).
+    num_kv_blocks: exact pool size including the reserved null block 0; overrides
+        memory_utilization.
+    memory_utilization: share of device memory for weights + KV (on CPU: of cpu_memory_bytes).
+    cpu_memory_bytes: the memory budget used on CPU, where there is no device memory to query.
+    """
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    cpu_memory_bytes: int = 4 << 30
+
+    def __post_init__(self) -> None:
+        _positive_int("CacheConfig", "block_size", self.block_size)
+        _positive_int("CacheConfig", "num_kv_blocks", self.num_kv_blocks, allow_none=True)
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(
+                f"CacheConfig.num_kv_blocks must be >= 2 (block 0 is the reserved null block), "
+                f"got {self.num_kv_blocks}"
+            )
+        if not isinstance(self.memory_utilization, (int, float)) or not (
+            0.0 < self.memory_utilization <= 1.0
+        ):
+            raise ValueError(
+                f"CacheConfig.memory_utilization must be in (0, 1], got {self.memory_utilization!r}"
+            )
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise TypeError(
+                f"CacheConfig.enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}"
+            )
+        _positive_int("CacheConfig", "cpu_memory_bytes", self.cpu_memory_bytes)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The token-budget scheduler.
+
+    max_num_batched_tokens: token budget of one step (T before padding).
+    max_num_seqs: requests in one step (R before padding).
+    max_model_len: filled in by the engine once the model is known.
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        _positive_int("SchedulerConfig", "max_num_seqs", self.max_num_seqs)
+        _positive_int("SchedulerConfig", "max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive_int("SchedulerConfig", "max_model_len", self.max_model_len)
+        _choice("SchedulerConfig", "policy", self.policy, SCHEDULING_POLICIES)
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """The device side: attention backend, parallelism, compilation."""
+
+    attention_backend: str = "auto"
+    tensor_parallel_size: int = 1
+    warmup: bool = False  # compile every bucket at start-up
+
+    def __post_init__(self) -> None:
+        _choice("RunnerConfig", "attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _positive_int("RunnerConfig", "tensor_parallel_size", self.tensor_parallel_size)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> EngineConfig:
+        """Build from ``LLM(...)``'s flat keyword arguments; an unknown one raises TypeError."""
+        parts: dict[str, dict[str, object]] = {}
+        owners = {"model": ModelConfig, "cache": CacheConfig, "runner": RunnerConfig}
+        owners["scheduler"] = SchedulerConfig
+        by_field = {f.name: part for part, c in owners.items() for f in fields(c)}
+        # max_model_len lives on ModelConfig (None = from the checkpoint); the engine copies the
+        # resolved value into SchedulerConfig.
+        by_field["max_model_len"] = "model"
+        for key, value in kwargs.items():
+            part = by_field.get(key)
+            if part is None:
+                raise TypeError(f"unknown engine argument {key!r}; known: {sorted(by_field)}")
+            parts.setdefault(part, {})[key] = value
+        return cls(**{part: owners[part](**vals) for part, vals in parts.items()})

@@ -1,0 +1,63 @@
+"""SchedulerOutput: the typed hand-off from the Scheduler to the ModelRunner, once per step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jaxserve.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has no state for: first scheduled, or resumed after preemption.
+
+    token_ids: prompt + output tokens so far (a resumed request brings its outputs back).
+    num_prompt_tokens: len(prompt); token_ids[num_prompt_tokens:] are outputs.
+    block_ids: the whole block table, in logical order.
+    num_computed_tokens: tokens whose KV is already in the cache (prefix-cache hits).
+    """
+
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    seed: int  # the request's sampling seed (its own, or one drawn from the engine seed)
+
+
+@dataclass
+class CachedRequestData:
+    """A request the runner already holds, scheduled again.
+
+    new_block_ids: appended to its block table this step.
+    num_computed_tokens: tokens whose KV is in the cache before this step.
+    """
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    """Everything the runner needs to run one step.
+
+    num_scheduled_tokens: req_id -> tokens computed this step (a decode is 1, a prefill chunk is
+        its length); iteration order is the batch order (new requests first, then cached).
+    finished_req_ids: finished or aborted since the previous step; the runner drops their state.
+    preempted_req_ids: preempted this step; the runner drops them (they come back as new).
+    block_copies: (src, dst) block pairs to copy before the forward (copy-on-write).
+    """
+
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0

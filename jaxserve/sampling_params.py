@@ -1,0 +1,140 @@
+"""SamplingParams: how one prompt is sampled. Validated at construction (DESIGN.md section 7)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_MAX_LOGPROBS = 20  # top-N logprobs cap, as in vLLM's default max_logprobs
+
+
+def _check_int(name: str, value: object, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"SamplingParams.{name} must be an int, got {value!r} ({type(value).__name__})")
+
+
+def _check_number(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"SamplingParams.{name} must be a number, got {value!r} ({type(value).__name__})")
+
+
+@dataclass
+class SamplingParams:
+    """Sampling settings of one request, with vLLM's names and meanings.
+
+    ``temperature == 0`` means greedy. Penalties follow vLLM: presence and frequency penalties act
+    on the request's output tokens, the repetition penalty on prompt and output tokens. A seeded
+    request draws token ``i`` from a key derived from ``(seed, i)``, so it gives the same tokens
+    in any batch and after preemption.
+
+    Raises:
+        ValueError / TypeError at construction, naming the field, the value and the allowed range.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # Normalised views filled by __post_init__.
+    stop_strings: tuple[str, ...] = field(default=(), init=False, repr=False)
+    all_stop_token_ids: frozenset[int] = field(default=frozenset(), init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        _check_int("n", self.n)
+        if self.n < 1:
+            raise ValueError(f"SamplingParams.n must be >= 1, got {self.n}")
+        _check_number("temperature", self.temperature)
+        if not self.temperature >= 0.0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        _check_number("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        _check_int("top_k", self.top_k)
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(
+                f"SamplingParams.top_k must be -1 (disabled) or >= 1, got {self.top_k}"
+            )
+        _check_number("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
+        _check_int("seed", self.seed, allow_none=True)
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"SamplingParams.seed must be in [0, 2**63), got {self.seed}")
+        _check_int("max_tokens", self.max_tokens)
+        if self.max_tokens < 1:
+            raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
+        _check_int("min_tokens", self.min_tokens)
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"SamplingParams.min_tokens must be in [0, max_tokens={self.max_tokens}], "
+                f"got {self.min_tokens}"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check_int(name, value, allow_none=True)
+            if value is not None and not 0 <= value <= _MAX_LOGPROBS:
+                raise ValueError(
+                    f"SamplingParams.{name} must be in [0, {_MAX_LOGPROBS}], got {value}"
+                )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_number(name, value)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"SamplingParams.{name} must be in [-2, 2], got {value}")
+        _check_number("repetition_penalty", self.repetition_penalty)
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise ValueError(
+                f"SamplingParams.repetition_penalty must be in (0, 10], got {self.repetition_penalty}"
+            )
+        self.stop_strings = self._normalise_stop(self.stop)
+        self.all_stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
+
+    @staticmethod
+    def _normalise_stop(stop: object) -> tuple[str, ...]:
+        if stop is None:
+            return ()
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            raise TypeError(f"SamplingParams.stop must be a str or a list of str, got {stop!r}")
+        if any(s == "" for s in stop):
+            raise ValueError(f"SamplingParams.stop must not contain an empty string, got {stop!r}")
+        return tuple(stop)
+
+    @staticmethod
+    def _normalise_stop_token_ids(ids: object) -> frozenset[int]:
+        if ids is None:
+            return frozenset()
+        if not isinstance(ids, (list, tuple, set, frozenset)) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in ids
+        ):
+            raise TypeError(f"SamplingParams.stop_token_ids must be a list of int, got {ids!r}")
+        if any(i < 0 for i in ids):
+            raise ValueError(f"SamplingParams.stop_token_ids must be >= 0, got {sorted(ids)}")
+        return frozenset(ids)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def num_logprobs(self) -> int:
+        """Top-N logprobs asked for per sampled token (0 when only the sampled one or none)."""
+        return self.logprobs or 0

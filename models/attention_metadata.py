@@ -1,0 +1,23 @@
+"""AttentionMetadata: the per-step description of the flattened ragged batch, as a pytree.
+
+Built on the host by the runner (numpy, padded to buckets), passed into the jitted step, read by
+every attention layer. All fields are data (traced); shapes are fixed by the buckets, so a new
+batch of the same buckets never recompiles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class AttentionMetadata:
+    positions: jax.Array  # i32[T] position of each token in its sequence; padding: 0
+    slot_mapping: jax.Array  # i32[T] flat KV slot (block_id * P + offset); padding: null block 0
+    block_tables: jax.Array  # i32[R, B] physical block ids per sequence; padding: 0
+    seq_lens: jax.Array  # i32[R] context length after this step (computed + scheduled); padding: 0
+    query_start_loc: jax.Array  # i32[R + 1] cumulative query rows; padding sequences repeat the end
+    num_seqs: jax.Array  # i32[1] real sequences in the batch (R is the padded count)

@@ -1,0 +1,88 @@
+"""DESIGN.md section 1: the host side never reaches jax or flax, not even transitively, and the
+packages depend on each other only in the allowed direction."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# Modules that must load without jax/flax anywhere in sys.modules.
+HOST_MODULES = [
+    "jaxserve",
+    "jaxserve.config",
+    "jaxserve.sampling_params",
+    "jaxserve.outputs",
+    "jaxserve.request",
+    "jaxserve.core.kv_cache_utils",
+    "jaxserve.core.block_pool",
+    "jaxserve.core.kv_cache_manager",
+    "jaxserve.core.sched.output",
+    "jaxserve.core.sched.scheduler",
+]
+
+# folder -> first-party packages it may import (besides itself).
+ALLOWED = {
+    "pallas_kernels": set(),
+    "models": {"jaxserve.pallas_kernels"},
+    "checkpoints_tools": {"jaxserve.models", "jaxserve.pallas_kernels"},
+}
+
+
+def _existing(modules: list[str]) -> list[str]:
+    import importlib.util
+
+    return [m for m in modules if importlib.util.find_spec(m) is not None]
+
+
+def test_host_modules_do_not_load_jax() -> None:
+    modules = _existing(HOST_MODULES)
+    code = (
+        "import sys\n"
+        + "".join(f"import {m}\n" for m in modules)
+        + "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax'))\n"
+        + "assert not bad, bad[:5]\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _first_party_imports(path: pathlib.Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {m for m in found if m == "jaxserve" or m.startswith("jaxserve.")}
+
+
+@pytest.mark.parametrize("folder", sorted(ALLOWED))
+def test_dependency_direction(folder: str) -> None:
+    own = f"jaxserve.{folder}"
+    allowed = ALLOWED[folder] | {own}
+    for path in (ROOT / folder).rglob("*.py"):
+        for module in _first_party_imports(path):
+            ok = any(module == a or module.startswith(a + ".") for a in allowed)
+            assert ok, f"{path.relative_to(ROOT)} imports {module}; {folder}/ may import {allowed}"
+
+
+def test_core_and_engine_have_no_direct_jax_import() -> None:
+    for folder in ("jaxserve/core", "jaxserve/engine"):
+        for path in (ROOT / folder).rglob("*.py"):
+            tree = ast.parse(path.read_text())
+            for node in ast.walk(tree):
+                names = []
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module:
+                    names = [node.module]
+                for name in names:
+                    assert name.split(".")[0] not in ("jax", "jaxlib", "flax"), (
+                        f"{path.relative_to(ROOT)} imports {name}"
+                    )
