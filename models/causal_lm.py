@@ -1,0 +1,168 @@
+"""CausalLM: the model object the runner uses, a thin pure-function face over the Flax Decoder.
+
+    model = get_model(arch, dtype=jnp.bfloat16, attention_backend="reference")
+    params = model.init_params(jax.random.key(0))            # or a loaded checkpoint's params
+    kv_caches, hidden = jax.jit(model.forward, donate_argnums=1)(params, kv_caches, ids, md)
+    logits = model.compute_logits(params, hidden[logits_indices])   # f32[R, V]
+
+The object holds only static configuration (arch, dtype, backend); parameters and KV pages are
+always passed in and returned, so the methods are safe to jit with the object bound.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from jaxserve.models.arch_config import ModelArchConfig
+from jaxserve.models.attention_metadata import AttentionMetadata
+from jaxserve.models.decoder import Decoder
+from jaxserve.models.layers import KVCache
+
+PARAM_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+TP_AXIS = "tp"
+
+# Tensor-parallel layout, by the parameter's leaf name (Megatron style): projections into heads
+# or MLP columns shard their output axis, the projections back to D shard their input axis, so
+# each layer needs one all-reduce after o_proj and one after down_proj. KV heads are sharded
+# too, so tp must divide K (the KV cache is sharded the same way, on its K axis).
+_TP_SPECS = {
+    "q_proj": PartitionSpec(None, TP_AXIS, None),  # [D, N, H]  column-parallel over heads
+    "k_proj": PartitionSpec(None, TP_AXIS, None),  # [D, K, H]
+    "v_proj": PartitionSpec(None, TP_AXIS, None),  # [D, K, H]
+    "q_bias": PartitionSpec(TP_AXIS, None),  # [N, H]
+    "k_bias": PartitionSpec(TP_AXIS, None),  # [K, H]
+    "v_bias": PartitionSpec(TP_AXIS, None),  # [K, H]
+    "o_proj": PartitionSpec(TP_AXIS, None, None),  # [N, H, D]  row-parallel
+    "gate_proj": PartitionSpec(None, TP_AXIS),  # [D, F]  column-parallel
+    "up_proj": PartitionSpec(None, TP_AXIS),  # [D, F]
+    "down_proj": PartitionSpec(TP_AXIS, None),  # [F, D]  row-parallel
+    "embed": PartitionSpec(TP_AXIS, None),  # [V, D]  vocab-sharded
+    "lm_head": PartitionSpec(None, TP_AXIS),  # [D, V]  vocab-sharded logits
+}
+
+
+class CausalLM:
+    """A decoder-only LM of one ModelArchConfig, in one parameter dtype, on one attention backend.
+
+    Params pytree (nested dicts of arrays in `dtype`):
+        embed f[V, D]
+        layers_{i} for i < L:
+            input_norm {scale f[D]}, post_attn_norm {scale f[D]}
+            attn {q_proj f[D, N, H], k_proj f[D, K, H], v_proj f[D, K, H], o_proj f[N, H, D],
+                  [q_bias f[N, H], k_bias f[K, H], v_bias f[K, H]]  if arch.attention_bias
+                  [o_bias f[D]]                                     if arch.attention_out_bias
+                  [q_norm f[H], k_norm f[H]]                        if arch.qk_norm}
+            mlp {gate_proj f[D, F], up_proj f[D, F], down_proj f[F, D]}
+        final_norm {scale f[D]}
+        lm_head f[D, V]   absent when arch.tie_word_embeddings (logits use embed)
+    """
+
+    def __init__(self, arch: ModelArchConfig, dtype: Any, attention_backend: str) -> None:
+        self.arch = arch
+        self.dtype = jnp.dtype(dtype)
+        if self.dtype not in [jnp.dtype(d) for d in PARAM_DTYPES]:
+            raise ValueError(
+                f"model dtype must be one of float32, bfloat16, float16, got {self.dtype}"
+            )
+        self.attention_backend = attention_backend
+        self._module = Decoder(arch, self.dtype, attention_backend)
+
+    def __repr__(self) -> str:
+        return (
+            f"CausalLM({self.arch.architecture}, dtype={self.dtype.name}, "
+            f"attention_backend={self.attention_backend!r})"
+        )
+
+    def init_params(self, rng: jax.Array) -> dict[str, Any]:
+        """Random params: matrices ~ normal(0, arch.initializer_range), norm scales 1, biases 0.
+
+        Traces one dummy token through the model to create the variables (cheap; under
+        jax.eval_shape it allocates nothing).
+        """
+        a = self.arch
+        kv = [(jnp.zeros(self.kv_cache_shape(1, 1), self.dtype),) * 2] * a.num_layers
+        md = AttentionMetadata(
+            positions=jnp.zeros((1,), jnp.int32),
+            slot_mapping=jnp.zeros((1,), jnp.int32),
+            block_tables=jnp.zeros((1, 1), jnp.int32),
+            seq_lens=jnp.ones((1,), jnp.int32),
+            query_start_loc=jnp.array([0, 1], jnp.int32),
+            num_seqs=jnp.ones((1,), jnp.int32),
+        )
+        ids = jnp.zeros((1,), jnp.int32)
+        init = jax.jit(lambda r: self._module.init(r, ids, kv, md)["params"])
+        return init(rng)
+
+    def forward(
+        self,
+        params: dict[str, Any],
+        kv_caches: list[KVCache],  # L x (k_pages, v_pages), each [K, S, P, H]
+        input_ids: jax.Array,  # i32[T]
+        md: AttentionMetadata,
+    ) -> tuple[list[KVCache], jax.Array]:  # updated caches, f[T, D] (final-normed)
+        """One step over the flattened ragged batch. Pure: jit it and donate kv_caches.
+
+        Each token's K/V is written at md.slot_mapping before attention reads the pages, so a
+        token attends to itself and to everything earlier in its sequence (within the sliding
+        window, if any). Padding tokens must map to the null block 0.
+        """
+        return self._module.apply({"params": params}, input_ids, kv_caches, md)
+
+    def compute_logits(
+        self, params: dict[str, Any], hidden: jax.Array
+    ) -> jax.Array:  # f[R, D] -> f32[R, V]
+        """Logits of the rows that sample (float32 accumulation; tied embeddings handled)."""
+        return self._module.apply({"params": params}, hidden, method=Decoder.logits)
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
+        """(K, S, P, H): shape of one layer's k_pages (and v_pages)."""
+        return (self.arch.num_kv_heads, num_blocks, block_size, self.arch.head_dim)
+
+    def kv_cache_bytes_per_block(self, block_size: int, dtype: Any) -> int:
+        """Bytes one KV block takes across all layers, K and V together."""
+        a = self.arch
+        return 2 * a.num_layers * a.num_kv_heads * block_size * a.head_dim * jnp.dtype(
+            dtype
+        ).itemsize
+
+    def param_shapes(self) -> dict[str, Any]:
+        """The params pytree as jax.ShapeDtypeStruct leaves (allocates nothing)."""
+        return jax.eval_shape(self.init_params, jax.random.key(0))
+
+    def param_partition_specs(self) -> dict[str, Any]:
+        """PartitionSpecs matching the params pytree, for TP over a mesh axis named "tp".
+
+        Column-parallel (output axis sharded): q/k/v_proj and their biases (heads), gate_proj,
+        up_proj (F). Row-parallel (input axis sharded): o_proj (heads), down_proj (F).
+        Vocab-sharded: embed (V axis) and lm_head (V axis). Replicated: norms and o_bias.
+        Requires tp | N, tp | K, tp | F, tp | V; the KV pages shard on their K axis to match.
+        """
+
+        def spec(path: tuple[Any, ...], leaf: jax.ShapeDtypeStruct) -> PartitionSpec:
+            name = path[-1].key
+            if name in _TP_SPECS:
+                return _TP_SPECS[name]
+            return PartitionSpec(*([None] * leaf.ndim))
+
+        return jax.tree_util.tree_map_with_path(spec, self.param_shapes())
+
+    def num_params(self) -> int:
+        """Parameter count (from shapes only)."""
+        leaves = jax.tree_util.tree_leaves(self.param_shapes())
+        return int(sum(np.prod(leaf.shape) for leaf in leaves))
+
+
+def get_model(
+    arch: ModelArchConfig, *, dtype: Any = jnp.float32, attention_backend: str = "reference"
+) -> CausalLM:
+    """The CausalLM of an architecture (every registered family shares one decoder).
+
+    Raises:
+        ValueError: dtype not float32/bfloat16/float16.
+    """
+    return CausalLM(arch, dtype, attention_backend)

@@ -1,0 +1,66 @@
+"""The shared decoder-only transformer (Llama, Mistral, Qwen2, Qwen3 differ only by config)."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxserve.models.arch_config import ModelArchConfig
+from jaxserve.models.attention_metadata import AttentionMetadata
+from jaxserve.models.layers import DecoderLayer, KVCache, RMSNorm
+from jaxserve.models.rope import rope_cos_sin, rope_inv_freq
+
+
+class Decoder(nn.Module):
+    """embed -> L decoder layers -> final norm; `logits` applies the (tied or own) LM head.
+
+    Params: embed f[V, D]; layers_{i} (see DecoderLayer) for i < L; final_norm {scale f[D]};
+    lm_head f[D, V] unless tie_word_embeddings.
+    """
+
+    arch: ModelArchConfig
+    dtype: jnp.dtype
+    backend: str
+
+    def setup(self) -> None:
+        a = self.arch
+        init = nn.initializers.normal(a.initializer_range)
+        self.embed = self.param("embed", init, (a.vocab_size, a.hidden_size), self.dtype)
+        self.layers = [
+            DecoderLayer(a, self.dtype, self.backend, name=f"layers_{i}")
+            for i in range(a.num_layers)
+        ]
+        self.final_norm = RMSNorm(a.rms_norm_eps, self.dtype)
+        if not a.tie_word_embeddings:
+            self.lm_head = self.param("lm_head", init, (a.hidden_size, a.vocab_size), self.dtype)
+        # A host constant: baked into the compiled step, never a parameter.
+        self.inv_freq = rope_inv_freq(a.head_dim, a.rope_theta, a.rope_scaling)
+
+    def __call__(
+        self,
+        input_ids: jax.Array,  # i32[T]
+        kv_caches: list[KVCache],  # L x (k_pages, v_pages), each [K, S, P, H]
+        md: AttentionMetadata,
+    ) -> tuple[list[KVCache], jax.Array]:  # updated caches, f[T, D] after the final norm
+        if len(kv_caches) != self.arch.num_layers:
+            raise ValueError(
+                f"kv_caches must hold one (k, v) pair per layer ({self.arch.num_layers}), "
+                f"got {len(kv_caches)}"
+            )
+        cos, sin = rope_cos_sin(md.positions, self.inv_freq)  # f32[T, H // 2] each
+        x = jnp.take(self.embed, input_ids, axis=0)  # [T, D]
+        new_caches = []
+        # A Python loop, not a scan: each layer's pages stay separate donated buffers, updated
+        # in place, with no stacking copy.
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x, kv_cache = layer(x, kv_cache, md, cos, sin)
+            new_caches.append(kv_cache)
+        return new_caches, self.final_norm(x)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:  # f[R, D] -> f32[R, V]
+        if self.arch.tie_word_embeddings:
+            return jnp.einsum(
+                "RD,VD->RV", hidden, self.embed, preferred_element_type=jnp.float32
+            )
+        return jnp.einsum("RD,DV->RV", hidden, self.lm_head, preferred_element_type=jnp.float32)
