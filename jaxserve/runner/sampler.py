@@ -1,0 +1,302 @@
+"""On-device sampling, called inside the runner's one jitted step after compute_logits.
+
+Order of processing (vLLM V1):
+    penalties (repetition over prompt + outputs, presence / frequency over outputs)
+    -> banned tokens (min_tokens: EOS and stop ids) set to -inf
+    -> greedy rows: argmax
+    -> temperature -> min-p -> top-k -> top-p (on the distribution renormalised after the
+       previous masks) -> Gumbel-max draw with the row's key fold_in(key(seed), output_pos)
+Logprobs are those of the raw distribution: log_softmax of the unprocessed logits.
+
+Every per-row setting is data, so a new combination of settings never compiles. The static
+arguments are max_num_logprobs, all_greedy and fast_top_k, and the shapes R, V, W, B.
+
+Cost beyond the [R, V] elementwise passes and two row reductions (argmax, logsumexp):
+- penalties and bans: a gather / scatter of R x W and R x B elements (0 when W = B = 0);
+- top-k / top-p: skipped at run time (lax.cond) when no row needs them; otherwise lax.top_k of
+  the fast_top_k largest logits per row, which settles every row whose top_k <= fast_top_k or
+  whose nucleus lies inside those; only a batch with some other row falls back to a full sort of
+  R x V (a second lax.cond). Ties at a threshold keep every tied token (as vLLM);
+- the draw: R x V threefry Gumbel noise, then an argmax;
+- logprobs (when asked): log_softmax, one R x V count for the sampled token's rank, and
+  lax.top_k(N) for the top-N.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxserve.outputs import TokenLogprobs
+from jaxserve.runner.sampling_metadata import SamplingMetadata
+
+DEFAULT_FAST_TOP_K = 64
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class LogprobsArrays:
+    """Logprobs of X positions (sampled rows or prompt positions) in TokenLogprobs' layout:
+    column 0 is the sampled (or prompt) token, columns 1..N the top-N, most likely first."""
+
+    logprobs: jax.Array  # f32[X, 1 + N] log_softmax of the raw logits
+    token_ids: jax.Array  # i32[X, 1 + N]
+    ranks: jax.Array  # i32[X, 1 + N] 1 = most likely; column 0: 1 + #tokens strictly likelier
+
+    def to_token_logprobs(self, num_logprobs: int | list[int]) -> list[TokenLogprobs]:
+        """Host side (numpy fields): one TokenLogprobs per row, cut to 1 + num_logprobs columns
+        (one count for all rows, or one per row)."""
+        return to_token_logprobs(self.logprobs, self.token_ids, self.ranks, num_logprobs)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class SamplerOutput:
+    """What the step returns to the host. N = max_num_logprobs; the logprob fields have 0
+    columns when max_num_logprobs is None."""
+
+    token_ids: jax.Array  # i32[R] sampled token of each row (padding rows: argmax)
+    logprobs: jax.Array  # f32[R, 1 + N] sampled token first, then the top-N
+    logprob_token_ids: jax.Array  # i32[R, 1 + N]
+    ranks: jax.Array  # i32[R, 1 + N]
+
+    def token_logprobs(self, row: int, num_logprobs: int) -> TokenLogprobs:
+        """Host side (numpy fields): row ``row`` as TokenLogprobs with 1 + num_logprobs entries."""
+        (out,) = to_token_logprobs(
+            self.logprobs[row : row + 1],
+            self.logprob_token_ids[row : row + 1],
+            self.ranks[row : row + 1],
+            num_logprobs,
+        )
+        return out
+
+
+def sample(
+    logits: jax.Array,
+    md: SamplingMetadata,
+    *,
+    max_num_logprobs: int | None,
+    all_greedy: bool = False,
+    fast_top_k: int = DEFAULT_FAST_TOP_K,
+) -> SamplerOutput:
+    """Sample one token per row. Traced inside the runner's jit; all keyword args are static.
+
+    Args:
+        logits: f32[R, V] (any float dtype; computed in f32) at the rows that sample.
+        md: SamplingMetadata with R rows (SamplingInputs.build).
+        max_num_logprobs: N top logprobs per row; None computes no logprobs (0 columns).
+        all_greedy: the caller guarantees every row has temperature 0: skips the random path.
+        fast_top_k: width of the lax.top_k that settles top-k / top-p before a full sort.
+    Returns:
+        SamplerOutput.
+    Raises:
+        ValueError: (at trace time) a metadata field whose shape or dtype does not fit logits.
+    """
+    _check_metadata(logits, md)
+    raw = logits.astype(jnp.float32)
+    x = _apply_bans(apply_penalties(raw, md), md.banned_token_ids)
+    token_ids = jnp.argmax(x, axis=-1).astype(jnp.int32)
+    if not all_greedy:
+        sampled = _sample_random(x, md, fast_top_k)
+        token_ids = jnp.where(md.temperature > 0.0, sampled, token_ids)
+    lp = _logprobs(raw, token_ids, max_num_logprobs)
+    return SamplerOutput(token_ids, lp.logprobs, lp.token_ids, lp.ranks)
+
+
+def prompt_logprobs(logits: jax.Array, target_ids: jax.Array, *, num: int) -> LogprobsArrays:
+    """Logprobs of prompt tokens given their prefix, in the layout of the sampled ones.
+
+    Args:
+        logits: f32[T', V] raw logits at prompt positions.
+        target_ids: i32[T'] the prompt token that follows each position.
+        num: N top logprobs per position (static).
+    Returns:
+        LogprobsArrays with 1 + num columns.
+    """
+    if logits.ndim != 2 or target_ids.shape != logits.shape[:1]:
+        raise ValueError(
+            f"prompt_logprobs: logits must be [T', V] and target_ids [T'], got "
+            f"{tuple(logits.shape)} and {tuple(target_ids.shape)}"
+        )
+    return _logprobs(logits.astype(jnp.float32), target_ids.astype(jnp.int32), num)
+
+
+def apply_penalties(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
+    """Repetition penalty on prompt + output tokens (positive logits / rp, negative * rp), then
+    logit -= frequency * count + presence * (count > 0) over output tokens. f32[R, V] -> same.
+
+    Reads and writes only the R x W listed tokens; W = 0 returns logits untouched.
+    """
+    num_rows, vocab = logits.shape
+    ids = md.penalty_token_ids  # i32[R, W]
+    if ids.shape[1] == 0:
+        return logits
+    live = ids >= 0
+    vals = jnp.take_along_axis(logits, jnp.where(live, ids, 0), axis=1)  # f32[R, W]
+    rep = md.repetition_penalty[:, None]
+    vals = jnp.where(vals > 0, vals / rep, vals * rep)
+    counts = md.penalty_output_counts.astype(jnp.float32)
+    vals = vals - md.frequency_penalty[:, None] * counts
+    vals = vals - md.presence_penalty[:, None] * (counts > 0)
+    # Padding points past the vocabulary and is dropped (a -1 would wrap to V - 1).
+    rows = jnp.arange(num_rows)[:, None]
+    return logits.at[rows, jnp.where(live, ids, vocab)].set(vals, mode="drop")
+
+
+def _apply_bans(x: jax.Array, banned: jax.Array) -> jax.Array:
+    num_rows, vocab = x.shape
+    if banned.shape[1] == 0:
+        return x
+    rows = jnp.arange(num_rows)[:, None]
+    return x.at[rows, jnp.where(banned >= 0, banned, vocab)].set(-jnp.inf, mode="drop")
+
+
+def _sample_random(x: jax.Array, md: SamplingMetadata, fast_top_k: int) -> jax.Array:
+    """Temperature, min-p, top-k, top-p, then a Gumbel-max draw per row. f32[R, V] -> i32[R]."""
+    vocab = x.shape[1]
+    temperature = jnp.where(md.temperature > 0.0, md.temperature, 1.0)  # greedy rows: unused
+    x = x / temperature[:, None]
+    # min-p: p_i >= min_p * p_max  <=>  x_i >= x_max + log(min_p); log(0) = -inf keeps all.
+    min_p_floor = jnp.max(x, axis=-1) + jnp.log(md.min_p)
+    x = jnp.where(x >= min_p_floor[:, None], x, -jnp.inf)
+    x = _top_k_top_p(x, md.top_k, md.top_p, fast_top_k)
+    keys = jax.random.wrap_key_data(md.seeds, impl="threefry2x32")  # key[R]
+    keys = jax.vmap(jax.random.fold_in)(keys, md.output_pos)
+    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), jnp.float32))(keys)
+    return jnp.argmax(x + gumbel, axis=-1).astype(jnp.int32)
+
+
+def _top_k_top_p(x: jax.Array, top_k: jax.Array, top_p: jax.Array, fast_top_k: int) -> jax.Array:
+    """Mask to -inf every logit below its row's top-k / top-p threshold. f32[R, V] -> same."""
+    vocab = x.shape[1]
+    k = min(fast_top_k, vocab)
+
+    def masked(x: jax.Array) -> jax.Array:
+        threshold, settled = _thresholds(x, top_k, top_p, k)
+        if k < vocab:
+            threshold = lax.cond(
+                jnp.all(settled),
+                lambda: threshold,
+                lambda: _thresholds(x, top_k, top_p, vocab)[0],
+            )
+        return jnp.where(x >= threshold[:, None], x, -jnp.inf)
+
+    needed = jnp.any((top_k < vocab) | (top_p < 1.0))
+    return lax.cond(needed, masked, lambda x: x, x)
+
+
+def _thresholds(
+    x: jax.Array, top_k: jax.Array, top_p: jax.Array, k: int
+) -> tuple[jax.Array, jax.Array]:
+    """Per-row logit threshold of top-k then top-p, read from the k largest logits of each row.
+
+    Returns:
+        threshold f32[R]: tokens with x >= threshold survive (-inf: no mask).
+        settled bool[R]: the k largest sufficed (always true when k == V).
+    """
+    vocab = x.shape[1]
+    if k < vocab:
+        vals = lax.top_k(x, k)[0]  # f32[R, k] descending
+    else:
+        vals = -jnp.sort(-x, axis=-1)
+    kth = jnp.take_along_axis(vals, jnp.clip(top_k - 1, 0, k - 1)[:, None], axis=1)[:, 0]
+    k_floor = jnp.where(top_k < vocab, kth, -jnp.inf)  # wrong when top_k > k: not settled
+    in_top_k = jnp.arange(k)[None, :] < top_k[:, None]  # bool[R, k]
+    # top-p sees the distribution renormalised after min-p and top-k (vLLM's order).
+    lse = jax.nn.logsumexp(jnp.where(x >= k_floor[:, None], x, -jnp.inf), axis=-1)
+    probs = jnp.where(in_top_k, jnp.exp(vals - lse[:, None]), 0.0)
+    cum = jnp.cumsum(probs, axis=-1)
+    # Keep the smallest prefix whose mass reaches top_p: tokens whose exclusive cumsum < top_p.
+    num_kept = jnp.sum(((cum - probs) < top_p[:, None]) & in_top_k, axis=-1)  # >= 1
+    last_kept = jnp.take_along_axis(vals, (num_kept - 1)[:, None], axis=1)[:, 0]
+    p_floor = jnp.where(top_p < 1.0, last_kept, -jnp.inf)
+    top_k_off = top_k >= vocab
+    settled = (top_k <= k) | (top_k_off & ((top_p >= 1.0) | (cum[:, -1] >= top_p)))
+    return jnp.maximum(k_floor, p_floor), settled
+
+
+def _logprobs(raw: jax.Array, token_ids: jax.Array, num: int | None) -> LogprobsArrays:
+    """Raw logprobs of token_ids and the top-num, f32[X, V] -> LogprobsArrays [X, 1 + num]."""
+    num_rows = raw.shape[0]
+    if num is None:
+        empty = jnp.zeros((num_rows, 0), jnp.int32)
+        return LogprobsArrays(empty.astype(jnp.float32), empty, empty)
+    if num < 0:
+        raise ValueError(f"max_num_logprobs must be None or >= 0, got {num}")
+    lp = jax.nn.log_softmax(raw, axis=-1)  # f32[X, V]
+    token_lp = jnp.take_along_axis(lp, token_ids[:, None], axis=1)  # f32[X, 1]
+    token_rank = 1 + jnp.sum(lp > token_lp, axis=-1, dtype=jnp.int32)[:, None]
+    top_lp, top_ids = lax.top_k(lp, num)  # [X, N]
+    top_ranks = jnp.broadcast_to(jnp.arange(1, num + 1, dtype=jnp.int32), (num_rows, num))
+    return LogprobsArrays(
+        logprobs=jnp.concatenate([token_lp, top_lp], axis=1),
+        token_ids=jnp.concatenate([token_ids[:, None], top_ids.astype(jnp.int32)], axis=1),
+        ranks=jnp.concatenate([token_rank, top_ranks], axis=1),
+    )
+
+
+def to_token_logprobs(
+    logprobs: np.ndarray,
+    token_ids: np.ndarray,
+    ranks: np.ndarray,
+    num_logprobs: int | list[int],
+) -> list[TokenLogprobs]:
+    """Host side: rows of [X, 1 + N] numpy arrays -> one TokenLogprobs per row, each cut to its
+    request's 1 + num_logprobs columns (the device may compute more, see LOGPROB_BUCKETS).
+
+    Raises:
+        ValueError: a num_logprobs larger than the N the device computed.
+    """
+    num_rows, width = np.shape(logprobs)
+    nums = [num_logprobs] * num_rows if isinstance(num_logprobs, int) else list(num_logprobs)
+    if len(nums) != num_rows or (nums and max(nums) + 1 > width):
+        raise ValueError(
+            f"to_token_logprobs: num_logprobs={num_logprobs} does not fit {num_rows} rows of "
+            f"{width} columns (1 + N)"
+        )
+    lps, ids = np.asarray(logprobs).tolist(), np.asarray(token_ids).tolist()
+    rks = np.asarray(ranks).tolist()
+    return [
+        TokenLogprobs(token_ids=i[: n + 1], logprobs=lp[: n + 1], ranks=r[: n + 1])
+        for lp, i, r, n in zip(lps, ids, rks, nums, strict=True)
+    ]
+
+
+_FIELD_SPECS = {  # field -> (shape: R rows, 2 seed words, W / B list widths; dtype)
+    "temperature": (("R",), jnp.float32),
+    "top_k": (("R",), jnp.int32),
+    "top_p": (("R",), jnp.float32),
+    "min_p": (("R",), jnp.float32),
+    "presence_penalty": (("R",), jnp.float32),
+    "frequency_penalty": (("R",), jnp.float32),
+    "repetition_penalty": (("R",), jnp.float32),
+    "seeds": (("R", 2), jnp.uint32),
+    "output_pos": (("R",), jnp.int32),
+    "penalty_token_ids": (("R", "W"), jnp.int32),
+    "penalty_output_counts": (("R", "W"), jnp.int32),
+    "banned_token_ids": (("R", "B"), jnp.int32),
+}
+
+
+def _check_metadata(logits: jax.Array, md: SamplingMetadata) -> None:
+    """Shapes are static, so this runs once per trace and costs nothing per step."""
+    if logits.ndim != 2:
+        raise ValueError(f"sample: logits must be [R, V], got shape {tuple(logits.shape)}")
+    sizes: dict[str | int, int] = {"R": logits.shape[0], 2: 2}
+    for name in ("penalty_token_ids", "banned_token_ids"):
+        shape = np.shape(getattr(md, name))
+        sizes["W" if name == "penalty_token_ids" else "B"] = shape[1] if len(shape) == 2 else -1
+    for name, (dims, dtype) in _FIELD_SPECS.items():
+        value = getattr(md, name)
+        want = tuple(sizes[d] for d in dims)
+        shape, got = tuple(np.shape(value)), jnp.result_type(value)
+        if shape != want or got != dtype:
+            spec = "[" + ", ".join(f"{d}={sizes[d]}" if d != 2 else "2" for d in dims)
+            raise ValueError(
+                f"SamplingMetadata.{name} must be {jnp.dtype(dtype).name}{spec}] for logits of "
+                f"shape {tuple(logits.shape)}, got {jnp.dtype(got).name}{list(shape)}"
+            )

@@ -1,0 +1,383 @@
+"""SamplingMetadata (the per-step device pytree) and SamplingInputs (its host-side builder).
+
+The runner keeps one SamplingInputs for its persistent batch: a row of numpy buffers per slot
+(slot = a row of the persistent batch, ``0 <= slot < max_num_seqs``), written when a request
+enters a slot and when it gains an output token. Each step ``build`` gathers the rows that sample
+into padded host arrays in a handful of vectorised numpy gathers; the runner device_puts them and
+passes them to ``sampler.sample`` inside its one jitted step.
+
+Shapes (glossary letters): R rows that sample (padded to the request bucket), V vocab,
+W penalty-list width, B banned-list width. W and B are shapes, hence static under jit; they come
+from short bucket lists (see ``SamplingInputs``), and both are 0 when no row of the batch needs
+them, so a batch without penalties or min_tokens pays nothing for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from jaxserve.sampling_params import SamplingParams
+
+# vLLM's _SAMPLING_EPS: a temperature below it is greedy (dividing by it would overflow f32).
+GREEDY_TEMPERATURE_EPS = 1e-5
+# Top-N logprob widths the device computes: a batch's largest request rounds up to one of these,
+# so the few values of the static max_num_logprobs compile at most len(LOGPROB_BUCKETS) + 1 times.
+LOGPROB_BUCKETS = (0, 1, 2, 4, 8, 16, 20)
+MIN_BAN_WIDTH = 8  # B buckets: 0, then powers of two from here
+MIN_PENALTY_WIDTH = 256  # W buckets: 0, then powers of two from here up to the capacity
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class SamplingMetadata:
+    """Per-row sampling settings of one step. All fields are data (traced): a new combination
+    of settings never compiles; only the widths W and B (shapes) select a compiled variant.
+
+    Padding rows carry neutral values (greedy, no masks, no penalties, no bans), so they cost
+    nothing but their share of the [R, V] arithmetic.
+    """
+
+    temperature: jax.Array  # f32[R] 0 = greedy (set by the builder below GREEDY_TEMPERATURE_EPS)
+    top_k: jax.Array  # i32[R] in [1, V]; V = disabled
+    top_p: jax.Array  # f32[R] in (0, 1]; 1 = disabled
+    min_p: jax.Array  # f32[R] in [0, 1]; 0 = disabled
+    presence_penalty: jax.Array  # f32[R] subtracted once from each token present in the outputs
+    frequency_penalty: jax.Array  # f32[R] subtracted per occurrence in the outputs
+    repetition_penalty: jax.Array  # f32[R] over prompt + outputs: positive / rp, negative * rp
+    seeds: jax.Array  # u32[R, 2] request seed (63-bit) as (hi, lo) 32-bit words
+    output_pos: jax.Array  # i32[R] output index of the token being sampled (0 = the first)
+    # Distinct token ids of prompt + outputs so far, for rows with a penalty; -1 pads (each
+    # row's real ids come first and are unique within the row). Rows without penalties: all -1.
+    penalty_token_ids: jax.Array  # i32[R, W]
+    penalty_output_counts: jax.Array  # i32[R, W] occurrences among outputs (0: prompt only, pad)
+    # Token ids that must not be sampled (EOS and stop ids while output_pos < min_tokens); -1 pads.
+    banned_token_ids: jax.Array  # i32[R, B]
+
+    @classmethod
+    def neutral(
+        cls, num_rows: int, vocab_size: int, *, penalty_width: int = 0, ban_width: int = 0
+    ) -> SamplingMetadata:
+        """Host (numpy) metadata of ``num_rows`` neutral rows: greedy, no masks, no penalties.
+
+        For warm-up: compiling ``sample`` with these shapes compiles the variant a real batch of
+        the same R, W and B uses.
+        """
+        return cls(
+            temperature=np.zeros(num_rows, np.float32),
+            top_k=np.full(num_rows, vocab_size, np.int32),
+            top_p=np.ones(num_rows, np.float32),
+            min_p=np.zeros(num_rows, np.float32),
+            presence_penalty=np.zeros(num_rows, np.float32),
+            frequency_penalty=np.zeros(num_rows, np.float32),
+            repetition_penalty=np.ones(num_rows, np.float32),
+            seeds=np.zeros((num_rows, 2), np.uint32),
+            output_pos=np.zeros(num_rows, np.int32),
+            penalty_token_ids=np.full((num_rows, penalty_width), -1, np.int32),
+            penalty_output_counts=np.zeros((num_rows, penalty_width), np.int32),
+            banned_token_ids=np.full((num_rows, ban_width), -1, np.int32),
+        )
+
+
+class SamplerFlags(NamedTuple):
+    """The static arguments of ``sampler.sample`` for one batch: ``sample(..., **flags._asdict())``.
+
+    all_greedy: every real row is greedy (skips the random path; padding rows are greedy).
+    max_num_logprobs: None when no row asked for logprobs, else the largest asked, rounded up to
+        LOGPROB_BUCKETS.
+    """
+
+    all_greedy: bool
+    max_num_logprobs: int | None
+
+
+def _bucket_width(needed: int, minimum: int, capacity: int | None = None) -> int:
+    """0 when nothing is needed, else the next power of two >= max(needed, minimum), capped."""
+    if needed == 0:
+        return 0
+    width = 1 << (max(needed, minimum) - 1).bit_length()
+    return width if capacity is None else min(width, capacity)
+
+
+class SamplingInputs:
+    """Persistent per-slot numpy buffers of sampling settings, and the per-step builder.
+
+    Penalty lists: for a slot whose request has a penalty, the distinct ids of prompt + outputs
+    (columns ``[0, num_penalty_ids)``) with their output counts; a Python dict maps a token to its
+    column so an appended token costs O(1). Slots without penalties track nothing.
+    Ban lists: for a slot whose request has ``min_tokens > 0``, EOS (unless ignore_eos) and the
+    stop token ids; ``build`` emits them only for rows with ``output_pos < min_tokens``.
+
+    Compiled variants: W is 0 or a power of two in [MIN_PENALTY_WIDTH, capacity] (capacity =
+    min(max_model_len, V)), B is 0 or a power of two >= MIN_BAN_WIDTH (in practice 8). A batch
+    with no penalty row and no banned row uses W = B = 0.
+
+    Row ``max_num_seqs`` is a hidden neutral slot: padding rows gather from it.
+    """
+
+    def __init__(
+        self,
+        max_num_seqs: int,
+        vocab_size: int,
+        max_model_len: int,
+        eos_token_ids: Sequence[int] = (),
+    ) -> None:
+        for name, value in (
+            ("max_num_seqs", max_num_seqs),
+            ("vocab_size", vocab_size),
+            ("max_model_len", max_model_len),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"SamplingInputs.{name} must be an int >= 1, got {value!r}")
+        self.max_num_seqs = max_num_seqs
+        self.vocab_size = vocab_size
+        self.penalty_capacity = min(max_model_len, vocab_size)
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        n = max_num_seqs + 1  # + the neutral slot
+        self._temperature = np.zeros(n, np.float32)
+        self._top_k = np.full(n, vocab_size, np.int32)
+        self._top_p = np.ones(n, np.float32)
+        self._min_p = np.zeros(n, np.float32)
+        self._presence = np.zeros(n, np.float32)
+        self._frequency = np.zeros(n, np.float32)
+        self._repetition = np.ones(n, np.float32)
+        self._seeds = np.zeros((n, 2), np.uint32)
+        self._num_logprobs = np.full(n, -1, np.int32)  # -1 = logprobs not asked
+        self._min_tokens = np.zeros(n, np.int32)
+        # Columns at or past a slot's count are stale and masked by build, so clear is O(1) and
+        # np.zeros pages of slots that never use penalties are never touched.
+        self._num_penalty_ids = np.zeros(n, np.int32)
+        self._penalty_ids = np.zeros((n, self.penalty_capacity), np.int32)
+        self._penalty_counts = np.zeros((n, self.penalty_capacity), np.int32)
+        self._penalty_cols: list[dict[int, int] | None] = [None] * n  # token -> column
+        self._tracked = np.zeros(n, bool)  # the slot's request has a penalty
+        self._num_banned = np.zeros(n, np.int32)
+        self._banned = np.zeros((n, MIN_BAN_WIDTH), np.int32)
+
+    # ----- per-request updates (host, once per request or per token) -----
+
+    def set_request(
+        self,
+        slot: int,
+        params: SamplingParams,
+        seed: int,
+        prompt_token_ids: Sequence[int] | np.ndarray,
+        output_token_ids: Sequence[int] | np.ndarray = (),
+    ) -> None:
+        """Put a request in ``slot``, replacing whatever was there.
+
+        Args:
+            seed: the request's sampling seed in [0, 2**63): ``params.seed`` when set, else one the
+                runner drew for the request (kept across preemption, so tokens do not change).
+            output_token_ids: tokens already generated (a preempted request coming back).
+        Raises:
+            ValueError: slot or seed out of range, a token id outside [0, vocab_size), or more
+                distinct tokens than the penalty capacity.
+        """
+        self._check_slot(slot)
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+            raise TypeError(f"SamplingInputs.set_request: seed must be an int, got {seed!r}")
+        if not 0 <= seed < 2**63:
+            raise ValueError(f"SamplingInputs.set_request: seed must be in [0, 2**63), got {seed}")
+        prompt = self._check_tokens("prompt_token_ids", prompt_token_ids)
+        outputs = self._check_tokens("output_token_ids", output_token_ids)
+        greedy = params.temperature < GREEDY_TEMPERATURE_EPS
+        self._temperature[slot] = 0.0 if greedy else params.temperature
+        # A greedy row ignores the masks; neutral values keep it from switching on the top-k /
+        # top-p path of the batch (sampler.sample skips that path when no row needs it).
+        top_k = -1 if greedy else params.top_k
+        self._top_k[slot] = self.vocab_size if top_k == -1 else min(top_k, self.vocab_size)
+        self._top_p[slot] = 1.0 if greedy else params.top_p
+        self._min_p[slot] = 0.0 if greedy else params.min_p
+        self._presence[slot] = params.presence_penalty
+        self._frequency[slot] = params.frequency_penalty
+        self._repetition[slot] = params.repetition_penalty
+        self._seeds[slot] = (int(seed) >> 32, int(seed) & 0xFFFFFFFF)
+        self._num_logprobs[slot] = -1 if params.logprobs is None else params.logprobs
+        self._set_penalty_list(slot, params, prompt, outputs)
+        self._set_ban_list(slot, params)
+
+    def append_output_token(self, slot: int, token: int) -> None:
+        """Record a sampled token of the request in ``slot`` (only penalty slots keep them)."""
+        self._check_slot(slot)
+        if not self._tracked[slot]:
+            return
+        cols = self._penalty_cols[slot]
+        assert cols is not None  # tracked slots always have their column map
+        col = cols.get(token)
+        if col is None:
+            col = int(self._num_penalty_ids[slot])
+            if col == self.penalty_capacity:
+                raise ValueError(
+                    f"SamplingInputs: slot {slot} has more than penalty_capacity="
+                    f"{self.penalty_capacity} distinct tokens"
+                )
+            cols[token] = col
+            self._penalty_ids[slot, col] = token
+            self._penalty_counts[slot, col] = 0
+            self._num_penalty_ids[slot] = col + 1
+        self._penalty_counts[slot, col] += 1
+
+    def append_output_tokens(self, slots: np.ndarray, tokens: np.ndarray) -> None:
+        """Batched ``append_output_token``: one vectorised filter, then a Python loop over the
+        penalty slots only (usually none)."""
+        slots, tokens = np.asarray(slots), np.asarray(tokens)
+        tracked = self._tracked[slots]
+        for slot, token in zip(slots[tracked].tolist(), tokens[tracked].tolist(), strict=True):
+            self.append_output_token(slot, token)
+
+    def clear(self, slot: int) -> None:
+        """Empty ``slot`` (the request finished or was preempted): back to neutral settings."""
+        self._check_slot(slot)
+        neutral = self.max_num_seqs
+        for buf in (
+            self._temperature, self._top_k, self._top_p, self._min_p, self._presence,
+            self._frequency, self._repetition, self._seeds, self._num_logprobs, self._min_tokens,
+        ):  # fmt: skip
+            buf[slot] = buf[neutral]
+        self._num_penalty_ids[slot] = 0
+        self._penalty_cols[slot] = None
+        self._tracked[slot] = False
+        self._num_banned[slot] = 0
+
+    # ----- per step -----
+
+    def build(
+        self, slot_indices: np.ndarray, padded_rows: int, output_positions: np.ndarray
+    ) -> SamplingMetadata:
+        """Gather the rows that sample this step into fresh host arrays (the runner device_puts
+        them; fresh so that a zero-copy device_put never aliases a buffer we later mutate).
+
+        Args:
+            slot_indices: i32[num_rows] the slot of each sampling row, in batch order.
+            padded_rows: R, the request bucket (>= num_rows); rows past num_rows are neutral.
+            output_positions: i32[num_rows] output index of the token each row samples.
+        Returns:
+            SamplingMetadata of numpy arrays, R rows.
+        Raises:
+            ValueError: mismatched lengths, padded_rows < num_rows, a slot out of range.
+        """
+        slots = np.asarray(slot_indices, np.int64)
+        pos = np.asarray(output_positions, np.int32)
+        num_rows = slots.shape[0]
+        if slots.ndim != 1 or pos.shape != slots.shape:
+            raise ValueError(
+                f"SamplingInputs.build: slot_indices {slots.shape} and output_positions "
+                f"{pos.shape} must be 1-D of the same length"
+            )
+        if padded_rows < num_rows:
+            raise ValueError(
+                f"SamplingInputs.build: padded_rows={padded_rows} < num_rows={num_rows}"
+            )
+        if num_rows and not (0 <= slots.min() and slots.max() < self.max_num_seqs):
+            raise ValueError(
+                f"SamplingInputs.build: slot_indices must be in [0, {self.max_num_seqs}), "
+                f"got [{slots.min()}, {slots.max()}]"
+            )
+        idx = np.full(padded_rows, self.max_num_seqs, np.int64)
+        idx[:num_rows] = slots
+        padded_pos = np.zeros(padded_rows, np.int32)
+        padded_pos[:num_rows] = pos
+        ids, counts = self._gather_penalty_lists(idx)
+        return SamplingMetadata(
+            temperature=self._temperature[idx],
+            top_k=self._top_k[idx],
+            top_p=self._top_p[idx],
+            min_p=self._min_p[idx],
+            presence_penalty=self._presence[idx],
+            frequency_penalty=self._frequency[idx],
+            repetition_penalty=self._repetition[idx],
+            seeds=self._seeds[idx],
+            output_pos=padded_pos,
+            penalty_token_ids=ids,
+            penalty_output_counts=counts,
+            banned_token_ids=self._gather_ban_lists(idx, padded_pos),
+        )
+
+    def flags(self, slot_indices: np.ndarray) -> SamplerFlags:
+        """The static arguments of ``sample`` for these rows."""
+        slots = np.asarray(slot_indices, np.int64)
+        if slots.size == 0:
+            return SamplerFlags(all_greedy=True, max_num_logprobs=None)
+        all_greedy = bool((self._temperature[slots] == 0.0).all())
+        most = int(self._num_logprobs[slots].max())
+        if most < 0:
+            return SamplerFlags(all_greedy, None)
+        return SamplerFlags(all_greedy, next(b for b in LOGPROB_BUCKETS if b >= most))
+
+    # ----- helpers -----
+
+    def _gather_penalty_lists(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        num = self._num_penalty_ids[idx]  # i32[R]
+        width = _bucket_width(int(num.max()), MIN_PENALTY_WIDTH, self.penalty_capacity)
+        live = np.arange(width) < num[:, None]  # bool[R, W]
+        ids = np.where(live, self._penalty_ids[idx, :width], -1).astype(np.int32, copy=False)
+        counts = np.where(live, self._penalty_counts[idx, :width], 0).astype(np.int32, copy=False)
+        return ids, counts
+
+    def _gather_ban_lists(self, idx: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        num = np.where(pos < self._min_tokens[idx], self._num_banned[idx], 0)  # i32[R]
+        width = _bucket_width(int(num.max()), MIN_BAN_WIDTH)
+        live = np.arange(width) < num[:, None]  # bool[R, B]
+        return np.where(live, self._banned[idx, :width], -1).astype(np.int32, copy=False)
+
+    def _set_penalty_list(
+        self, slot: int, params: SamplingParams, prompt: np.ndarray, outputs: np.ndarray
+    ) -> None:
+        self._num_penalty_ids[slot] = 0
+        self._penalty_cols[slot] = None
+        self._tracked[slot] = False
+        has_penalty = (
+            params.presence_penalty != 0.0
+            or params.frequency_penalty != 0.0
+            or params.repetition_penalty != 1.0
+        )
+        if not has_penalty:
+            return
+        seen = np.unique(np.concatenate([prompt, outputs]))
+        if seen.size > self.penalty_capacity:
+            raise ValueError(
+                f"SamplingInputs.set_request: {seen.size} distinct tokens exceed "
+                f"penalty_capacity={self.penalty_capacity}"
+            )
+        out_ids, out_counts = np.unique(outputs, return_counts=True)
+        counts = np.zeros(seen.size, np.int32)
+        counts[np.searchsorted(seen, out_ids)] = out_counts
+        self._penalty_ids[slot, : seen.size] = seen
+        self._penalty_counts[slot, : seen.size] = counts
+        self._num_penalty_ids[slot] = seen.size
+        self._penalty_cols[slot] = dict(zip(seen.tolist(), range(seen.size), strict=True))
+        self._tracked[slot] = True
+
+    def _set_ban_list(self, slot: int, params: SamplingParams) -> None:
+        self._min_tokens[slot] = params.min_tokens
+        banned = set(params.all_stop_token_ids)
+        if not params.ignore_eos:
+            banned |= self.eos_token_ids
+        # An id outside the vocabulary can never be sampled, so banning it is vacuous.
+        ids = sorted(t for t in banned if t < self.vocab_size) if params.min_tokens > 0 else []
+        if len(ids) > self._banned.shape[1]:
+            grown = np.zeros((self._banned.shape[0], _bucket_width(len(ids), 1)), np.int32)
+            grown[:, : self._banned.shape[1]] = self._banned
+            self._banned = grown
+        self._banned[slot, : len(ids)] = ids
+        self._num_banned[slot] = len(ids)
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.max_num_seqs:
+            raise ValueError(
+                f"SamplingInputs: slot must be in [0, {self.max_num_seqs}), got {slot}"
+            )
+
+    def _check_tokens(self, name: str, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+        arr = np.asarray(tokens, np.int64).reshape(-1)
+        if arr.size and not (0 <= arr.min() and arr.max() < self.vocab_size):
+            raise ValueError(
+                f"SamplingInputs.set_request: {name} must be in [0, {self.vocab_size}), "
+                f"got [{arr.min()}, {arr.max()}]"
+            )
+        return arr
