@@ -6,15 +6,16 @@ settings (trim_blocks, lstrip_blocks, loop controls, the ``{% generation %}`` ta
 (``raise_exception``, ``strftime_now``, a non-HTML-escaping ``tojson``), so that a template renders
 here exactly as ``tokenizer.apply_chat_template(..., tokenize=False)`` renders it.
 
-A model without a template gets no silent default: LLM.chat raises ``missing_chat_template_error``
-unless the caller passes a template, for instance ``CHATML_CHAT_TEMPLATE``.
+Finding a checkpoint's template is checkpoints_tools.tokenizer.load_tokenizer's job (it reads
+``tokenizer_config.json`` and ``chat_template.jinja``). A model without a template gets no silent
+default: LLM.chat raises ``missing_chat_template_error`` unless the caller passes a template, for
+instance ``CHATML_CHAT_TEMPLATE``.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import pathlib
 from datetime import datetime
 from typing import Any
 
@@ -181,41 +182,6 @@ def render_chat(
         add_generation_prompt=add_generation_prompt,
         bos_token=bos_token,
         eos_token=eos_token,
-    )
-
-
-def load_chat_template(model_dir: str | pathlib.Path) -> str | None:
-    """The chat template a Hugging Face checkpoint ships, or None.
-
-    Looks where transformers saves it: ``chat_template.jinja``, then the ``chat_template`` field of
-    ``tokenizer_config.json`` (a str, or a list of ``{"name", "template"}`` of which the one named
-    "default" is taken).
-
-    Raises:
-        ValueError: ``tokenizer_config.json`` is not valid JSON, or its ``chat_template`` has
-            another shape.
-    """
-    model_dir = pathlib.Path(model_dir)
-    jinja_file = model_dir / "chat_template.jinja"
-    if jinja_file.is_file():
-        return jinja_file.read_text(encoding="utf-8")
-    config_file = model_dir / "tokenizer_config.json"
-    if not config_file.is_file():
-        return None
-    try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{config_file}: not valid JSON ({e})") from e
-    template = config.get("chat_template")
-    if template is None or isinstance(template, str):
-        return template
-    if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        if isinstance(named.get("default"), str):
-            return named["default"]
-    raise ValueError(
-        f"{config_file}: 'chat_template' must be a str or a list of {{name, template}} with a "
-        f"'default' entry, got {template!r:.200}"
     )
 
 

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import json
-import pathlib
-
 import jinja2
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from jaxserve.engine.chat import (
     CHATML_CHAT_TEMPLATE,
-    load_chat_template,
     missing_chat_template_error,
     render_chat,
 )
@@ -208,26 +204,6 @@ def test_bad_messages_raise(messages: object, error: type[Exception], match: str
 def test_bad_tools_raise() -> None:
     with pytest.raises(TypeError, match="tools must be a list of dicts"):
         render_chat(CONVERSATIONS[0], QWEN2_TEMPLATE, tools=["get_weather"])  # type: ignore[list-item]
-
-
-def test_load_chat_template(tmp_path: pathlib.Path) -> None:
-    assert load_chat_template(tmp_path) is None
-    config = tmp_path / "tokenizer_config.json"
-    config.write_text(json.dumps({"bos_token": "<s>"}))
-    assert load_chat_template(tmp_path) is None
-    config.write_text(json.dumps({"chat_template": LLAMA3_TEMPLATE}))
-    assert load_chat_template(tmp_path) == LLAMA3_TEMPLATE
-    named = [{"name": "tool_use", "template": "x"}, {"name": "default", "template": "y"}]
-    config.write_text(json.dumps({"chat_template": named}))
-    assert load_chat_template(tmp_path) == "y"
-    config.write_text(json.dumps({"chat_template": 3}))
-    with pytest.raises(ValueError, match="'chat_template' must be a str"):
-        load_chat_template(tmp_path)
-    config.write_text("{not json")
-    with pytest.raises(ValueError, match="not valid JSON"):
-        load_chat_template(tmp_path)
-    (tmp_path / "chat_template.jinja").write_text(QWEN2_TEMPLATE)  # takes precedence
-    assert load_chat_template(tmp_path) == QWEN2_TEMPLATE
 
 
 def test_missing_chat_template_error_names_the_model_and_the_fix() -> None:
