@@ -1,0 +1,224 @@
+"""KVCacheManager: per-request block tables on top of the BlockPool.
+
+The scheduler asks three things of it: how much of a request is already in the prefix cache
+(``get_computed_blocks``), to make room for the tokens it is about to schedule
+(``allocate_slots``, which may say no), and to let a request go (``free``). It also registers
+full blocks in the prefix cache as computation advances (``cache_blocks``).
+
+Writes and sharing: a request writes KV only at positions >= its ``num_computed_tokens``. Prefix
+hits share full blocks, which lie wholly before that point, so they are never written. A fork
+(parallel sampling) shares a partially filled block as well; the first request that is about to
+write into a block with ``ref_cnt > 1`` gets a fresh copy instead (copy-on-write): the pair
+(src, dst) is queued in ``pending_block_copies`` for the runner to copy before the forward.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from jaxserve.core.block_pool import BlockPool
+from jaxserve.core.kv_cache_utils import KVCacheBlock, extend_block_hashes
+
+if TYPE_CHECKING:  # pragma: no cover
+    from jaxserve.request import Request
+
+
+class KVCacheManager:
+    """Block tables of all requests that hold KV blocks.
+
+    Args:
+        block_size: tokens per block (P).
+        num_blocks: pool size including the null block 0.
+        enable_caching: prefix caching on or off.
+        max_model_len: longest sequence in tokens; a block table never exceeds
+            ceil(max_model_len / block_size) entries.
+    """
+
+    def __init__(
+        self, block_size: int, num_blocks: int, enable_caching: bool, max_model_len: int
+    ) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.max_model_len = max_model_len
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        # req_id -> block table in logical order; entries are added by allocate_slots (and
+        # replaced by copy-on-write), dropped by free.
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # req_id -> how many leading blocks of its table are already in the prefix-cache map (or
+        # were considered for it); only grows while the request holds blocks.
+        self.num_cached_blocks: dict[str, int] = {}
+        # (src, dst) block ids queued by copy-on-write since the scheduler last drained them.
+        self.pending_block_copies: list[tuple[int, int]] = []
+        # Counters in tokens (prefix cache) and blocks (copies); monotonic.
+        self.prefix_cache_queries = 0  # tokens looked up by get_computed_blocks
+        self.prefix_cache_hits = 0  # of those, tokens found in the cache
+        self.num_cow_copies = 0
+
+    @property
+    def usage(self) -> float:
+        """Share of usable blocks held by some request, in [0, 1]."""
+        return self.block_pool.get_usage()
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest run of cached full blocks at the start of the request's tokens.
+
+        At least one token is always left to compute, so that a full hit still yields logits:
+        only the first ``(num_tokens - 1) // block_size`` blocks are candidates. Counts
+        ``num_tokens`` queries and the hit tokens. Changes no ref count (``allocate_slots``
+        takes the references).
+
+        Returns:
+            (blocks, num_computed_tokens) with num_computed_tokens = len(blocks) * block_size.
+        """
+        if not self.enable_caching:
+            return [], 0
+        num_tokens = len(request.all_token_ids)
+        max_hit_blocks = (num_tokens - 1) // self.block_size
+        hashes = extend_block_hashes(request, self.block_size, max_hit_blocks)
+        cached = self.block_pool.cached_blocks
+        hits: list[KVCacheBlock] = []
+        for i in range(max_hit_blocks):
+            block = cached.get(hashes[i])
+            if block is None:
+                break
+            hits.append(block)
+        num_hit_tokens = len(hits) * self.block_size
+        self.prefix_cache_queries += num_tokens
+        self.prefix_cache_hits += num_hit_tokens
+        return hits, num_hit_tokens
+
+    def retract_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        """Undo the counters of a ``get_computed_blocks`` whose request was not admitted, so a
+        request retried over several steps counts once."""
+        if self.enable_caching:
+            self.prefix_cache_queries -= len(request.all_token_ids)
+            self.prefix_cache_hits -= num_hit_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_new_computed_tokens: int = 0,
+    ) -> list[KVCacheBlock] | None:
+        """Make the request's block table cover the tokens it is about to compute.
+
+        Args:
+            request: its ``num_computed_tokens`` tokens already have KV in its table.
+            num_new_tokens: tokens to compute this step (>= 1).
+            new_computed_blocks: blocks whose KV the request takes over without computing it
+                (prefix hits or a parent's blocks), appended to its table; ``None`` if none.
+            num_new_computed_tokens: tokens covered by ``new_computed_blocks``.
+
+        Returns:
+            The blocks newly taken from the free queue and appended to the table (empty when
+            none were needed), or None when the pool cannot serve: then nothing changed.
+        """
+        bs = self.block_size
+        req_id = request.request_id
+        table = self.req_to_blocks.get(req_id)
+        num_held = len(table) if table is not None else 0
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_end = num_computed + num_new_tokens
+        num_borrowed = len(new_computed_blocks) if new_computed_blocks else 0
+        num_new_blocks = -(-num_end // bs) - num_held - num_borrowed
+        # Fast path (every decode step): no new block, and the block written is not shared.
+        first_write = num_computed // bs
+        if num_borrowed == 0 and num_new_blocks <= 0:
+            if first_write >= num_held or table[first_write].ref_cnt == 1:
+                return []
+        cow_indices = self._shared_write_indices(table, new_computed_blocks, first_write, num_end)
+        num_needed = max(num_new_blocks, 0) + len(cow_indices)
+        # Borrowed blocks that sit free in the queue stop being allocatable once touched.
+        num_free = self.block_pool.get_num_free_blocks()
+        if num_borrowed:
+            num_free -= sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_needed > num_free:
+            return None
+        if table is None:
+            table = self.req_to_blocks[req_id] = []
+            self.num_cached_blocks[req_id] = num_new_computed_tokens // bs
+        if num_borrowed:
+            self.block_pool.touch(new_computed_blocks)
+            table.extend(new_computed_blocks)
+        for i in cow_indices:
+            self._copy_on_write(table, i)
+        if num_new_blocks <= 0:
+            return []
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        table.extend(new_blocks)
+        return new_blocks
+
+    def cache_blocks(self, request: Request) -> None:
+        """Enter the request's newly full, computed blocks into the prefix cache.
+
+        Call after ``num_computed_tokens`` advanced; only blocks wholly below it are hashed.
+        A no-op when prefix caching is off.
+        """
+        if not self.enable_caching:
+            return
+        req_id = request.request_id
+        num_cached = self.num_cached_blocks.get(req_id)
+        if num_cached is None:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        if num_full > num_cached:
+            self.block_pool.cache_full_blocks(
+                request, self.req_to_blocks[req_id], num_cached, num_full, self.block_size
+            )
+            self.num_cached_blocks[req_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release every block the request holds, tail first (evicted first). Idempotent."""
+        req_id = request.request_id
+        table = self.req_to_blocks.pop(req_id, None)
+        self.num_cached_blocks.pop(req_id, None)
+        if table is not None:
+            self.block_pool.free_blocks(reversed(table))
+
+    def get_blocks(self, req_id: str) -> list[KVCacheBlock]:
+        """The request's block table (the live list: do not mutate); empty if it holds none."""
+        return self.req_to_blocks.get(req_id, [])
+
+    def get_block_ids(self, req_id: str) -> list[int]:
+        return [block.block_id for block in self.req_to_blocks.get(req_id, ())]
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """Hand over the (src, dst) copies queued since the last call."""
+        copies, self.pending_block_copies = self.pending_block_copies, []
+        return copies
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()
+
+    def _shared_write_indices(
+        self,
+        table: list[KVCacheBlock] | None,
+        borrowed: list[KVCacheBlock] | None,
+        first_write: int,
+        num_end: int,
+    ) -> list[int]:
+        """Table indices of existing blocks that will be written this step while shared.
+
+        A block counts as shared if another holder keeps it: ref_cnt > 1 for a block already in
+        the table, ref_cnt >= 1 for a borrowed one (touching it adds this request's reference).
+        """
+        current = table or []
+        last_write = min(-(-num_end // self.block_size), len(current) + len(borrowed or ()))
+        out = []
+        for i in range(first_write, last_write):
+            if i < len(current):
+                shared = current[i].ref_cnt > 1
+            else:
+                shared = borrowed[i - len(current)].ref_cnt >= 1
+            if shared:
+                out.append(i)
+        return out
+
+    def _copy_on_write(self, table: list[KVCacheBlock], index: int) -> None:
+        src = table[index]
+        (dst,) = self.block_pool.get_new_blocks(1)
+        self.block_pool.free_blocks((src,))  # drops only this request's reference
+        table[index] = dst
+        self.pending_block_copies.append((src.block_id, dst.block_id))
+        self.num_cow_copies += 1

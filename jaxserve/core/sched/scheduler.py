@@ -1,0 +1,483 @@
+"""Scheduler: token-budget continuous batching with chunked prefill, prefix caching and
+preemption by recompute (DESIGN.md section 2).
+
+There is no prefill or decode phase. Every request has ``num_computed_tokens`` and
+``num_tokens``; each ``schedule()`` hands out ``max_num_batched_tokens`` so that requests catch
+up: running requests first (in policy order), then waiting ones. The runner computes the
+scheduled tokens and samples for every request whose chunk reaches its last token;
+``update_from_output`` appends the samples, checks stops and frees finished requests.
+
+Parallel sampling (n > 1): the engine adds the n - 1 extra samples as child requests with
+``add_request(child, parent_req_id=...)``. A child waits until its parent's prompt is computed,
+then borrows the parent's prompt blocks (copy-on-write for the block it writes) and computes only
+the last prompt token to sample its own first token.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+
+from jaxserve.config import CacheConfig, SchedulerConfig
+from jaxserve.core.kv_cache_manager import KVCacheManager
+from jaxserve.core.kv_cache_utils import KVCacheBlock
+from jaxserve.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from jaxserve.core.sched.policy import make_policy
+from jaxserve.outputs import EngineCoreOutput, ModelRunnerOutput
+from jaxserve.request import Request, RequestStatus
+
+_RUNNING = RequestStatus.RUNNING
+_WAITING = RequestStatus.WAITING
+
+
+class _Step:
+    """What one schedule() call has decided so far; consumed by _build_output."""
+
+    __slots__ = (
+        "budget",
+        "new_reqs",
+        "new_tokens",
+        "cached_reqs",
+        "cached_tokens",
+        "preempted_req_ids",
+        "live_tokens",
+        "slots",
+    )
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget  # tokens still free in this step
+        self.new_reqs: list[NewRequestData] = []
+        self.new_tokens: dict[str, int] = {}  # req_id -> scheduled tokens, new requests
+        self.cached_reqs: list[CachedRequestData] = []
+        self.cached_tokens: dict[str, int] = {}  # req_id -> scheduled tokens, running requests
+        self.preempted_req_ids: set[str] = set()
+        self.live_tokens = 0  # sum over scheduled requests of num_computed + scheduled
+        self.slots = 0  # sum over scheduled requests of allocated blocks (times block_size later)
+
+
+class Scheduler:
+    """Decides, step by step, which tokens of which requests the runner computes.
+
+    Args:
+        scheduler_config: token budget, max sequences per step, max_model_len, policy.
+        cache_config: block size and prefix caching.
+        num_kv_blocks: size of the device KV pool in blocks, including the null block 0.
+
+    Requests live in ``requests`` from add_request until they finish; a request is in exactly
+    one of ``waiting`` (WAITING or PREEMPTED) and ``running`` (RUNNING, sorted by policy key).
+    """
+
+    def __init__(
+        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_kv_blocks: int
+    ) -> None:
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_model_len = scheduler_config.max_model_len
+        self.block_size = cache_config.block_size
+        self.enable_caching = cache_config.enable_prefix_caching
+        self.kv_cache_manager = KVCacheManager(
+            self.block_size, num_kv_blocks, self.enable_caching, self.max_model_len
+        )
+        self.num_usable_blocks = num_kv_blocks - 1
+        self.requests: dict[str, Request] = {}  # unfinished requests by id
+        self.waiting, self._sort_key = make_policy(scheduler_config.policy)
+        self.running: list[Request] = []  # sorted by _sort_key: the last one is preempted first
+        self._finished_req_ids: set[str] = set()  # since the last schedule(); for the runner
+        self._num_added = 0  # arrival_index of the next request
+        # Stats (DESIGN.md section 5), monotonic except the peak.
+        self.num_preemptions = 0
+        self.num_steps = 0  # schedule() calls that scheduled at least one token
+        self.peak_kv_slot_utilization = 0.0  # max over steps of live tokens / allocated slots
+
+    # ----------------------------------------------------------------------------- requests
+
+    def add_request(self, request: Request, parent_req_id: str | None = None) -> None:
+        """Validate and queue a request; nothing is allocated until it is scheduled.
+
+        Args:
+            request: a fresh Request (status WAITING, nothing computed).
+            parent_req_id: parallel sampling: an unfinished request with the same prompt whose
+                prompt KV this one borrows once it is computed.
+
+        Raises:
+            ValueError (naming the numbers) for an empty prompt, a prompt longer than
+            max_model_len or than the whole KV pool holds, a duplicate id, or a bad parent.
+            TypeError if ``request`` is not a Request.
+        """
+        if not isinstance(request, Request):
+            raise TypeError(f"add_request expects a Request, got {type(request).__name__}")
+        self._validate(request, parent_req_id)
+        num_prompt = request.num_prompt_tokens
+        # Generation ends with "length" at max_tokens, at max_model_len, or when the request
+        # alone would fill the pool (the last sampled token needs no KV slot); always >= 1 token.
+        limit = min(
+            num_prompt + request.sampling_params.max_tokens,
+            self.max_model_len,
+            self.num_usable_blocks * self.block_size + 1,
+        )
+        request.max_num_tokens = max(limit, num_prompt + 1)
+        request.arrival_index = self._num_added
+        request.parent_req_id = parent_req_id
+        self._num_added += 1
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def _validate(self, request: Request, parent_req_id: str | None) -> None:
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"request_id {rid!r} is already in use by an unfinished request")
+        if request.status != _WAITING or request.num_computed_tokens or request.output_token_ids:
+            raise ValueError(f"request {rid!r} is not fresh (status {request.status.name})")
+        num_prompt = request.num_prompt_tokens
+        if num_prompt == 0:
+            raise ValueError(f"request {rid!r}: the prompt is empty (0 tokens); need >= 1")
+        if num_prompt > self.max_model_len:
+            raise ValueError(
+                f"request {rid!r}: prompt has {num_prompt} tokens, more than "
+                f"max_model_len={self.max_model_len}"
+            )
+        num_blocks = -(-num_prompt // self.block_size)
+        if num_blocks > self.num_usable_blocks:
+            raise ValueError(
+                f"request {rid!r}: prompt of {num_prompt} tokens needs {num_blocks} KV blocks of "
+                f"{self.block_size} tokens, but the pool has only {self.num_usable_blocks} "
+                f"usable blocks"
+            )
+        if parent_req_id is not None:
+            parent = self.requests.get(parent_req_id)
+            if parent is None:
+                raise ValueError(f"request {rid!r}: parent {parent_req_id!r} is not unfinished")
+            if parent.prompt_token_ids != request.prompt_token_ids:
+                raise ValueError(f"request {rid!r}: prompt differs from parent {parent_req_id!r}")
+
+    def finish_requests(
+        self, req_ids: str | Iterable[str], finished_status: RequestStatus
+    ) -> list[EngineCoreOutput]:
+        """End requests wherever they are (waiting, running, preempted) and free their blocks.
+
+        Used for aborts and by the engine for stop strings. Unknown or finished ids are ignored.
+        Returns one EngineCoreOutput (no new tokens, the status's finish_reason) per request
+        ended here.
+        """
+        if not finished_status.is_finished:
+            raise ValueError(f"finished_status must be a finished status, got {finished_status}")
+        if isinstance(req_ids, str):
+            req_ids = (req_ids,)
+        outputs = []
+        removed_running = False
+        for rid in req_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req.status == _RUNNING:
+                removed_running = True
+            else:
+                self.waiting.remove(req)
+            req.status = finished_status
+            self._release(req)
+            outputs.append(
+                EngineCoreOutput(
+                    rid,
+                    [],
+                    finish_reason=finished_status.finish_reason,
+                    stop_reason=req.stop_reason,
+                    num_cached_tokens=req.num_cached_tokens,
+                )
+            )
+        if removed_running:
+            self.running = [r for r in self.running if r.status == _RUNNING]
+        return outputs
+
+    def abort_requests(self, req_ids: str | Iterable[str]) -> list[EngineCoreOutput]:
+        """finish_requests with FINISHED_ABORTED (finish_reason "abort")."""
+        return self.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def get_stats(self) -> dict[str, int | float]:
+        """Counters for LLM.get_stats() (DESIGN.md section 5), plus num_cow_copies."""
+        kv = self.kv_cache_manager
+        return {
+            "num_kv_blocks": self.num_usable_blocks,
+            "num_free_kv_blocks": kv.block_pool.get_num_free_blocks(),
+            "kv_cache_usage": kv.usage,
+            "prefix_cache_queries": kv.prefix_cache_queries,
+            "prefix_cache_hits": kv.prefix_cache_hits,
+            "num_preemptions": self.num_preemptions,
+            "num_steps": self.num_steps,
+            "peak_kv_slot_utilization": self.peak_kv_slot_utilization,
+            "num_cow_copies": kv.num_cow_copies,
+        }
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block hash; only possible while no request holds a block."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    # ----------------------------------------------------------------------------- schedule
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's tokens: running requests first, then waiting ones (DESIGN.md 2)."""
+        step = _Step(self.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.preempted_req_ids:
+            self._schedule_waiting(step)
+        return self._build_output(step)
+
+    def _schedule_running(self, step: _Step) -> None:
+        """Give each running request its next tokens (a decode: 1; a chunked prefill: the rest,
+        up to the budget), preempting from the back of ``running`` when the pool is full."""
+        running = self.running
+        allocate = self.kv_cache_manager.allocate_slots
+        tables = self.kv_cache_manager.req_to_blocks
+        budget = step.budget
+        cached_reqs = step.cached_reqs
+        cached_tokens = step.cached_tokens
+        live = slots = 0
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            num_computed = req.num_computed_tokens
+            num_new = len(req.all_token_ids) - num_computed
+            if num_new > budget:
+                num_new = budget
+            new_blocks = allocate(req, num_new)
+            if new_blocks is None:
+                new_blocks = self._preempt_until_fits(req, num_new, step)
+                if new_blocks is None:  # req itself was the victim
+                    break
+            rid = req.request_id
+            new_ids = [b.block_id for b in new_blocks] if new_blocks else []
+            cached_reqs.append(CachedRequestData(rid, new_ids, num_computed))
+            cached_tokens[rid] = num_new
+            budget -= num_new
+            live += num_computed + num_new
+            slots += len(tables[rid])
+            i += 1
+        step.budget = budget
+        step.live_tokens += live
+        step.slots += slots
+
+    def _preempt_until_fits(
+        self, req: Request, num_new: int, step: _Step
+    ) -> list[KVCacheBlock] | None:
+        """Preempt the lowest-ranked running requests until ``req`` fits; None if ``req``
+        itself had to go. ``running`` is sorted, so the victim is always the last one, which
+        this step has not scheduled yet (or is ``req``)."""
+        while True:
+            victim = self.running.pop()
+            self._preempt(victim, step)
+            if victim is req:
+                return None
+            new_blocks = self.kv_cache_manager.allocate_slots(req, num_new)
+            if new_blocks is not None:
+                return new_blocks
+
+    def _preempt(self, req: Request, step: _Step) -> None:
+        """Recompute preemption: drop the KV (full blocks stay in the prefix cache), requeue at
+        the front of waiting; the runner drops its state and gets it back as a new request."""
+        self.kv_cache_manager.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.add_preempted(req)
+        step.preempted_req_ids.add(req.request_id)
+
+    def _schedule_waiting(self, step: _Step) -> None:
+        """Admit waiting requests in policy order while budget, sequences and blocks last."""
+        kv = self.kv_cache_manager
+        waiting = self.waiting
+        skipped: list[Request] = []  # children whose parent's prompt is not computed yet
+        while len(waiting) and step.budget > 0 and len(self.running) < self.max_num_seqs:
+            req = waiting.peek()
+            start = self._starting_point(req)
+            if start is None:
+                skipped.append(waiting.pop())
+                continue
+            borrowed, num_borrowed_tokens, is_fork = start
+            num_new = min(len(req.all_token_ids) - num_borrowed_tokens, step.budget)
+            new_blocks = kv.allocate_slots(req, num_new, borrowed or None, num_borrowed_tokens)
+            if new_blocks is None:
+                if not is_fork:
+                    kv.retract_lookup(req, num_borrowed_tokens)
+                break
+            waiting.pop()
+            if is_fork:
+                req.parent_req_id = None  # from now on it is an ordinary request
+            self._admit(req, num_borrowed_tokens, num_new, step)
+        if skipped:
+            waiting.put_back(skipped)
+
+    def _starting_point(self, req: Request) -> tuple[list[KVCacheBlock], int, bool] | None:
+        """(blocks it takes over, tokens they cover, is a fork) for a waiting request, or None
+        while it is a child waiting for its parent's prompt KV."""
+        if req.parent_req_id is not None:
+            parent = self.requests.get(req.parent_req_id)
+            if parent is not None:
+                if parent.status != _RUNNING or parent.num_computed_tokens < req.num_prompt_tokens:
+                    return None
+                num_prompt = req.num_prompt_tokens
+                table = self.kv_cache_manager.get_blocks(parent.request_id)
+                # Borrow every prompt block, the partial last one included; recompute only the
+                # last prompt token so this child samples its own first token.
+                return table[: -(-num_prompt // self.block_size)], num_prompt - 1, True
+            req.parent_req_id = None  # the parent is gone: compute the prompt alone
+        blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(req)
+        return blocks, num_hit_tokens, False
+
+    def _admit(self, req: Request, num_computed: int, num_new: int, step: _Step) -> None:
+        rid = req.request_id
+        if req.status == _WAITING:  # first schedule (a resumed one is PREEMPTED)
+            req.num_cached_tokens = num_computed
+        req.status = _RUNNING
+        req.num_computed_tokens = num_computed
+        bisect.insort(self.running, req, key=self._sort_key)
+        block_ids = self.kv_cache_manager.get_block_ids(rid)
+        step.new_reqs.append(
+            NewRequestData(
+                rid,
+                list(req.all_token_ids),
+                req.num_prompt_tokens,
+                req.sampling_params,
+                block_ids,
+                num_computed,
+                req.seed,
+            )
+        )
+        step.new_tokens[rid] = num_new
+        step.budget -= num_new
+        step.live_tokens += num_computed + num_new
+        step.slots += len(block_ids)
+
+    def _build_output(self, step: _Step) -> SchedulerOutput:
+        # Batch order: new requests first, then running ones, as in the two lists.
+        num_scheduled = step.new_tokens
+        if num_scheduled:
+            num_scheduled.update(step.cached_tokens)
+        else:
+            num_scheduled = step.cached_tokens
+        total = self.max_num_batched_tokens - step.budget
+        if total:
+            self.num_steps += 1
+            utilization = step.live_tokens / (step.slots * self.block_size)
+            if utilization > self.peak_kv_slot_utilization:
+                self.peak_kv_slot_utilization = utilization
+        finished, self._finished_req_ids = self._finished_req_ids, set()
+        return SchedulerOutput(
+            scheduled_new_reqs=step.new_reqs,
+            scheduled_cached_reqs=step.cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=total,
+            finished_req_ids=finished,
+            preempted_req_ids=step.preempted_req_ids,
+            block_copies=self.kv_cache_manager.take_block_copies(),
+        )
+
+    # ----------------------------------------------------------------------------- update
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Advance computed tokens, append samples, check stops, free finished requests.
+
+        Requests finished or aborted since ``schedule()`` are skipped. A sample for a request
+        whose tokens are not all computed yet (mid-prefill) is discarded. Returns one
+        EngineCoreOutput per request that sampled or received prompt logprobs.
+        """
+        requests = self.requests
+        cache_blocks = self.kv_cache_manager.cache_blocks if self.enable_caching else None
+        for rid, num in scheduler_output.num_scheduled_tokens.items():
+            req = requests.get(rid)
+            if req is not None and req.status == _RUNNING:
+                req.num_computed_tokens += num
+                if cache_blocks is not None:
+                    cache_blocks(req)
+        outputs, finished = self._append_samples(model_runner_output)
+        if model_runner_output.prompt_logprobs:
+            self._attach_prompt_logprobs(model_runner_output, outputs)
+        if finished:
+            for req in finished:
+                self._release(req)
+            self.running = [r for r in self.running if r.status == _RUNNING]
+        return outputs
+
+    def _append_samples(
+        self, model_runner_output: ModelRunnerOutput
+    ) -> tuple[list[EngineCoreOutput], list[Request]]:
+        requests = self.requests
+        logprobs = model_runner_output.logprobs
+        outputs: list[EngineCoreOutput] = []
+        finished: list[Request] = []
+        for rid, token_ids in zip(
+            model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True
+        ):
+            req = requests.get(rid)
+            if req is None or req.status != _RUNNING:
+                continue
+            all_ids = req.all_token_ids
+            if req.num_computed_tokens < len(all_ids):
+                continue
+            status = None
+            num_kept = 0
+            for token_id in token_ids:
+                req.output_token_ids.append(token_id)
+                all_ids.append(token_id)
+                num_kept += 1
+                if token_id in req.stop_token_set or len(all_ids) >= req.max_num_tokens:
+                    status = req.check_stop(token_id)
+                    if status is not None:
+                        break
+            new_ids = token_ids if num_kept == len(token_ids) else token_ids[:num_kept]
+            new_logprobs = logprobs.get(rid) if logprobs else None
+            if new_logprobs is not None and num_kept < len(new_logprobs):
+                new_logprobs = new_logprobs[:num_kept]
+            if status is None:
+                outputs.append(
+                    EngineCoreOutput(
+                        rid, new_ids, new_logprobs, None, None, None, req.num_cached_tokens
+                    )
+                )
+            else:
+                req.status = status
+                finished.append(req)
+                outputs.append(
+                    EngineCoreOutput(
+                        rid,
+                        new_ids,
+                        new_logprobs,
+                        None,
+                        status.finish_reason,
+                        req.stop_reason,
+                        req.num_cached_tokens,
+                    )
+                )
+        return outputs, finished
+
+    def _attach_prompt_logprobs(
+        self, model_runner_output: ModelRunnerOutput, outputs: list[EngineCoreOutput]
+    ) -> None:
+        by_id = {out.req_id: out for out in outputs}
+        for rid, prompt_logprobs in model_runner_output.prompt_logprobs.items():
+            out = by_id.get(rid)
+            if out is not None:
+                out.new_prompt_logprobs = prompt_logprobs
+            elif rid in self.requests:
+                req = self.requests[rid]
+                outputs.append(
+                    EngineCoreOutput(
+                        rid,
+                        [],
+                        new_prompt_logprobs=prompt_logprobs,
+                        num_cached_tokens=req.num_cached_tokens,
+                    )
+                )
+
+    def _release(self, req: Request) -> None:
+        """Forget a finished request: free its blocks (tail first), tell the runner."""
+        self.kv_cache_manager.free(req)
+        del self.requests[req.request_id]
+        self._finished_req_ids.add(req.request_id)

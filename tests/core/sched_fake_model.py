@@ -1,0 +1,250 @@
+"""A deterministic fake model and runner for host-side scheduler tests (no jax).
+
+The fake "KV cache" stores, at each slot, the (position, token id) that was computed there. The
+fake model's next token is a hash of every previous token *read back from that cache through the
+block table*, so a wrong block table, a missed copy-on-write, a bad prefix hit or a clobbered
+shared block changes the output (or trips an assertion) instead of going unnoticed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from jaxserve.core.block_pool import BlockPool
+from jaxserve.core.sched.output import SchedulerOutput
+from jaxserve.core.sched.scheduler import Scheduler
+from jaxserve.outputs import EngineCoreOutput, ModelRunnerOutput, TokenLogprobs
+from jaxserve.request import Request, RequestStatus
+from jaxserve.sampling_params import SamplingParams
+
+VOCAB = 64
+_MOD = (1 << 61) - 1
+
+
+def next_token(tokens: Sequence[int]) -> int:
+    """The fake model: a rolling hash of the whole sequence, mod VOCAB."""
+    h = 7
+    for t in tokens:
+        h = (h * 1_000_003 + t + 1) % _MOD
+    return (h >> 7) % VOCAB
+
+
+@dataclass
+class _RunnerState:
+    tokens: list[int]
+    block_table: list[int]
+    num_computed: int
+    num_prompt: int
+    params: SamplingParams
+
+
+class FakeRunner:
+    """Reads SchedulerOutput like a real runner: keeps per-request state, writes KV slots,
+    applies block copies, samples at the end of each request's tokens.
+
+    With ``pool`` given, it also checks that every written block is held by exactly one request
+    and not in the prefix cache (a hashed block's contents never change).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, pool: BlockPool | None = None) -> None:
+        self.block_size = block_size
+        self.slots: list[tuple[int, int] | None] = [None] * (num_blocks * block_size)
+        self.reqs: dict[str, _RunnerState] = {}
+        self.pool = pool
+        self.num_computed_tokens_total = 0  # tokens computed over all steps
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        for rid in so.finished_req_ids | so.preempted_req_ids:
+            self.reqs.pop(rid, None)
+        bs = self.block_size
+        for src, dst in so.block_copies:
+            self.slots[dst * bs : (dst + 1) * bs] = self.slots[src * bs : (src + 1) * bs]
+        for new in so.scheduled_new_reqs:
+            assert new.req_id not in self.reqs, new.req_id
+            self.reqs[new.req_id] = _RunnerState(
+                list(new.token_ids),
+                list(new.block_ids),
+                new.num_computed_tokens,
+                new.num_prompt_tokens,
+                new.sampling_params,
+            )
+        for cached in so.scheduled_cached_reqs:
+            state = self.reqs[cached.req_id]
+            assert state.num_computed == cached.num_computed_tokens, cached
+            state.block_table.extend(cached.new_block_ids)
+        expected_order = [r.req_id for r in so.scheduled_new_reqs]
+        expected_order += [r.req_id for r in so.scheduled_cached_reqs]
+        assert list(so.num_scheduled_tokens) == expected_order
+        assert sum(so.num_scheduled_tokens.values()) == so.total_num_scheduled_tokens
+        # A forward pass writes all KV first, then attends: so write everything, then sample.
+        for rid, num in so.num_scheduled_tokens.items():
+            self._write(self.reqs[rid], num)
+        return self._sample(so)
+
+    def _write(self, state: _RunnerState, num: int) -> None:
+        bs = self.block_size
+        start = state.num_computed
+        assert num >= 1 and start + num <= len(state.tokens), (start, num, len(state.tokens))
+        for pos in range(start, start + num):
+            block_id = state.block_table[pos // bs]
+            assert block_id != 0, "wrote into the null block"
+            if self.pool is not None:
+                block = self.pool.blocks[block_id]
+                assert block.ref_cnt == 1, f"write into shared {block}"
+                assert block.block_hash is None, f"write into cached {block}"
+            self.slots[block_id * bs + pos % bs] = (pos, state.tokens[pos])
+        state.num_computed += num
+        self.num_computed_tokens_total += num
+
+    def _read(self, state: _RunnerState) -> list[int]:
+        bs = self.block_size
+        out = []
+        for pos in range(len(state.tokens)):
+            entry = self.slots[state.block_table[pos // bs] * bs + pos % bs]
+            assert entry == (pos, state.tokens[pos]), (pos, entry, state.tokens[pos])
+            out.append(entry[1])
+        return out
+
+    def _sample(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        mro = ModelRunnerOutput()
+        for rid, num in so.num_scheduled_tokens.items():
+            state = self.reqs[rid]
+            if state.params.prompt_logprobs is not None:
+                start = state.num_computed - num
+                entries = [
+                    TokenLogprobs([state.tokens[p + 1]], [-1.0], [1])
+                    for p in range(start, state.num_computed)
+                    if p + 1 < state.num_prompt
+                ]
+                if entries:
+                    mro.prompt_logprobs[rid] = entries
+            if state.num_computed < len(state.tokens):
+                continue  # mid-prefill: nothing to sample
+            token = next_token(self._read(state))
+            state.tokens.append(token)
+            mro.req_ids.append(rid)
+            mro.sampled_token_ids.append([token])
+            if state.params.logprobs is not None:
+                mro.logprobs[rid] = [TokenLogprobs([token], [-0.5], [1])]
+        return mro
+
+
+def reference_output(
+    prompt: Sequence[int],
+    params: SamplingParams,
+    eos_token_ids: frozenset[int] = frozenset(),
+    max_num_tokens: int | None = None,
+) -> tuple[list[int], str]:
+    """What the fake model gives one request alone, with the scheduler's stop rules.
+
+    ``max_num_tokens`` caps prompt + outputs (max_model_len / pool limit); default: none.
+    """
+    tokens = list(prompt)
+    outputs: list[int] = []
+    limit = len(prompt) + params.max_tokens
+    if max_num_tokens is not None:
+        limit = max(min(limit, max_num_tokens), len(prompt) + 1)
+    stops = params.all_stop_token_ids | (frozenset() if params.ignore_eos else eos_token_ids)
+    while True:
+        token = next_token(tokens)
+        tokens.append(token)
+        outputs.append(token)
+        if token in stops and len(outputs) >= params.min_tokens:
+            return outputs, "stop"
+        if len(tokens) >= limit:
+            return outputs, "length"
+
+
+def make_request(
+    req_id: str,
+    prompt: Sequence[int],
+    max_tokens: int = 8,
+    *,
+    arrival_time: float = 0.0,
+    priority: int = 0,
+    eos: frozenset[int] = frozenset(),
+    **params: object,
+) -> Request:
+    return Request(
+        req_id,
+        list(prompt),
+        SamplingParams(max_tokens=max_tokens, temperature=0.0, **params),
+        eos_token_ids=eos,
+        arrival_time=arrival_time,
+        priority=priority,
+    )
+
+
+def check_invariants(sched: Scheduler) -> None:
+    """DESIGN.md section 6, checked on the live structures."""
+    kv = sched.kv_cache_manager
+    pool = kv.block_pool
+    holders = [0] * pool.num_blocks
+    for rid, table in kv.req_to_blocks.items():
+        req = sched.requests[rid]
+        assert req.status == RequestStatus.RUNNING, req
+        assert len(table) == -(-req.num_computed_tokens // kv.block_size), (req, len(table))
+        for block in table:
+            holders[block.block_id] += 1
+    assert holders[0] == 0 and pool.null_block.ref_cnt == 0
+    for block in pool.blocks:
+        assert block.ref_cnt == holders[block.block_id], (block, holders[block.block_id])
+    free = pool.free_block_queue.get_all_free_blocks()
+    assert len(free) == pool.get_num_free_blocks()
+    assert {b.block_id for b in free} == {b.block_id for b in pool.blocks[1:] if b.ref_cnt == 0}
+    num_held = sum(1 for b in pool.blocks[1:] if b.ref_cnt > 0)
+    assert len(free) + num_held == pool.num_usable_blocks
+    for block_hash, block in pool.cached_blocks.items():
+        assert block.block_hash == block_hash
+    running_ids = {r.request_id for r in sched.running}
+    waiting_ids = {r.request_id for r in sched.waiting}
+    assert all(r.status == RequestStatus.RUNNING for r in sched.running)
+    assert all(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in sched.waiting)
+    assert not running_ids & waiting_ids
+    assert running_ids | waiting_ids == set(sched.requests)
+    assert set(kv.req_to_blocks) <= running_ids
+    keys = [sched._sort_key(r) for r in sched.running]
+    assert keys == sorted(keys)
+
+
+def check_all_free(sched: Scheduler) -> None:
+    """Everything ended: no request, no held block, every block free."""
+    pool = sched.kv_cache_manager.block_pool
+    assert not sched.requests and not sched.running and len(sched.waiting) == 0
+    assert not sched.kv_cache_manager.req_to_blocks
+    assert all(b.ref_cnt == 0 for b in pool.blocks)
+    assert pool.get_num_free_blocks() == pool.num_usable_blocks
+    assert sched.get_stats()["num_free_kv_blocks"] == sched.get_stats()["num_kv_blocks"]
+
+
+def run_to_completion(
+    sched: Scheduler,
+    runner: FakeRunner,
+    *,
+    max_steps: int = 10_000,
+    check: bool = True,
+) -> dict[str, EngineCoreOutput]:
+    """Step until no request is left; returns req_id -> a merged EngineCoreOutput (all tokens,
+    the final finish reason)."""
+    results: dict[str, EngineCoreOutput] = {}
+    for _ in range(max_steps):
+        if not sched.has_unfinished_requests():
+            break
+        so = sched.schedule()
+        for out in sched.update_from_output(so, runner.execute(so)):
+            merge_output(results, out)
+        if check:
+            check_invariants(sched)
+    else:
+        raise AssertionError(f"not done after {max_steps} steps")
+    return results
+
+
+def merge_output(results: dict[str, EngineCoreOutput], out: EngineCoreOutput) -> None:
+    acc = results.setdefault(out.req_id, EngineCoreOutput(out.req_id, []))
+    assert acc.finish_reason is None, f"output after finish for {out.req_id}"
+    acc.new_token_ids = acc.new_token_ids + list(out.new_token_ids)
+    acc.finish_reason = out.finish_reason
+    acc.stop_reason = out.stop_reason
+    acc.num_cached_tokens = out.num_cached_tokens
