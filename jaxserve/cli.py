@@ -1,0 +1,441 @@
+"""The ``jaxserve`` command: ``jaxserve generate`` (offline batch generation) and a hook for more.
+
+Adding a subcommand: write a module with ``add_parser(subparsers) -> None`` that calls
+``subparsers.add_parser(name, ...)``, adds its arguments and ``set_defaults(run=...)`` with
+``run(args: argparse.Namespace) -> int`` (the exit code); import jax and other heavy modules
+inside ``run``, so that ``jaxserve --help`` stays fast. Then append ``_lazy("that.module")`` to
+SUBCOMMANDS below.
+
+``jaxserve generate`` reads prompts (``--prompt``, repeatable, or ``--input`` JSONL), runs
+``LLM.generate`` and writes one JSON object per completion (``--output``) or prints them, then a
+summary. Bad input exits with code 2 and a message naming the line and the field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import IO, TYPE_CHECKING, Any
+
+from jaxserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # pragma: no cover
+    from jaxserve.outputs import RequestOutput
+
+AddParser = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
+
+EXIT_BAD_INPUT = 2  # argparse's own code for a bad command line
+
+# Fields of a JSONL line besides the SamplingParams fields.
+_PROMPT_FIELDS = ("prompt", "prompt_token_ids", "request_id")
+# SamplingParams constructor arguments (excludes the normalised views filled by __post_init__).
+SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.init)
+# SamplingParams fields with a command-line flag (--top-p -> top_p). Not --seed: it seeds the
+# engine, and one seed shared by every request would make equal prompts sample equal text.
+_SAMPLING_FLAGS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "max_tokens",
+    "min_tokens",
+    "n",
+    "stop",
+    "stop_token_ids",
+    "logprobs",
+    "ignore_eos",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+
+
+class InputError(ValueError):
+    """Bad user input to the CLI; the message names where (line, flag) and which field."""
+
+
+@dataclass(frozen=True)
+class PromptRequest:
+    """One prompt to generate for, parsed and validated.
+
+    Exactly one of prompt / prompt_token_ids is set.
+    """
+
+    request_id: str  # the user's id (JSONL "request_id") or the 0-based request index
+    prompt: str | None
+    prompt_token_ids: list[int] | None
+    params: SamplingParams
+
+    def engine_prompt(self) -> str | dict[str, list[int]]:
+        """The prompt in the form LLM.generate takes."""
+        if self.prompt is not None:
+            return self.prompt
+        assert self.prompt_token_ids is not None
+        return {"prompt_token_ids": self.prompt_token_ids}
+
+
+def make_sampling_params(fields: dict[str, Any], where: str) -> SamplingParams:
+    """SamplingParams(**fields), with its TypeError/ValueError prefixed by ``where``."""
+    try:
+        return SamplingParams(**fields)
+    except (TypeError, ValueError) as e:
+        raise InputError(f"{where}: {e}") from None
+
+
+def _parse_prompt(obj: dict[str, Any], where: str) -> tuple[str | None, list[int] | None]:
+    has_text, has_ids = "prompt" in obj, "prompt_token_ids" in obj
+    if has_text == has_ids:
+        raise InputError(f"{where}: give exactly one of 'prompt' and 'prompt_token_ids'")
+    if has_text:
+        prompt = obj["prompt"]
+        if not isinstance(prompt, str) or not prompt:
+            raise InputError(f"{where}: field 'prompt' must be a non-empty string, got {prompt!r}")
+        return prompt, None
+    ids = obj["prompt_token_ids"]
+    if (
+        not isinstance(ids, list)
+        or not ids
+        or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)
+    ):
+        raise InputError(
+            f"{where}: field 'prompt_token_ids' must be a non-empty list of ints >= 0, "
+            f"got {ids!r:.200}"
+        )
+    return None, ids
+
+
+def parse_prompt_line(line: str, where: str, defaults: dict[str, Any], index: int) -> PromptRequest:
+    """One JSONL line -> PromptRequest.
+
+    Args:
+        line: a JSON object with "prompt" (str) or "prompt_token_ids" (list of int), an optional
+            "request_id" (str or int) and optional SamplingParams fields, which override
+            ``defaults``.
+        where: where the line is, for messages ("prompts.jsonl:3").
+        defaults: SamplingParams fields from the command line.
+        index: the request's 0-based index, its id when the line gives none.
+
+    Raises:
+        InputError: not JSON, not an object, an unknown field, a bad prompt, request id or
+            sampling field; the message starts with ``where`` and names the field.
+    """
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise InputError(f"{where}: not valid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise InputError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    unknown = sorted(set(obj) - set(_PROMPT_FIELDS) - set(SAMPLING_FIELDS))
+    if unknown:
+        raise InputError(
+            f"{where}: unknown field {unknown[0]!r} (allowed: {', '.join(_PROMPT_FIELDS)} and the "
+            f"SamplingParams fields {', '.join(SAMPLING_FIELDS)})"
+        )
+    prompt, prompt_token_ids = _parse_prompt(obj, where)
+    request_id = obj.get("request_id", index)
+    if isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
+        raise InputError(
+            f"{where}: field 'request_id' must be a string or an int, got {request_id!r}"
+        )
+    sampling = {k: v for k, v in obj.items() if k in SAMPLING_FIELDS}
+    params = make_sampling_params({**defaults, **sampling}, where)
+    return PromptRequest(str(request_id), prompt, prompt_token_ids, params)
+
+
+def read_prompt_lines(
+    lines: Iterable[str], source: str, defaults: dict[str, Any]
+) -> list[PromptRequest]:
+    """Parse JSONL prompt lines (blank lines are skipped; line numbers count from 1).
+
+    Raises:
+        InputError: a bad line (see parse_prompt_line), a duplicate request id, or no prompt.
+    """
+    requests: list[PromptRequest] = []
+    first_line_of: dict[str, int] = {}
+    for line_number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{source}:{line_number}"
+        request = parse_prompt_line(line, where, defaults, len(requests))
+        if request.request_id in first_line_of:
+            raise InputError(
+                f"{where}: field 'request_id' {request.request_id!r} repeats line "
+                f"{first_line_of[request.request_id]}"
+            )
+        first_line_of[request.request_id] = line_number
+        requests.append(request)
+    if not requests:
+        raise InputError(f"{source}: no prompts")
+    return requests
+
+
+def sampling_defaults(args: argparse.Namespace) -> dict[str, Any]:
+    """SamplingParams fields given on the command line (absent flags are left out, so that
+    SamplingParams' own defaults apply).
+
+    Raises:
+        InputError: the flags make invalid SamplingParams (the field is named).
+    """
+    defaults = {
+        name: getattr(args, name) for name in _SAMPLING_FLAGS if getattr(args, name) is not None
+    }
+    make_sampling_params(defaults, "command line")
+    return defaults
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """LLM constructor arguments from the engine flags (absent flags: the LLM's defaults)."""
+    names = (
+        "dtype",
+        "max_model_len",
+        "block_size",
+        "num_kv_blocks",
+        "memory_utilization",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "attention_backend",
+        "tensor_parallel_size",
+    )
+    kwargs = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    if args.engine_seed is not None:
+        kwargs["seed"] = args.engine_seed
+    if args.no_prefix_caching:
+        kwargs["enable_prefix_caching"] = False
+    return kwargs
+
+
+def collect_requests(args: argparse.Namespace) -> list[PromptRequest]:
+    """The prompts of ``--prompt`` flags or of the ``--input`` file ("-": stdin).
+
+    Raises:
+        InputError: unreadable file, bad line, or bad sampling flags.
+    """
+    defaults = sampling_defaults(args)
+    if args.prompt:
+        params = make_sampling_params(defaults, "command line")
+        return [PromptRequest(str(i), p, None, params) for i, p in enumerate(args.prompt)]
+    if args.input == "-":
+        return read_prompt_lines(sys.stdin, "<stdin>", defaults)
+    try:
+        with open(args.input, encoding="utf-8") as f:
+            return read_prompt_lines(f, args.input, defaults)
+    except OSError as e:
+        raise InputError(f"--input: cannot read {args.input!r} ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise InputError(f"--input: {args.input!r} is not UTF-8 text ({e})") from None
+
+
+def _logprobs_record(completion_logprobs: list[dict[int, Any]]) -> list[list[dict[str, Any]]]:
+    # Per generated position, the sampled token first then the top-N, as the engine ordered them.
+    # JSON object keys must be strings, so each entry carries its token id instead.
+    return [
+        [
+            {
+                "token_id": token_id,
+                "logprob": lp.logprob,
+                "rank": lp.rank,
+                "decoded_token": lp.decoded_token,
+            }
+            for token_id, lp in position.items()
+        ]
+        for position in completion_logprobs
+    ]
+
+
+def output_records(request: PromptRequest, output: RequestOutput) -> list[dict[str, Any]]:
+    """The JSONL records of one request: one per completion (``SamplingParams.n`` of them)."""
+    records = []
+    for completion in output.outputs:
+        record: dict[str, Any] = {
+            "request_id": request.request_id,
+            "index": completion.index,
+            "prompt": request.prompt,
+            "prompt_token_ids": list(output.prompt_token_ids),
+            "text": completion.text,
+            "token_ids": list(completion.token_ids),
+            "finish_reason": completion.finish_reason,
+            "stop_reason": completion.stop_reason,
+            "cumulative_logprob": completion.cumulative_logprob,
+        }
+        if request.params.logprobs is not None:
+            record["logprobs"] = _logprobs_record(completion.logprobs or [])
+        records.append(record)
+    return records
+
+
+def write_jsonl(records: Iterable[dict[str, Any]], out: IO[str]) -> None:
+    # ensure_ascii=False keeps generated text readable; json writes -inf logprobs as -Infinity,
+    # which Python's json (and most JSONL readers) read back.
+    for record in records:
+        out.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
+def format_completion(record: dict[str, Any]) -> str:
+    """A printed completion: its id, prompt, text (or token ids when the model has no
+    tokenizer) and finish reason."""
+    prompt = record["prompt"] if record["prompt"] is not None else record["prompt_token_ids"]
+    body = repr(record["text"]) if record["text"] else f"token_ids={record['token_ids']}"
+    return (
+        f"[{record['request_id']}.{record['index']}] {prompt!r} -> {body} "
+        f"({len(record['token_ids'])} tokens, finish_reason={record['finish_reason']})"
+    )
+
+
+def format_summary(
+    outputs: Sequence[RequestOutput], stats: dict[str, Any], elapsed_s: float, load_s: float
+) -> str:
+    """The run summary: token counts, throughput and the engine's cache statistics."""
+    num_prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    num_output_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    num_completions = sum(len(o.outputs) for o in outputs)
+    throughput = num_output_tokens / elapsed_s if elapsed_s > 0 else math.inf
+    queries, hits = stats["prefix_cache_queries"], stats["prefix_cache_hits"]
+    hit_rate = f"{hits / queries:.1%}" if queries else "n/a"
+    num_used = stats["num_kv_blocks"] - stats["num_free_kv_blocks"]
+    return "\n".join(
+        [
+            f"requests:           {len(outputs)} ({num_completions} completions)",
+            f"prompt tokens:      {num_prompt_tokens}",
+            f"output tokens:      {num_output_tokens}",
+            f"elapsed:            {elapsed_s:.2f} s (model load {load_s:.2f} s not included)",
+            f"output throughput:  {throughput:.1f} tokens/s",
+            f"KV cache:           {num_used}/{stats['num_kv_blocks']} blocks in use "
+            f"({stats['kv_cache_usage']:.1%}), peak slot utilization "
+            f"{stats['peak_kv_slot_utilization']:.1%}",
+            f"prefix cache hits:  {hit_rate} ({hits}/{queries} tokens)",
+            f"engine:             {stats['num_steps']} steps, {stats['num_preemptions']} "
+            f"preemptions, {stats['num_compilations']} compilations",
+        ]
+    )
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """``jaxserve generate``: the exit code (0, or 2 for bad input)."""
+    try:
+        requests = collect_requests(args)
+    except InputError as e:
+        return _fail(str(e))
+    from jaxserve.engine.llm import LLM  # jax loads here, not for --help or bad input
+
+    try:
+        start = time.perf_counter()
+        llm = LLM(model=args.model, **engine_kwargs(args))
+        load_s = time.perf_counter() - start
+        start = time.perf_counter()
+        outputs = llm.generate(
+            [r.engine_prompt() for r in requests],
+            [r.params for r in requests],
+            use_tqdm=not args.no_progress,
+        )
+        elapsed_s = time.perf_counter() - start
+    except ValueError as e:  # the engine's bad-input errors (DESIGN.md section 7)
+        return _fail(str(e))
+    records = [
+        rec for req, out in zip(requests, outputs, strict=True) for rec in output_records(req, out)
+    ]
+    if args.output is not None:
+        with open(args.output, "w", encoding="utf-8") as f:
+            write_jsonl(records, f)
+    else:
+        for record in records:
+            print(format_completion(record))
+    print(format_summary(outputs, llm.get_stats(), elapsed_s, load_s))
+    return 0
+
+
+def _fail(message: str) -> int:
+    print(f"jaxserve generate: error: {message}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``jaxserve generate``."""
+    p = subparsers.add_parser(
+        "generate",
+        help="generate completions for prompts (offline batch)",
+        description="Generate completions with jaxserve's LLM. Sampling flags are defaults; a "
+        "JSONL line's own SamplingParams fields override them.",
+    )
+    p.set_defaults(run=run_generate)
+    p.add_argument("--model", default="tiny-random-llama", help="HF/Orbax folder or demo name")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument(
+        "--input",
+        metavar="PROMPTS.jsonl",
+        help='one JSON object a line: "prompt" or "prompt_token_ids", optional "request_id" and '
+        'SamplingParams fields ("-": stdin)',
+    )
+    source.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    p.add_argument("--output", metavar="OUT.jsonl", help="write one JSON object per completion")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    s = p.add_argument_group("sampling (SamplingParams defaults)")
+    s.add_argument("--temperature", type=float)
+    s.add_argument("--top-p", type=float)
+    s.add_argument("--top-k", type=int)
+    s.add_argument("--min-p", type=float)
+    s.add_argument("--max-tokens", type=int)
+    s.add_argument("--min-tokens", type=int)
+    s.add_argument("--n", type=int, help="completions per prompt")
+    s.add_argument("--stop", action="append", help="stop string (repeatable)")
+    s.add_argument("--stop-token-ids", type=int, nargs="+", metavar="ID")
+    s.add_argument("--logprobs", type=int, help="top-N logprobs per generated token")
+    s.add_argument("--ignore-eos", action="store_true", default=None)
+    s.add_argument("--presence-penalty", type=float)
+    s.add_argument("--frequency-penalty", type=float)
+    s.add_argument("--repetition-penalty", type=float)
+
+    e = p.add_argument_group("engine (LLM arguments)")
+    e.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    e.add_argument("--max-model-len", type=int)
+    e.add_argument("--block-size", type=int)
+    e.add_argument("--num-kv-blocks", type=int)
+    e.add_argument("--memory-utilization", type=float)
+    e.add_argument("--max-num-seqs", type=int)
+    e.add_argument("--max-num-batched-tokens", type=int)
+    e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument("--attention-backend", choices=["auto", "reference", "pallas"])
+    e.add_argument("--tensor-parallel-size", type=int)
+    e.add_argument(
+        "--seed",
+        dest="engine_seed",
+        metavar="SEED",
+        type=int,
+        help="the engine's seed (LLM(seed=...)); a JSONL line's \"seed\" seeds one request",
+    )
+
+
+def _lazy(module: str) -> AddParser:
+    """A subcommand whose module is imported only when the parser is built."""
+    return lambda subparsers: importlib.import_module(module).add_parser(subparsers)
+
+
+# One entry per subcommand, in --help order.
+SUBCOMMANDS: list[AddParser] = [add_generate_parser]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="jaxserve", description="jaxserve: LLM inference on JAX/XLA"
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add_parser in SUBCOMMANDS:
+        add_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``jaxserve`` script; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
