@@ -1,0 +1,175 @@
+"""LLM: vLLM's offline API (generate / chat / score) over an LLMEngine."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from jaxserve.engine.chat import missing_chat_template_error, render_chat
+from jaxserve.engine.llm_engine import LLMEngine, PromptType
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    """One prompt (str, list of int, dict) or a list of them -> a list of prompts."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)):
+        if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            return [list(prompts)]  # one prompt of token ids
+        return list(prompts)
+    raise TypeError(
+        f"prompts must be a str, a list of int, a dict, or a list of these; "
+        f"got {type(prompts).__name__}"
+    )
+
+
+class LLM:
+    """An offline engine: ``LLM(model=...).generate(prompts, sampling_params)``.
+
+    Keyword arguments are those of DESIGN.md section 5 (dtype, max_model_len, block_size,
+    num_kv_blocks, memory_utilization, max_num_seqs, max_num_batched_tokens,
+    enable_prefix_caching, attention_backend, tensor_parallel_size, seed, ...); an unknown one
+    raises TypeError.
+    """
+
+    def __init__(self, model: str = "tiny-random-llama", **kwargs: Any) -> None:
+        self.engine = LLMEngine(model=model, **kwargs)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_stats(self) -> dict[str, int | float]:
+        return self.engine.get_stats()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs in input order.
+
+        Every prompt and every SamplingParams is validated before any request is queued, so a
+        bad one raises without side effects.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        params_list = self._params_list(sampling_params, len(prompt_list))
+        for prompt in prompt_list:
+            self.engine.process_prompt(prompt)  # validate all before queueing any
+        request_ids = [str(next(self._counter)) for _ in prompt_list]
+        added: list[str] = []
+        try:
+            for rid, prompt, params in zip(request_ids, prompt_list, params_list, strict=True):
+                self.engine.add_request(rid, prompt, params)
+                added.append(rid)
+        except Exception:
+            self.engine.abort_request(added)
+            raise
+        return self._run(request_ids, use_tqdm)
+
+    @staticmethod
+    def _params_list(
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None, n: int
+    ) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * n
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        params = list(sampling_params)
+        if len(params) != n:
+            raise ValueError(f"sampling_params has {len(params)} entries but there are {n} prompts")
+        for i, p in enumerate(params):
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"sampling_params[{i}] must be a SamplingParams, got {p!r}")
+        return params
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
+        start = time.perf_counter()
+        num_in = num_out = 0
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if not out.finished:
+                        continue
+                    finished[out.request_id] = out
+                    num_in += len(out.prompt_token_ids)
+                    num_out += sum(len(c.token_ids) for c in out.outputs)
+                    elapsed = max(time.perf_counter() - start, 1e-9)
+                    bar.set_postfix_str(
+                        f"in: {num_in / elapsed:.1f} tok/s, out: {num_out / elapsed:.1f} tok/s",
+                        refresh=False,
+                    )
+                    bar.update(1)
+        finally:
+            bar.close()
+        return [finished[rid] for rid in request_ids]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the tokenizer's chat template, then generate."""
+        info = self.engine.info.tokenizer
+        template = chat_template or info.chat_template
+        if template is None:
+            raise missing_chat_template_error(self.engine.config.model.model)
+        if self.engine.tokenizer is None:
+            raise ValueError("LLM.chat needs a tokenizer; the model has none")
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = []
+        for conv in conversations:
+            text = render_chat(
+                conv,
+                template,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=info.bos_token or "",
+                eos_token=info.eos_token or "",
+            )
+            # The template writes the special tokens itself: tokenize without adding them again.
+            ids = self.engine.tokenizer.encode(text, add_special_tokens=False).ids
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def score(
+        self,
+        prompts: Sequence[PromptType],
+        continuations: Sequence[PromptType],
+        use_tqdm: bool = False,
+    ) -> list[float]:
+        """Total log-probability of each continuation given its prompt (batch scoring).
+
+        Each pair is run as one prompt (prompt tokens + continuation tokens) with
+        prompt_logprobs; the continuation's token logprobs are summed.
+        """
+        if len(prompts) != len(continuations):
+            raise ValueError(
+                f"score: {len(prompts)} prompts but {len(continuations)} continuations"
+            )
+        joined, spans = [], []
+        for prompt, cont in zip(prompts, continuations, strict=True):
+            _, p_ids = self.engine.process_prompt(prompt)
+            _, c_ids = self.engine.process_prompt(cont)
+            joined.append(p_ids + c_ids)
+            spans.append((len(p_ids), len(c_ids)))
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+        outs = self.generate(joined, params, use_tqdm)
+        scores = []
+        for out, (num_prompt, _) in zip(outs, spans, strict=True):
+            lps = out.prompt_logprobs
+            ids = out.prompt_token_ids
+            scores.append(sum(lps[i][ids[i]].logprob for i in range(num_prompt, len(ids))))
+        return scores

@@ -1,0 +1,71 @@
+"""Padding buckets: the finite set of shapes the jitted step is compiled for.
+
+A step's shapes are (T, R, B): tokens, request rows and block-table width. Each is rounded up
+to a power of two (capped at its maximum), so steady-state serving reuses a small, known set of
+compiled executables. R is tied to T (R = min(T, padded max_num_seqs)): every scheduled request
+has at least one token, so R <= T always holds, and tying them removes one bucket dimension
+(the extra logits rows cost ~R x D x V flops, small next to the T-token forward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    """Powers of two from lo up to hi, with hi itself appended if it is not a power of two."""
+    if lo < 1 or hi < 1:
+        raise ValueError(f"bucket bounds must be >= 1, got lo={lo}, hi={hi}")
+    out = []
+    b = 1
+    while b < lo:
+        b *= 2
+    while b < hi:
+        out.append(b)
+        b *= 2
+    out.append(hi)
+    return tuple(out)
+
+
+def round_up(value: int, buckets: tuple[int, ...]) -> int:
+    """The smallest bucket >= value."""
+    for b in buckets:
+        if b >= value:
+            return b
+    raise ValueError(f"value {value} exceeds the largest bucket {buckets[-1]}")
+
+
+@dataclass(frozen=True)
+class BucketSpec:
+    """The bucket lists of one engine.
+
+    token_buckets: T choices, 16 .. max_num_batched_tokens.
+    max_rows: padded R cap (max_num_seqs rounded up to a power of two, >= 8).
+    width_buckets: B choices (pages per sequence attention reads), 1 .. max_blocks_per_seq.
+    """
+
+    token_buckets: tuple[int, ...]
+    max_rows: int
+    width_buckets: tuple[int, ...]
+
+    @classmethod
+    def create(
+        cls, *, max_num_batched_tokens: int, max_num_seqs: int, max_blocks_per_seq: int
+    ) -> BucketSpec:
+        token_buckets = pow2_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens)
+        max_rows = max(8, 1 << (max_num_seqs - 1).bit_length())
+        width_buckets = pow2_buckets(1, max_blocks_per_seq)
+        return cls(token_buckets, max_rows, width_buckets)
+
+    def padded_tokens(self, num_tokens: int) -> int:
+        return round_up(num_tokens, self.token_buckets)
+
+    def padded_rows(self, padded_tokens: int) -> int:
+        return min(padded_tokens, self.max_rows)
+
+    def padded_width(self, num_blocks: int) -> int:
+        return round_up(max(num_blocks, 1), self.width_buckets)
+
+    def all_shapes(self) -> list[tuple[int, int, int]]:
+        """Every (T, R, B) the step can be called with: what warm-up compiles."""
+        return [(t, self.padded_rows(t), b) for t in self.token_buckets for b in self.width_buckets]

@@ -1,0 +1,114 @@
+"""build_runner: from an EngineConfig to a loaded model, a sized KV cache and a ModelRunner.
+
+This is where the engine's flat settings meet the device: the checkpoint is loaded, "auto"
+choices are resolved (dtype, attention backend, max_model_len, pool size), and the KV pool is
+sized. The engine gets back plain host facts (RunnerInfo) plus the runner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import jax
+
+from jaxserve.checkpoints_tools import LoadedCheckpoint, TokenizerInfo, load_checkpoint
+from jaxserve.config import EngineConfig
+from jaxserve.models import get_model
+from jaxserve.pallas_kernels.ragged_paged_attention import BACKENDS
+from jaxserve.runner.kv_cache import (
+    device_memory_bytes,
+    num_blocks_for_budget,
+    params_bytes,
+)
+from jaxserve.runner.model_runner import ModelRunner
+
+
+@dataclass(frozen=True)
+class RunnerInfo:
+    """Host-side facts the engine needs about the loaded model."""
+
+    config: EngineConfig  # with every "auto" / None resolved
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    tokenizer: TokenizerInfo
+    num_kv_blocks: int  # null block included
+    attention_backend: str
+    dtype: str
+
+
+def resolve_attention_backend(name: str, platform: str) -> str:
+    """ "auto" -> the Pallas kernel on GPU/TPU, the jnp reference on CPU."""
+    if name == "auto":
+        return "reference" if platform == "cpu" else "pallas"
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of ('auto', *{BACKENDS}), got {name!r}")
+    return name
+
+
+def resolve_max_model_len(requested: int | None, ckpt: LoadedCheckpoint) -> int:
+    limit = ckpt.max_position_embeddings
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(
+            f"max_model_len={requested} exceeds the model's max_position_embeddings={limit}"
+        )
+    return requested
+
+
+def build_runner(config: EngineConfig) -> tuple[ModelRunner, RunnerInfo]:
+    """Load the checkpoint and build the runner.
+
+    Raises:
+        ValueError / FileNotFoundError: bad model path or checkpoint (from the loader), an
+            unknown backend, max_model_len beyond the model, a KV pool that cannot fit.
+    """
+    if config.runner.tensor_parallel_size != 1:
+        raise ValueError(
+            f"tensor_parallel_size={config.runner.tensor_parallel_size}: only 1 is supported "
+            "by this build"
+        )
+    device = jax.devices()[0]
+    backend = resolve_attention_backend(config.runner.attention_backend, device.platform)
+    ckpt = load_checkpoint(config.model.model, dtype=config.model.dtype)
+    max_model_len = resolve_max_model_len(config.model.max_model_len, ckpt)
+    model = get_model(ckpt.arch, dtype=ckpt.dtype, attention_backend=backend)
+    cache = config.cache
+    num_kv_blocks = cache.num_kv_blocks
+    if num_kv_blocks is None:
+        blocks_per_seq = -(-max_model_len // cache.block_size)
+        num_kv_blocks = num_blocks_for_budget(
+            budget_bytes=int(
+                device_memory_bytes(device, cache.cpu_memory_bytes) * cache.memory_utilization
+            ),
+            weights_bytes=params_bytes(ckpt.params),
+            bytes_per_block=model.kv_cache_bytes_per_block(cache.block_size, ckpt.dtype),
+            max_useful_blocks=config.scheduler.max_num_seqs * blocks_per_seq + 1,
+        )
+    resolved = replace(
+        config,
+        model=replace(config.model, max_model_len=max_model_len),
+        cache=replace(cache, num_kv_blocks=num_kv_blocks),
+        scheduler=replace(config.scheduler, max_model_len=max_model_len),
+        runner=replace(config.runner, attention_backend=backend),
+    )
+    runner = ModelRunner(
+        model,
+        ckpt.params,
+        num_kv_blocks=num_kv_blocks,
+        block_size=cache.block_size,
+        max_num_seqs=config.scheduler.max_num_seqs,
+        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        max_model_len=max_model_len,
+        eos_token_ids=ckpt.eos_token_ids,
+    )
+    info = RunnerInfo(
+        config=resolved,
+        vocab_size=ckpt.arch.vocab_size,
+        eos_token_ids=ckpt.eos_token_ids,
+        tokenizer=ckpt.tokenizer,
+        num_kv_blocks=num_kv_blocks,
+        attention_backend=backend,
+        dtype=str(ckpt.dtype),
+    )
+    return runner, info

@@ -1,0 +1,164 @@
+"""InputBatch: persistent host buffers, one row ("slot") per request the runner holds.
+
+The buffers are sized once (max_num_seqs x max_model_len tokens, max_num_seqs x
+max_blocks_per_seq block ids) and updated incrementally from each SchedulerOutput: a new request
+writes its row once, a running request appends its new block ids and its sampled token. Nothing
+is rebuilt per step; prepare() gathers the rows of this step's batch with vectorised numpy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class PreparedBatch:
+    """Host arrays of one step, padded to the step's buckets (T, R, B).
+
+    slots: i32[num_reqs] batch row -> slot (real rows only).
+    input_ids / positions / slot_mapping: i32[T]; padding tokens: id 0, position 0, slot 0
+        (the null block, which nothing reads).
+    block_tables: i32[R, B]; seq_lens: i32[R]; query_start_loc: i32[R + 1]; num_seqs: i32[1].
+    logits_indices: i32[R] the last token row of each request (padding rows: 0).
+    sampling_rows: bool[num_reqs] rows whose scheduled tokens reach the end of the known tokens
+        (they sample); a mid-prefill chunk does not.
+    """
+
+    req_ids: list[str]
+    slots: np.ndarray
+    num_scheduled: np.ndarray
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    block_tables: np.ndarray
+    seq_lens: np.ndarray
+    query_start_loc: np.ndarray
+    num_seqs: np.ndarray
+    logits_indices: np.ndarray
+    sampling_rows: np.ndarray
+
+
+class InputBatch:
+    """Per-slot token ids, block tables and counters of the requests the runner holds."""
+
+    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.token_ids = np.zeros((max_num_seqs, max_model_len), np.int32)  # [slots, tokens]
+        self.block_table = np.zeros((max_num_seqs, self.max_blocks_per_seq), np.int32)
+        self.num_blocks = np.zeros(max_num_seqs, np.int32)  # valid entries of block_table
+        self.num_tokens = np.zeros(max_num_seqs, np.int32)  # prompt + outputs known so far
+        self.num_prompt_tokens = np.zeros(max_num_seqs, np.int32)
+        self.num_computed = np.zeros(max_num_seqs, np.int32)  # tokens whose KV is in the cache
+        self.slot_of: dict[str, int] = {}
+        # Lowest slots first, so a small batch stays in a compact range of rows.
+        self._free_slots = list(range(max_num_seqs - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self.slot_of)
+
+    # ---- incremental updates -------------------------------------------------------------
+    def add(
+        self,
+        req_id: str,
+        token_ids: list[int],
+        num_prompt_tokens: int,
+        block_ids: list[int],
+        num_computed_tokens: int,
+    ) -> int:
+        if req_id in self.slot_of:
+            raise ValueError(f"request {req_id!r} is already in the batch")
+        slot = self._free_slots.pop()
+        n = len(token_ids)
+        self.token_ids[slot, :n] = token_ids
+        self.num_tokens[slot] = n
+        self.num_prompt_tokens[slot] = num_prompt_tokens
+        self.num_computed[slot] = num_computed_tokens
+        self.block_table[slot, : len(block_ids)] = block_ids
+        self.num_blocks[slot] = len(block_ids)
+        self.slot_of[req_id] = slot
+        return slot
+
+    def remove(self, req_id: str) -> int | None:
+        slot = self.slot_of.pop(req_id, None)
+        if slot is not None:
+            self.num_blocks[slot] = 0
+            self._free_slots.append(slot)
+        return slot
+
+    def append_blocks(self, slot: int, block_ids: list[int]) -> None:
+        start = self.num_blocks[slot]
+        self.block_table[slot, start : start + len(block_ids)] = block_ids
+        self.num_blocks[slot] = start + len(block_ids)
+
+    def replace_block(self, slot: int, index: int, block_id: int) -> None:
+        self.block_table[slot, index] = block_id
+
+    def append_tokens(self, slots: np.ndarray, token_ids: np.ndarray) -> None:
+        """Append one sampled token to each given slot (vectorised)."""
+        self.token_ids[slots, self.num_tokens[slots]] = token_ids
+        self.num_tokens[slots] += 1
+
+    def update_cached(
+        self, req_id: str, num_computed_tokens: int, new_block_ids: list[int]
+    ) -> None:
+        """A running request scheduled again: its computed count and any new blocks."""
+        slot = self.slot_of[req_id]
+        self.num_computed[slot] = num_computed_tokens
+        if new_block_ids:
+            self.append_blocks(slot, new_block_ids)
+
+    # ---- per-step gather -----------------------------------------------------------------
+    def prepare(
+        self,
+        req_ids: list[str],
+        num_scheduled: np.ndarray,
+        padded_tokens: int,
+        padded_rows: int,
+        padded_width_fn,
+    ) -> PreparedBatch:
+        """Gather this step's rows into padded arrays (see PreparedBatch)."""
+        num_reqs = len(req_ids)
+        slot_of = self.slot_of
+        slots = np.fromiter((slot_of[r] for r in req_ids), np.int32, num_reqs)
+        total = int(num_scheduled.sum())
+        cu = np.zeros(padded_rows + 1, np.int32)
+        np.cumsum(num_scheduled, out=cu[1 : num_reqs + 1])
+        cu[num_reqs + 1 :] = total
+
+        computed = self.num_computed[slots]
+        seq_lens_real = computed + num_scheduled
+        row_of_token = np.repeat(np.arange(num_reqs, dtype=np.int32), num_scheduled)  # [total]
+        pos_real = computed[row_of_token] + (np.arange(total, dtype=np.int32) - cu[row_of_token])
+        slot_rows = slots[row_of_token]
+        P = self.block_size
+        input_ids = np.zeros(padded_tokens, np.int32)
+        positions = np.zeros(padded_tokens, np.int32)
+        slot_mapping = np.zeros(padded_tokens, np.int32)
+        input_ids[:total] = self.token_ids[slot_rows, pos_real]
+        positions[:total] = pos_real
+        slot_mapping[:total] = self.block_table[slot_rows, pos_real // P] * P + pos_real % P
+
+        width = padded_width_fn(int(-(-seq_lens_real.max() // P)))
+        block_tables = np.zeros((padded_rows, width), np.int32)
+        block_tables[:num_reqs] = self.block_table[slots, :width]
+        seq_lens = np.zeros(padded_rows, np.int32)
+        seq_lens[:num_reqs] = seq_lens_real
+        logits_indices = np.zeros(padded_rows, np.int32)
+        logits_indices[:num_reqs] = cu[1 : num_reqs + 1] - 1
+        return PreparedBatch(
+            req_ids=req_ids,
+            slots=slots,
+            num_scheduled=num_scheduled,
+            input_ids=input_ids,
+            positions=positions,
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
+            seq_lens=seq_lens,
+            query_start_loc=cu,
+            num_seqs=np.array([num_reqs], np.int32),
+            logits_indices=logits_indices,
+            sampling_rows=seq_lens_real >= self.num_tokens[slots],
+        )

@@ -1,0 +1,273 @@
+"""ModelRunner: SchedulerOutput in, sampled tokens out; one jitted step per engine step.
+
+    execute_model(scheduler_output)
+        InputBatch.update(...)         persistent numpy rows, updated incrementally
+        InputBatch.prepare(...)        padded host arrays for buckets (T, R, B)
+        SamplingInputs.build(...)      per-row sampling settings
+        step(params, kv_caches, ...)   ONE jit: forward, logits at R rows, sample; KV donated
+        -> ModelRunnerOutput           only the sampled ids (and logprobs) come back
+
+Compiled variants are keyed by the bucket shapes and the sampler's static flags; warm-up can
+compile every (T, R, B) of the greedy variant, and `num_compilations` counts every trace.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxserve.core.sched.output import SchedulerOutput
+from jaxserve.models import AttentionMetadata, CausalLM
+from jaxserve.outputs import ModelRunnerOutput
+from jaxserve.runner.buckets import BucketSpec
+from jaxserve.runner.input_batch import InputBatch, PreparedBatch
+from jaxserve.runner.kv_cache import allocate_kv_caches
+from jaxserve.runner.sampler import prompt_logprobs, sample, to_token_logprobs
+from jaxserve.runner.sampling_metadata import SamplingInputs, SamplingMetadata
+
+
+class ModelRunner:
+    """Owns the device state (params, KV pages) and the host mirrors of the batch.
+
+    Args:
+        model: the CausalLM (static config; params passed separately).
+        params: its parameters, already on device.
+        num_kv_blocks: pages in the pool, null block 0 included.
+        block_size, max_num_seqs, max_num_batched_tokens, max_model_len: as the engine config.
+        eos_token_ids: for min_tokens bans.
+        kv_sharding: sharding of each layer's pages (tensor parallelism), or None.
+    """
+
+    def __init__(
+        self,
+        model: CausalLM,
+        params: Any,
+        *,
+        num_kv_blocks: int,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: frozenset[int] = frozenset(),
+        kv_sharding: jax.sharding.Sharding | None = None,
+    ) -> None:
+        self.model = model
+        self.params = params
+        self.num_kv_blocks = num_kv_blocks
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.vocab_size = model.arch.vocab_size
+        self.input_batch = InputBatch(max_num_seqs, max_model_len, block_size)
+        self.sampling = SamplingInputs(
+            max_num_seqs, self.vocab_size, max_model_len, eos_token_ids=sorted(eos_token_ids)
+        )
+        self.buckets = BucketSpec.create(
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            max_blocks_per_seq=self.input_batch.max_blocks_per_seq,
+        )
+        self.kv_caches = allocate_kv_caches(
+            model.arch.num_layers,
+            model.kv_cache_shape(num_kv_blocks, block_size),
+            model.dtype,
+            kv_sharding,
+        )
+        # req_id -> prompt-logprobs progress; kept across preemption, dropped when finished.
+        self._prompt_logprobs: dict[str, _PromptLogprobsState] = {}
+        self._num_logprobs: dict[str, int] = {}  # req_id -> top-N logprobs asked
+        self._num_traces = 0
+        self._step = jax.jit(
+            self._step_fn,
+            donate_argnums=(1,),
+            static_argnames=("all_greedy", "max_num_logprobs", "num_prompt_logprobs"),
+        )
+        self._copy = jax.jit(_copy_blocks, donate_argnums=(0,))
+
+    @property
+    def num_compilations(self) -> int:
+        """Traces (hence XLA compilations) of the step function so far."""
+        return self._num_traces
+
+    # ---- the jitted step ------------------------------------------------------------------
+    def _step_fn(
+        self,
+        params: Any,
+        kv_caches: list[tuple[jax.Array, jax.Array]],
+        input_ids: jax.Array,  # i32[T]
+        md: AttentionMetadata,
+        logits_indices: jax.Array,  # i32[R]
+        sampling_md: SamplingMetadata,
+        prompt_targets: jax.Array,  # i32[T] next prompt token per row (prompt logprobs only)
+        *,
+        all_greedy: bool,
+        max_num_logprobs: int | None,
+        num_prompt_logprobs: int | None,
+    ):
+        self._num_traces += 1  # runs once per trace: counts compilations
+        kv_caches, hidden = self.model.forward(params, kv_caches, input_ids, md)  # [T, D]
+        logits = self.model.compute_logits(params, hidden[logits_indices])  # f32[R, V]
+        out = sample(logits, sampling_md, max_num_logprobs=max_num_logprobs, all_greedy=all_greedy)
+        plp = None
+        if num_prompt_logprobs is not None:
+            all_logits = self.model.compute_logits(params, hidden)  # f32[T, V]
+            plp = prompt_logprobs(all_logits, prompt_targets, num=num_prompt_logprobs)
+        return kv_caches, out, plp
+
+    # ---- per step -------------------------------------------------------------------------
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        if so.block_copies:
+            # Pad to a power of two with null-block self-copies: few compiled shapes.
+            pairs = np.zeros((1 << (len(so.block_copies) - 1).bit_length(), 2), np.int32)
+            pairs[: len(so.block_copies)] = so.block_copies
+            self.kv_caches = self._copy(self.kv_caches, pairs[:, 0], pairs[:, 1])
+        if so.is_empty:
+            return ModelRunnerOutput()
+        req_ids = list(so.num_scheduled_tokens)
+        num_scheduled = np.fromiter(so.num_scheduled_tokens.values(), np.int32, len(req_ids))
+        padded_tokens = self.buckets.padded_tokens(int(num_scheduled.sum()))
+        padded_rows = self.buckets.padded_rows(padded_tokens)
+        batch = self.input_batch.prepare(
+            req_ids, num_scheduled, padded_tokens, padded_rows, self.buckets.padded_width
+        )
+        ib = self.input_batch
+        output_pos = ib.num_tokens[batch.slots] - ib.num_prompt_tokens[batch.slots]
+        sampling_md = self.sampling.build(batch.slots, padded_rows, output_pos)
+        flags = self.sampling.flags(batch.slots)
+        num_plp, targets = self._prompt_logprob_targets(batch)
+        self.kv_caches, out, plp = self._step(
+            self.params,
+            self.kv_caches,
+            batch.input_ids,
+            _attention_metadata(batch),
+            batch.logits_indices,
+            sampling_md,
+            targets,
+            all_greedy=flags.all_greedy,
+            max_num_logprobs=flags.max_num_logprobs,
+            num_prompt_logprobs=num_plp,
+        )
+        return self._collect(batch, out, plp)
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        ib = self.input_batch
+        for req_id in so.finished_req_ids:
+            self._prompt_logprobs.pop(req_id, None)
+            self._num_logprobs.pop(req_id, None)
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            slot = ib.remove(req_id)
+            if slot is not None:
+                self.sampling.clear(slot)
+        for new in so.scheduled_new_reqs:
+            slot = ib.add(
+                new.req_id,
+                new.token_ids,
+                new.num_prompt_tokens,
+                new.block_ids,
+                new.num_computed_tokens,
+            )
+            prompt, outputs = (
+                new.token_ids[: new.num_prompt_tokens],
+                new.token_ids[new.num_prompt_tokens :],
+            )
+            self.sampling.set_request(slot, new.sampling_params, new.seed, prompt, outputs)
+            if new.sampling_params.logprobs is not None:
+                self._num_logprobs[new.req_id] = new.sampling_params.logprobs
+            n = new.sampling_params.prompt_logprobs
+            if n is not None and new.req_id not in self._prompt_logprobs:
+                self._prompt_logprobs[new.req_id] = _PromptLogprobsState(n)
+        for cached in so.scheduled_cached_reqs:
+            ib.update_cached(cached.req_id, cached.num_computed_tokens, cached.new_block_ids)
+
+    def _prompt_logprob_targets(self, batch: PreparedBatch) -> tuple[int | None, np.ndarray]:
+        """i32[T] next prompt token of every scheduled row of a request that still owes prompt
+        logprobs (-1 elsewhere), and the largest top-N asked (None: nobody asked)."""
+        targets = np.full(batch.input_ids.shape, -1, np.int32)
+        most = None
+        ib = self.input_batch
+        for row, start, n in self._rows_owing_prompt_logprobs(batch):
+            slot = batch.slots[row]
+            nxt = batch.positions[start : start + n] + 1  # the token each position predicts
+            ok = nxt < ib.num_prompt_tokens[slot]
+            targets[start : start + n] = np.where(ok, ib.token_ids[slot, np.where(ok, nxt, 0)], -1)
+            num = self._prompt_logprobs[batch.req_ids[row]].num
+            most = num if most is None else max(most, num)
+        return most, targets
+
+    def _rows_owing_prompt_logprobs(self, batch: PreparedBatch):
+        """(row, first token row, scheduled tokens) of requests still owed prompt logprobs."""
+        if not self._prompt_logprobs:
+            return
+        starts = batch.query_start_loc
+        for row, req_id in enumerate(batch.req_ids):
+            state = self._prompt_logprobs.get(req_id)
+            if state is not None and not state.done:
+                yield row, int(starts[row]), int(batch.num_scheduled[row])
+
+    def _collect(self, batch: PreparedBatch, out: Any, plp: Any) -> ModelRunnerOutput:
+        """Sampled tokens (and logprobs) back to the host; the persistent rows learn them."""
+        rows = np.flatnonzero(batch.sampling_rows)
+        token_ids = np.asarray(out.token_ids)[rows]
+        slots = batch.slots[rows]
+        self.input_batch.append_tokens(slots, token_ids)
+        self.sampling.append_output_tokens(slots, token_ids)
+        req_ids = [batch.req_ids[r] for r in rows.tolist()]
+        result = ModelRunnerOutput(
+            req_ids=req_ids, sampled_token_ids=[[t] for t in token_ids.tolist()]
+        )
+        if out.logprobs.shape[1]:
+            host = jax.device_get(out)
+            for r, req_id in zip(rows.tolist(), req_ids, strict=True):
+                num = self._num_logprobs.get(req_id)
+                if num is not None:
+                    result.logprobs[req_id] = [host.token_logprobs(r, num)]
+        if plp is not None:
+            self._collect_prompt_logprobs(batch, jax.device_get(plp), result)
+        return result
+
+    def _collect_prompt_logprobs(self, batch: PreparedBatch, plp: Any, result) -> None:
+        """Prompt logprobs of the positions computed this step, each emitted once (a request
+        preempted mid-prompt recomputes positions it already reported: they are skipped)."""
+        ib = self.input_batch
+        for row, start, n in list(self._rows_owing_prompt_logprobs(batch)):
+            req_id = batch.req_ids[row]
+            state = self._prompt_logprobs[req_id]
+            num_prompt = int(ib.num_prompt_tokens[batch.slots[row]])
+            first = int(batch.positions[start])
+            # Position p predicts prompt token p + 1; emit p in [state.next_pos, num_prompt - 1).
+            lo = max(first, state.next_pos)
+            hi = min(first + n, num_prompt - 1)
+            if hi > lo:
+                rows = np.arange(start + lo - first, start + hi - first)
+                result.prompt_logprobs[req_id] = to_token_logprobs(
+                    plp.logprobs[rows], plp.token_ids[rows], plp.ranks[rows], state.num
+                )
+                state.next_pos = hi
+            if state.next_pos >= num_prompt - 1:
+                state.done = True
+
+
+@dataclass
+class _PromptLogprobsState:
+    num: int  # top-N asked
+    next_pos: int = 0  # next position whose prediction (of prompt token next_pos + 1) is owed
+    done: bool = False
+
+
+def _attention_metadata(batch: PreparedBatch) -> AttentionMetadata:
+    return AttentionMetadata(
+        positions=batch.positions,
+        slot_mapping=batch.slot_mapping,
+        block_tables=batch.block_tables,
+        seq_lens=batch.seq_lens,
+        query_start_loc=batch.query_start_loc,
+        num_seqs=batch.num_seqs,
+    )
+
+
+def _copy_blocks(kv_caches, src: jax.Array, dst: jax.Array):
+    """Copy-on-write: pages src[i] -> dst[i] in every layer (K and V). In place (donated)."""
+    return [(k.at[:, dst].set(k[:, src]), v.at[:, dst].set(v[:, src])) for k, v in kv_caches]
