@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.core.block_pool import BlockPool
 from jaxserve.core.sched.output import SchedulerOutput
 from jaxserve.core.sched.scheduler import Scheduler
@@ -248,3 +249,33 @@ def merge_output(results: dict[str, EngineCoreOutput], out: EngineCoreOutput) ->
     acc.finish_reason = out.finish_reason
     acc.stop_reason = out.stop_reason
     acc.num_cached_tokens = out.num_cached_tokens
+
+
+def make_scheduler(
+    num_blocks: int = 64,
+    block_size: int = 4,
+    budget: int = 32,
+    max_seqs: int = 8,
+    max_model_len: int = 256,
+    caching: bool = True,
+    policy: str = "fcfs",
+) -> tuple[Scheduler, FakeRunner]:
+    sched = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=max_seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=max_model_len,
+            policy=policy,
+        ),
+        CacheConfig(block_size=block_size, enable_prefix_caching=caching),
+        num_blocks,
+    )
+    return sched, FakeRunner(num_blocks, block_size, sched.kv_cache_manager.block_pool)
+
+
+def step(sched: Scheduler, runner: FakeRunner) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
+    """One engine step, with the invariants checked after it."""
+    so = sched.schedule()
+    outs = sched.update_from_output(so, runner.execute(so))
+    check_invariants(sched)
+    return so, outs

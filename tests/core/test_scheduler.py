@@ -9,43 +9,15 @@ from sched_fake_model import (
     check_all_free,
     check_invariants,
     make_request,
+    make_scheduler,
     reference_output,
     run_to_completion,
 )
+from sched_fake_model import step as _step
 
-from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.core.sched.scheduler import Scheduler
 from jaxserve.outputs import ModelRunnerOutput
 from jaxserve.request import RequestStatus
-
-
-def make_scheduler(
-    num_blocks: int = 64,
-    block_size: int = 4,
-    budget: int = 32,
-    max_seqs: int = 8,
-    max_model_len: int = 256,
-    caching: bool = True,
-    policy: str = "fcfs",
-) -> tuple[Scheduler, FakeRunner]:
-    sched = Scheduler(
-        SchedulerConfig(
-            max_num_seqs=max_seqs,
-            max_num_batched_tokens=budget,
-            max_model_len=max_model_len,
-            policy=policy,
-        ),
-        CacheConfig(block_size=block_size, enable_prefix_caching=caching),
-        num_blocks,
-    )
-    return sched, FakeRunner(num_blocks, block_size, sched.kv_cache_manager.block_pool)
-
-
-def _step(sched: Scheduler, runner: FakeRunner):
-    so = sched.schedule()
-    outs = sched.update_from_output(so, runner.execute(so))
-    check_invariants(sched)
-    return so, outs
 
 
 def test_single_request_matches_reference_and_frees_everything() -> None:
