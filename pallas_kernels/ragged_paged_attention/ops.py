@@ -1,14 +1,60 @@
-"""One entry point for every ragged paged attention implementation, chosen by name."""
+"""One entry point for every ragged paged attention implementation, chosen by name.
+
+Backends:
+    "reference"   pure jnp (reference.py): the ground truth and the CPU default.
+    "pallas"      this project's Pallas kernel for the platform jax runs on: the Triton-lowered
+                  GPU kernel on GPU, the Mosaic kernel on TPU, and the GPU kernel in interpret
+                  mode on CPU (slow; for tests).
+    "pallas_gpu"  the GPU kernel; native on GPU, interpret mode elsewhere.
+    "pallas_tpu"  the TPU kernel; native on TPU, interpret mode elsewhere.
+
+The page-writing side (write_kv) stays an XLA scatter: with the cache donated to the step it
+updates the pages in place, and it must complete before attention reads the new tokens anyway.
+"""
 
 from __future__ import annotations
 
 import jax
 
+from jaxserve.pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
 from jaxserve.pallas_kernels.ragged_paged_attention.reference import (
     ragged_paged_attention_reference,
 )
+from jaxserve.pallas_kernels.ragged_paged_attention.tpu import ragged_paged_attention_tpu
 
-BACKENDS = ("reference",)
+BACKENDS = ("reference", "pallas", "pallas_gpu", "pallas_tpu")
+
+
+def default_attention_backend(platform: str | None = None) -> str:
+    """The backend attention_backend="auto" resolves to: "pallas" on gpu/tpu, "reference" on
+    cpu (interpret mode is far slower than the jnp reference there).
+
+    Args:
+        platform: a jax platform name ("cpu", "gpu", "cuda", "rocm", "tpu"); default: the
+            platform of jax.default_backend().
+    """
+    platform = jax.default_backend() if platform is None else platform
+    return "pallas" if platform in ("gpu", "cuda", "rocm", "tpu") else "reference"
+
+
+def resolve_backend(backend: str, platform: str | None = None) -> tuple[str, bool]:
+    """Map a backend name to (kernel, interpret) for a platform: kernel is "reference", "gpu"
+    or "tpu"; interpret is True when the kernel cannot run natively there.
+
+    Raises:
+        ValueError: an unknown backend name.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
+    platform = jax.default_backend() if platform is None else platform
+    on_gpu = platform in ("gpu", "cuda", "rocm")
+    if backend == "reference":
+        return "reference", False
+    if backend == "pallas":
+        return ("tpu", False) if platform == "tpu" else ("gpu", not on_gpu)
+    if backend == "pallas_gpu":
+        return "gpu", not on_gpu
+    return "tpu", platform != "tpu"
 
 
 def ragged_paged_attention(
@@ -25,10 +71,17 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     backend: str = "reference",
 ) -> jax.Array:  # [T, N, H]
-    """Attention of the ragged batch over the paged KV cache; see reference.py for semantics."""
-    if backend == "reference":
-        return ragged_paged_attention_reference(
-            q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs,
-            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        )
-    raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
+    """Attention of the ragged batch over the paged KV cache; see reference.py for semantics.
+
+    Raises:
+        ValueError: an unknown backend, or inputs the chosen kernel rejects (naming the
+            argument, its value and the limit).
+    """
+    kernel, interpret = resolve_backend(backend)
+    args = (q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs)
+    options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    if kernel == "reference":
+        return ragged_paged_attention_reference(*args, **options)
+    if kernel == "gpu":
+        return ragged_paged_attention_gpu(*args, **options, interpret=interpret)
+    return ragged_paged_attention_tpu(*args, **options, interpret=interpret)

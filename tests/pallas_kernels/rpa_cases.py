@@ -1,0 +1,115 @@
+"""The shared test grid of ragged paged attention: shapes, batches and option variants, and a
+builder of the seven input arrays. Every kernel is checked against the reference on it.
+
+Shapes are tiny because interpret mode is slow; the batch shape (T=32 token rows, R=8 sequence
+slots, B=4 pages per block table) is the same for every case, so the batch kinds of one shape
+share one compilation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+NUM_TOKENS = 32  # T, padded: every batch below leaves padding rows
+NUM_SLOTS = 8  # R, padded: every batch below has fewer sequences
+TABLE_WIDTH = 4  # B
+NUM_PAGES = NUM_SLOTS * TABLE_WIDTH + 5  # S; page 0 is the null page
+NUM_Q_HEADS = 8  # N
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    head_dim: int  # H
+    group: int  # N // K
+    page_size: int  # P
+
+    @property
+    def id(self) -> str:
+        return f"H{self.head_dim}-G{self.group}-P{self.page_size}"
+
+
+# All pairs of (head dim, GQA ratio, page size) values appear in some shape (pairwise cover).
+SHAPES = [
+    Shape(64, 1, 16),
+    Shape(64, 4, 32),
+    Shape(64, 8, 16),
+    Shape(128, 1, 32),
+    Shape(128, 4, 16),
+    Shape(128, 8, 32),
+]
+
+
+def batch(kind: str, page_size: int) -> list[tuple[int, int]]:
+    """(q_len, kv_len) per real sequence. Contexts end exactly on (k * P) and just past
+    (k * P + 1) page boundaries; prefill rows include a fresh prompt and chunk continuations."""
+    p = page_size
+    kinds = {
+        "decode": [(1, 1), (1, p), (1, p + 1), (1, 2 * p + 3), (1, 3 * p)],
+        "prefill": [(7, 7), (9, p + 1), (5, 2 * p), (3, 3 * p + 1)],
+        "mixed": [(1, p + 1), (6, 6), (1, 2 * p), (8, p + 8), (1, 3)],
+    }
+    return kinds[kind]
+
+
+BATCH_KINDS = ("decode", "prefill", "mixed")
+# Option variants (sliding window, soft cap, bf16), each run on two shapes.
+VARIANTS = {
+    "window": dict(sliding_window=7),
+    "softcap": dict(soft_cap=2.0),
+    "bf16": dict(dtype=jnp.bfloat16),
+}
+VARIANT_SHAPES = [SHAPES[1], SHAPES[3]]
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 3e-2}
+
+
+def make_inputs(
+    shape: Shape, seqs: list[tuple[int, int]], dtype=jnp.float32, seed: int = 0
+) -> tuple[jax.Array, ...]:
+    """(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs) for the batch `seqs`,
+    each sequence on distinct random pages; padding slots and table entries are 0."""
+    rng = np.random.default_rng(seed)
+    num_kv_heads = NUM_Q_HEADS // shape.group
+    pool = (num_kv_heads, NUM_PAGES, shape.page_size, shape.head_dim)
+    q = rng.standard_normal((NUM_TOKENS, NUM_Q_HEADS, shape.head_dim), np.float32)
+    k_pages = rng.standard_normal(pool, np.float32)
+    v_pages = rng.standard_normal(pool, np.float32)
+    kv_lens = np.zeros(NUM_SLOTS, np.int32)
+    block_tables = np.zeros((NUM_SLOTS, TABLE_WIDTH), np.int32)
+    cu_q_lens = np.zeros(NUM_SLOTS + 1, np.int32)
+    free_pages = iter(rng.permutation(np.arange(1, NUM_PAGES)))
+    for i, (q_len, kv_len) in enumerate(seqs):
+        num_pages = -(-kv_len // shape.page_size)
+        assert q_len <= kv_len and num_pages <= TABLE_WIDTH
+        kv_lens[i] = kv_len
+        block_tables[i, :num_pages] = [next(free_pages) for _ in range(num_pages)]
+        cu_q_lens[i + 1] = cu_q_lens[i] + q_len
+    cu_q_lens[len(seqs) + 1 :] = cu_q_lens[len(seqs)]
+    assert cu_q_lens[-1] < NUM_TOKENS and len(seqs) < NUM_SLOTS
+    return (
+        jnp.asarray(q, dtype),
+        jnp.asarray(k_pages, dtype),
+        jnp.asarray(v_pages, dtype),
+        jnp.asarray(kv_lens),
+        jnp.asarray(block_tables),
+        jnp.asarray(cu_q_lens),
+        jnp.asarray([len(seqs)], jnp.int32),
+    )
+
+
+def grid_cases() -> list[tuple[str, Shape, str, dict]]:
+    """(id, shape, batch kind, options) for the whole shared grid."""
+    cases = [(f"{shape.id}-{kind}", shape, kind, {}) for shape in SHAPES for kind in BATCH_KINDS]
+    cases += [
+        (f"{shape.id}-mixed-{name}", shape, "mixed", options)
+        for name, options in VARIANTS.items()
+        for shape in VARIANT_SHAPES
+    ]
+    return cases
+
+
+def sm_scale(shape: Shape) -> float:
+    return shape.head_dim**-0.5
