@@ -103,12 +103,89 @@ def _bucket_width(needed: int, minimum: int, capacity: int | None = None) -> int
     return width if capacity is None else min(width, capacity)
 
 
+class _PenaltyLists:
+    """Per slot whose request has a penalty: the distinct token ids of prompt + outputs (columns
+    ``[0, num[slot])``, in order of first appearance after the sorted prompt) and their counts
+    among the outputs; a dict per slot maps a token to its column, so an append costs O(1).
+
+    Columns past a slot's count hold -1 / 0, so a gather of rows needs no mask. The buffers start
+    at the smallest width bucket and grow to the next bucket (up to capacity) when a slot outgrows
+    them: host memory follows the longest list seen, not max_model_len.
+    """
+
+    def __init__(self, num_slots: int, capacity: int) -> None:
+        self.capacity = capacity
+        self.ids = np.full((num_slots, min(MIN_PENALTY_WIDTH, capacity)), -1, np.int32)
+        self.counts = np.zeros_like(self.ids)
+        self.num = np.zeros(num_slots, np.int32)
+        self.tracked = np.zeros(num_slots, bool)
+        self._cols: list[dict[int, int]] = [{} for _ in range(num_slots)]
+
+    def set(self, slot: int, prompt: np.ndarray, outputs: np.ndarray) -> None:
+        self.reset(slot)
+        seen = np.unique(np.concatenate([prompt, outputs]))
+        if seen.size > self.capacity:
+            raise ValueError(
+                f"SamplingInputs.set_request: {seen.size} distinct tokens exceed "
+                f"penalty_capacity={self.capacity}"
+            )
+        self._ensure_width(seen.size)
+        out_ids, out_counts = np.unique(outputs, return_counts=True)
+        self.ids[slot, : seen.size] = seen
+        self.counts[slot, np.searchsorted(seen, out_ids)] = out_counts
+        self.num[slot] = seen.size
+        self._cols[slot] = dict(zip(seen.tolist(), range(seen.size), strict=True))
+        self.tracked[slot] = True
+
+    def reset(self, slot: int) -> None:
+        num = self.num[slot]
+        self.ids[slot, :num] = -1
+        self.counts[slot, :num] = 0
+        self.num[slot] = 0
+        self._cols[slot] = {}
+        self.tracked[slot] = False
+
+    def append(self, slots: list[int], tokens: list[int]) -> None:
+        """Count one output token per (slot, token) pair; every slot must be tracked."""
+        cols = [self._column(slot, token) for slot, token in zip(slots, tokens, strict=True)]
+        np.add.at(self.counts, (np.array(slots, np.int64), np.array(cols, np.int64)), 1)
+
+    def gather(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Rows ``idx`` at the bucketed width W of their longest list: (i32[R, W], i32[R, W])."""
+        width = _bucket_width(int(self.num[idx].max()), MIN_PENALTY_WIDTH, self.capacity)
+        return self.ids[idx, :width], self.counts[idx, :width]
+
+    def _column(self, slot: int, token: int) -> int:
+        cols = self._cols[slot]
+        col = cols.get(token)
+        if col is None:
+            col = len(cols)
+            if col == self.capacity:
+                raise ValueError(
+                    f"SamplingInputs: slot {slot} has more than penalty_capacity="
+                    f"{self.capacity} distinct tokens"
+                )
+            self._ensure_width(col + 1)
+            cols[token] = col
+            self.ids[slot, col] = token
+            self.num[slot] = col + 1
+        return col
+
+    def _ensure_width(self, needed: int) -> None:
+        width = self.ids.shape[1]
+        if needed <= width:
+            return
+        grown = _bucket_width(needed, MIN_PENALTY_WIDTH, self.capacity)
+        pad = ((0, 0), (0, grown - width))
+        self.ids = np.pad(self.ids, pad, constant_values=-1)
+        self.counts = np.pad(self.counts, pad)
+
+
 class SamplingInputs:
     """Persistent per-slot numpy buffers of sampling settings, and the per-step builder.
 
-    Penalty lists: for a slot whose request has a penalty, the distinct ids of prompt + outputs
-    (columns ``[0, num_penalty_ids)``) with their output counts; a Python dict maps a token to its
-    column so an appended token costs O(1). Slots without penalties track nothing.
+    Penalty lists (_PenaltyLists): for a slot whose request has a penalty, the distinct ids of
+    prompt + outputs with their output counts. Slots without penalties track nothing.
     Ban lists: for a slot whose request has ``min_tokens > 0``, EOS (unless ignore_eos) and the
     stop token ids; ``build`` emits them only for rows with ``output_pos < min_tokens``.
 
@@ -148,13 +225,7 @@ class SamplingInputs:
         self._seeds = np.zeros((n, 2), np.uint32)
         self._num_logprobs = np.full(n, -1, np.int32)  # -1 = logprobs not asked
         self._min_tokens = np.zeros(n, np.int32)
-        # Columns at or past a slot's count are stale and masked by build, so clear is O(1) and
-        # np.zeros pages of slots that never use penalties are never touched.
-        self._num_penalty_ids = np.zeros(n, np.int32)
-        self._penalty_ids = np.zeros((n, self.penalty_capacity), np.int32)
-        self._penalty_counts = np.zeros((n, self.penalty_capacity), np.int32)
-        self._penalty_cols: list[dict[int, int] | None] = [None] * n  # token -> column
-        self._tracked = np.zeros(n, bool)  # the slot's request has a penalty
+        self._penalties = _PenaltyLists(n, self.penalty_capacity)
         self._num_banned = np.zeros(n, np.int32)
         self._banned = np.zeros((n, MIN_BAN_WIDTH), np.int32)
 
@@ -198,37 +269,30 @@ class SamplingInputs:
         self._repetition[slot] = params.repetition_penalty
         self._seeds[slot] = (int(seed) >> 32, int(seed) & 0xFFFFFFFF)
         self._num_logprobs[slot] = -1 if params.logprobs is None else params.logprobs
-        self._set_penalty_list(slot, params, prompt, outputs)
+        has_penalty = (
+            params.presence_penalty != 0.0
+            or params.frequency_penalty != 0.0
+            or params.repetition_penalty != 1.0
+        )
+        if has_penalty:
+            self._penalties.set(slot, prompt, outputs)
+        else:
+            self._penalties.reset(slot)
         self._set_ban_list(slot, params)
 
     def append_output_token(self, slot: int, token: int) -> None:
         """Record a sampled token of the request in ``slot`` (only penalty slots keep them)."""
         self._check_slot(slot)
-        if not self._tracked[slot]:
-            return
-        cols = self._penalty_cols[slot]
-        assert cols is not None  # tracked slots always have their column map
-        col = cols.get(token)
-        if col is None:
-            col = int(self._num_penalty_ids[slot])
-            if col == self.penalty_capacity:
-                raise ValueError(
-                    f"SamplingInputs: slot {slot} has more than penalty_capacity="
-                    f"{self.penalty_capacity} distinct tokens"
-                )
-            cols[token] = col
-            self._penalty_ids[slot, col] = token
-            self._penalty_counts[slot, col] = 0
-            self._num_penalty_ids[slot] = col + 1
-        self._penalty_counts[slot, col] += 1
+        if self._penalties.tracked[slot]:
+            self._penalties.append([slot], [token])
 
     def append_output_tokens(self, slots: np.ndarray, tokens: np.ndarray) -> None:
-        """Batched ``append_output_token``: one vectorised filter, then a Python loop over the
-        penalty slots only (usually none)."""
+        """Batched ``append_output_token`` (the per-step path): a vectorised filter, then a dict
+        look-up per token of a penalty slot only (usually none)."""
         slots, tokens = np.asarray(slots), np.asarray(tokens)
-        tracked = self._tracked[slots]
-        for slot, token in zip(slots[tracked].tolist(), tokens[tracked].tolist(), strict=True):
-            self.append_output_token(slot, token)
+        tracked = self._penalties.tracked[slots]
+        if tracked.any():
+            self._penalties.append(slots[tracked].tolist(), tokens[tracked].tolist())
 
     def clear(self, slot: int) -> None:
         """Empty ``slot`` (the request finished or was preempted): back to neutral settings."""
@@ -239,9 +303,7 @@ class SamplingInputs:
             self._frequency, self._repetition, self._seeds, self._num_logprobs, self._min_tokens,
         ):  # fmt: skip
             buf[slot] = buf[neutral]
-        self._num_penalty_ids[slot] = 0
-        self._penalty_cols[slot] = None
-        self._tracked[slot] = False
+        self._penalties.reset(slot)
         self._num_banned[slot] = 0
 
     # ----- per step -----
@@ -282,7 +344,7 @@ class SamplingInputs:
         idx[:num_rows] = slots
         padded_pos = np.zeros(padded_rows, np.int32)
         padded_pos[:num_rows] = pos
-        ids, counts = self._gather_penalty_lists(idx)
+        ids, counts = self._penalties.gather(idx)
         return SamplingMetadata(
             temperature=self._temperature[idx],
             top_k=self._top_k[idx],
@@ -311,47 +373,11 @@ class SamplingInputs:
 
     # ----- helpers -----
 
-    def _gather_penalty_lists(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        num = self._num_penalty_ids[idx]  # i32[R]
-        width = _bucket_width(int(num.max()), MIN_PENALTY_WIDTH, self.penalty_capacity)
-        live = np.arange(width) < num[:, None]  # bool[R, W]
-        ids = np.where(live, self._penalty_ids[idx, :width], -1).astype(np.int32, copy=False)
-        counts = np.where(live, self._penalty_counts[idx, :width], 0).astype(np.int32, copy=False)
-        return ids, counts
-
     def _gather_ban_lists(self, idx: np.ndarray, pos: np.ndarray) -> np.ndarray:
         num = np.where(pos < self._min_tokens[idx], self._num_banned[idx], 0)  # i32[R]
         width = _bucket_width(int(num.max()), MIN_BAN_WIDTH)
         live = np.arange(width) < num[:, None]  # bool[R, B]
         return np.where(live, self._banned[idx, :width], -1).astype(np.int32, copy=False)
-
-    def _set_penalty_list(
-        self, slot: int, params: SamplingParams, prompt: np.ndarray, outputs: np.ndarray
-    ) -> None:
-        self._num_penalty_ids[slot] = 0
-        self._penalty_cols[slot] = None
-        self._tracked[slot] = False
-        has_penalty = (
-            params.presence_penalty != 0.0
-            or params.frequency_penalty != 0.0
-            or params.repetition_penalty != 1.0
-        )
-        if not has_penalty:
-            return
-        seen = np.unique(np.concatenate([prompt, outputs]))
-        if seen.size > self.penalty_capacity:
-            raise ValueError(
-                f"SamplingInputs.set_request: {seen.size} distinct tokens exceed "
-                f"penalty_capacity={self.penalty_capacity}"
-            )
-        out_ids, out_counts = np.unique(outputs, return_counts=True)
-        counts = np.zeros(seen.size, np.int32)
-        counts[np.searchsorted(seen, out_ids)] = out_counts
-        self._penalty_ids[slot, : seen.size] = seen
-        self._penalty_counts[slot, : seen.size] = counts
-        self._num_penalty_ids[slot] = seen.size
-        self._penalty_cols[slot] = dict(zip(seen.tolist(), range(seen.size), strict=True))
-        self._tracked[slot] = True
 
     def _set_ban_list(self, slot: int, params: SamplingParams) -> None:
         self._min_tokens[slot] = params.min_tokens
