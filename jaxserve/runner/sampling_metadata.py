@@ -122,13 +122,13 @@ class _PenaltyLists:
         self._cols: list[dict[int, int]] = [{} for _ in range(num_slots)]
 
     def set(self, slot: int, prompt: np.ndarray, outputs: np.ndarray) -> None:
-        self.reset(slot)
         seen = np.unique(np.concatenate([prompt, outputs]))
-        if seen.size > self.capacity:
+        if seen.size > self.capacity:  # checked before anything changes
             raise ValueError(
                 f"SamplingInputs.set_request: {seen.size} distinct tokens exceed "
                 f"penalty_capacity={self.capacity}"
             )
+        self.reset(slot)
         self._ensure_width(seen.size)
         out_ids, out_counts = np.unique(outputs, return_counts=True)
         self.ids[slot, : seen.size] = seen
@@ -256,6 +256,15 @@ class SamplingInputs:
             raise ValueError(f"SamplingInputs.set_request: seed must be in [0, 2**63), got {seed}")
         prompt = self._check_tokens("prompt_token_ids", prompt_token_ids)
         outputs = self._check_tokens("output_token_ids", output_token_ids)
+        has_penalty = (
+            params.presence_penalty != 0.0
+            or params.frequency_penalty != 0.0
+            or params.repetition_penalty != 1.0
+        )
+        if has_penalty:  # first: the one step that can still raise
+            self._penalties.set(slot, prompt, outputs)
+        else:
+            self._penalties.reset(slot)
         greedy = params.temperature < GREEDY_TEMPERATURE_EPS
         self._temperature[slot] = 0.0 if greedy else params.temperature
         # A greedy row ignores the masks; neutral values keep it from switching on the top-k /
@@ -269,15 +278,6 @@ class SamplingInputs:
         self._repetition[slot] = params.repetition_penalty
         self._seeds[slot] = (int(seed) >> 32, int(seed) & 0xFFFFFFFF)
         self._num_logprobs[slot] = -1 if params.logprobs is None else params.logprobs
-        has_penalty = (
-            params.presence_penalty != 0.0
-            or params.frequency_penalty != 0.0
-            or params.repetition_penalty != 1.0
-        )
-        if has_penalty:
-            self._penalties.set(slot, prompt, outputs)
-        else:
-            self._penalties.reset(slot)
         self._set_ban_list(slot, params)
 
     def append_output_token(self, slot: int, token: int) -> None:

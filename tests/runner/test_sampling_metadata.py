@@ -99,7 +99,10 @@ def test_penalty_width_is_zero_without_penalty_rows_and_bucketed_otherwise() -> 
     inputs.append_output_token(1, 4000)
     assert _lists(_build(inputs, [1], 1), 0)[4000] == 1
     with pytest.raises(ValueError, match="penalty_capacity=2000"):
-        inputs.set_request(2, PENALISED, 0, list(range(2001)))
+        inputs.set_request(1, SamplingParams(presence_penalty=1.0), 9, list(range(2001)))
+    before = _build(inputs, [1], 1)  # the failed call changed nothing
+    assert before.presence_penalty[0] == 0.0 and before.seeds[0, 1] == 0
+    assert _lists(before, 0) == {**dict.fromkeys(range(300), 0), 4000: 1}
 
 
 def test_penalty_buffers_grow_when_outputs_outgrow_them() -> None:
