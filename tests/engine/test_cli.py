@@ -264,8 +264,10 @@ def test_generate_end_to_end(tmp_path: pathlib.Path, capsys: pytest.CaptureFixtu
     out = tmp_path / "out.jsonl"
     argv = [
         "generate", "--input", str(prompts), "--output", str(out), "--no-progress",
-        "--max-tokens", "4", "--temperature", "0", "--max-model-len", "64",
-        "--num-kv-blocks", "32", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
+        "--max-tokens", "4", "--temperature", "0",
+        # One token bucket (16) and one request bucket (8): a single XLA compilation.
+        "--max-model-len", "32", "--num-kv-blocks", "16", "--max-num-seqs", "8",
+        "--max-num-batched-tokens", "16",
     ]  # fmt: skip
     assert cli.main(argv) == 0
     records = [json.loads(line) for line in out.read_text().splitlines()]
