@@ -102,6 +102,8 @@ def build_runner(config: EngineConfig) -> tuple[ModelRunner, RunnerInfo]:
         max_model_len=max_model_len,
         eos_token_ids=ckpt.eos_token_ids,
     )
+    if config.runner.warmup:
+        runner.warmup()
     info = RunnerInfo(
         config=resolved,
         vocab_size=ckpt.arch.vocab_size,

@@ -40,6 +40,26 @@ class PreparedBatch:
     sampling_rows: np.ndarray
 
 
+    @classmethod
+    def padding(cls, padded_tokens: int, padded_rows: int, width: int) -> PreparedBatch:
+        """An all-padding batch of the given buckets (no real request): for warm-up."""
+        zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+        return cls(
+            req_ids=[],
+            slots=zeros(0),
+            num_scheduled=zeros(0),
+            input_ids=zeros(padded_tokens),
+            positions=zeros(padded_tokens),
+            slot_mapping=zeros(padded_tokens),
+            block_tables=zeros(padded_rows, width),
+            seq_lens=zeros(padded_rows),
+            query_start_loc=zeros(padded_rows + 1),
+            num_seqs=zeros(1),
+            logits_indices=zeros(padded_rows),
+            sampling_rows=np.zeros(0, bool),
+        )
+
+
 class InputBatch:
     """Per-slot token ids, block tables and counters of the requests the runner holds."""
 

@@ -116,6 +116,26 @@ class ModelRunner:
             plp = prompt_logprobs(all_logits, prompt_targets, num=num_prompt_logprobs)
         return kv_caches, out, plp
 
+    def warmup(self, shapes: list[tuple[int, int, int]] | None = None) -> int:
+        """Compile the step for every (T, R, B) bucket (default: all of them) in its plain
+        variant (greedy or sampled rows without penalties, bans or logprobs), by running it on an
+        all-padding batch: every token writes into the null block, nothing real is touched.
+
+        Returns the number of compilations this caused.
+        """
+        before = self._num_traces
+        for padded_tokens, padded_rows, width in shapes or self.buckets.all_shapes():
+            batch = PreparedBatch.padding(padded_tokens, padded_rows, width)
+            md = SamplingMetadata.neutral(padded_rows, self.vocab_size)
+            for all_greedy in (True, False):
+                self.kv_caches, out, _ = self._step(
+                    self.params, self.kv_caches, batch.input_ids, _attention_metadata(batch),
+                    batch.logits_indices, md, batch.input_ids, all_greedy=all_greedy,
+                    max_num_logprobs=None, num_prompt_logprobs=None,
+                )
+        jax.block_until_ready(out.token_ids)
+        return self._num_traces - before
+
     # ---- per step -------------------------------------------------------------------------
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)

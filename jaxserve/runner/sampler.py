@@ -112,7 +112,8 @@ def prompt_logprobs(logits: jax.Array, target_ids: jax.Array, *, num: int) -> Lo
 
     Args:
         logits: f32[T', V] raw logits at prompt positions.
-        target_ids: i32[T'] the prompt token that follows each position.
+        target_ids: i32[T'] the prompt token that follows each position; a negative id marks a
+            position the caller ignores (its row holds unspecified values, nothing fails).
         num: N top logprobs per position (static).
     Returns:
         LogprobsArrays with 1 + num columns.
@@ -228,7 +229,7 @@ def _logprobs(raw: jax.Array, token_ids: jax.Array, num: int | None) -> Logprobs
     if num < 0:
         raise ValueError(f"max_num_logprobs must be None or >= 0, got {num}")
     lp = jax.nn.log_softmax(raw, axis=-1)  # f32[X, V]
-    token_lp = jnp.take_along_axis(lp, token_ids[:, None], axis=1)  # f32[X, 1]
+    token_lp = jnp.take_along_axis(lp, token_ids[:, None], axis=1, mode="clip")  # f32[X, 1]
     token_rank = 1 + jnp.sum(lp > token_lp, axis=-1, dtype=jnp.int32)[:, None]
     top_lp, top_ids = lax.top_k(lp, num)  # [X, N]
     top_ranks = jnp.broadcast_to(jnp.arange(1, num + 1, dtype=jnp.int32), (num_rows, num))
