@@ -4,7 +4,6 @@ end-to-end run of ``jaxserve generate`` on the built-in demo model."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import io
 import json
 import pathlib
@@ -246,10 +245,6 @@ def test_subcommand_hook(
     assert capsys.readouterr().out == "converting ckpt\n"
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("jaxserve.engine.llm") is None,
-    reason="jaxserve.engine.llm (the LLM class) is not there yet",
-)
 def test_generate_end_to_end(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
     from jaxserve.checkpoints_tools.tiny_random import build_tiny_tokenizer
 
