@@ -289,6 +289,9 @@ def test_prompt_logprobs() -> None:
     np.testing.assert_array_equal(got.token_ids[:, 1:], np.argsort(-lp, axis=1)[:, :3])
     zero = prompt_logprobs(logits, targets, num=0)
     assert zero.logprobs.shape == (10, 1)
+    ignored = prompt_logprobs(logits, np.where(np.arange(10) < 5, targets, -1), num=3)
+    np.testing.assert_allclose(ignored.logprobs[:5], got.logprobs[:5], rtol=1e-6)
+    assert np.isfinite(np.asarray(ignored.logprobs)).all()
     with pytest.raises(ValueError, match="target_ids"):
         prompt_logprobs(logits, targets[:5], num=3)
 
