@@ -77,7 +77,9 @@ def _layer_specs(a: ModelArchConfig, i: int) -> dict[str, TensorSpec]:
     hf, layer = f"model.layers.{i}.", f"layers_{i}"
     d, f = a.hidden_size, a.intermediate_size
     specs = _attention_specs(a, i)
-    specs[f"{hf}input_layernorm.weight"] = TensorSpec((layer, "input_norm", "scale"), (d,), _identity)
+    specs[f"{hf}input_layernorm.weight"] = TensorSpec(
+        (layer, "input_norm", "scale"), (d,), _identity
+    )
     specs[f"{hf}post_attention_layernorm.weight"] = TensorSpec(
         (layer, "post_attn_norm", "scale"), (d,), _identity
     )
@@ -89,7 +91,9 @@ def _layer_specs(a: ModelArchConfig, i: int) -> dict[str, TensorSpec]:
 def hf_tensor_specs(a: ModelArchConfig) -> dict[str, TensorSpec]:
     """Every tensor a checkpoint of `a` must hold, by HF name (lm_head only when untied)."""
     specs = {
-        "model.embed_tokens.weight": TensorSpec(("embed",), (a.vocab_size, a.hidden_size), _identity),
+        "model.embed_tokens.weight": TensorSpec(
+            ("embed",), (a.vocab_size, a.hidden_size), _identity
+        ),
         "model.norm.weight": TensorSpec(("final_norm", "scale"), (a.hidden_size,), _identity),
     }
     if not a.tie_word_embeddings:

@@ -97,9 +97,19 @@ class ModelArchConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.architecture, str) or not self.architecture:
-            raise ValueError(f"ModelArchConfig.architecture must be a name, got {self.architecture!r}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            raise ValueError(
+                f"ModelArchConfig.architecture must be a name, got {self.architecture!r}"
+            )
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             _check_positive_int(name, getattr(self, name))
         if self.num_heads % self.num_kv_heads:
             raise ValueError(

@@ -11,6 +11,9 @@ always passed in and returned, so the methods are safe to jit with the object bo
 
 from __future__ import annotations
 
+import functools
+import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -79,24 +82,14 @@ class CausalLM:
         )
 
     def init_params(self, rng: jax.Array) -> dict[str, Any]:
-        """Random params: matrices ~ normal(0, arch.initializer_range), norm scales 1, biases 0.
+        """Random params, deterministic in `rng`: matrices ~ normal(0, arch.initializer_range),
+        norm scales 1, biases 0 (the modules' declared initializers).
 
-        Traces one dummy token through the model to create the variables (cheap; under
-        jax.eval_shape it allocates nothing).
+        The normals come from one flat float32 stream sliced in the params' flattened order: one
+        RNG kernel to compile instead of one per shape (threefry compiles take ~1 s each on
+        CPU). Traceable: under jax.eval_shape it allocates nothing.
         """
-        a = self.arch
-        kv = [(jnp.zeros(self.kv_cache_shape(1, 1), self.dtype),) * 2] * a.num_layers
-        md = AttentionMetadata(
-            positions=jnp.zeros((1,), jnp.int32),
-            slot_mapping=jnp.zeros((1,), jnp.int32),
-            block_tables=jnp.zeros((1, 1), jnp.int32),
-            seq_lens=jnp.ones((1,), jnp.int32),
-            query_start_loc=jnp.array([0, 1], jnp.int32),
-            num_seqs=jnp.ones((1,), jnp.int32),
-        )
-        ids = jnp.zeros((1,), jnp.int32)
-        init = jax.jit(lambda r: self._module.init(r, ids, kv, md)["params"])
-        return init(rng)
+        return _init_fn(self.arch, self.dtype.name, self.attention_backend)(rng)
 
     def forward(
         self,
@@ -126,13 +119,13 @@ class CausalLM:
     def kv_cache_bytes_per_block(self, block_size: int, dtype: Any) -> int:
         """Bytes one KV block takes across all layers, K and V together."""
         a = self.arch
-        return 2 * a.num_layers * a.num_kv_heads * block_size * a.head_dim * jnp.dtype(
-            dtype
-        ).itemsize
+        return (
+            2 * a.num_layers * a.num_kv_heads * block_size * a.head_dim * jnp.dtype(dtype).itemsize
+        )
 
     def param_shapes(self) -> dict[str, Any]:
         """The params pytree as jax.ShapeDtypeStruct leaves (allocates nothing)."""
-        return jax.eval_shape(self.init_params, jax.random.key(0))
+        return _param_shapes(self.arch, self.dtype.name, self.attention_backend)
 
     def param_partition_specs(self) -> dict[str, Any]:
         """PartitionSpecs matching the params pytree, for TP over a mesh axis named "tp".
@@ -155,6 +148,76 @@ class CausalLM:
         """Parameter count (from shapes only)."""
         leaves = jax.tree_util.tree_leaves(self.param_shapes())
         return int(sum(np.prod(leaf.shape) for leaf in leaves))
+
+
+def _dummy_inputs(arch: ModelArchConfig, dtype: jnp.dtype) -> tuple[Any, ...]:
+    """One token of one sequence in a one-page cache: enough to trace every parameter."""
+    kv = [(jax.ShapeDtypeStruct((arch.num_kv_heads, 1, 1, arch.head_dim), dtype),) * 2]
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    md = AttentionMetadata(
+        positions=i32(1),
+        slot_mapping=i32(1),
+        block_tables=i32(1, 1),
+        seq_lens=i32(1),
+        query_start_loc=i32(2),
+        num_seqs=i32(1),
+    )
+    return i32(1), kv * arch.num_layers, md
+
+
+@functools.lru_cache(maxsize=32)
+def _param_shapes(arch: ModelArchConfig, dtype: str, backend: str) -> dict[str, Any]:
+    module = Decoder(arch, jnp.dtype(dtype), backend)
+    init = lambda rng, *inputs: module.init(rng, *inputs)["params"]
+    return jax.eval_shape(init, jax.random.key(0), *_dummy_inputs(arch, jnp.dtype(dtype)))
+
+
+_INIT_CHUNK = 1 << 20  # normals drawn per fixed-size chunk: one kernel, any model size
+_ONES = ("scale", "q_norm", "k_norm")  # norm scales
+_ZEROS = ("q_bias", "k_bias", "v_bias", "o_bias")
+_NORMAL = (
+    "embed",
+    "lm_head",
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
+
+
+@functools.lru_cache(maxsize=32)
+def _init_fn(arch: ModelArchConfig, dtype: str, backend: str) -> Callable[[jax.Array], Any]:
+    """A jitted rng -> params, cached per architecture so rebuilding a model recompiles nothing."""
+    shapes = _param_shapes(arch, dtype, backend)
+    paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    names = [path[-1].key for path, _ in paths_leaves]
+    unknown = set(names) - set(_ONES + _ZEROS + _NORMAL)
+    assert not unknown, f"no init policy for params {unknown}"
+    sizes = [
+        math.prod(leaf.shape) if name in _NORMAL else 0
+        for name, (_, leaf) in zip(names, paths_leaves, strict=True)
+    ]
+
+    num_chunks = -(-sum(sizes) // _INIT_CHUNK)
+
+    def init(rng: jax.Array) -> Any:
+        chunk = lambda i: jax.random.normal(jax.random.fold_in(rng, i), (_INIT_CHUNK,))
+        stream = jax.lax.map(chunk, jnp.arange(num_chunks))  # f32[chunks, _INIT_CHUNK]
+        stream = stream.reshape(-1) * arch.initializer_range  # f32[chunks * _INIT_CHUNK]
+        leaves, offset = [], 0
+        for name, (_, leaf), size in zip(names, paths_leaves, sizes, strict=True):
+            if name in _NORMAL:
+                value = stream[offset : offset + size].reshape(leaf.shape)
+            else:
+                value = jnp.full(leaf.shape, 1.0 if name in _ONES else 0.0)
+            leaves.append(value.astype(leaf.dtype))
+            offset += size
+        return jax.tree_util.tree_unflatten(treedef, leaves)
+
+    return jax.jit(init)
 
 
 def get_model(

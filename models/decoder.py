@@ -60,7 +60,5 @@ class Decoder(nn.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:  # f[R, D] -> f32[R, V]
         if self.arch.tie_word_embeddings:
-            return jnp.einsum(
-                "RD,VD->RV", hidden, self.embed, preferred_element_type=jnp.float32
-            )
+            return jnp.einsum("RD,VD->RV", hidden, self.embed, preferred_element_type=jnp.float32)
         return jnp.einsum("RD,DV->RV", hidden, self.lm_head, preferred_element_type=jnp.float32)

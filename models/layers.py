@@ -78,8 +78,16 @@ class Attention(nn.Module):
         v = self._project(x, "v", a.num_kv_heads)  # [T, K, H]
         k_pages, v_pages = write_kv(*kv_cache, k, v, md.slot_mapping)
         out = ragged_paged_attention(
-            q, k_pages, v_pages, md.seq_lens, md.block_tables, md.query_start_loc, md.num_seqs,
-            sm_scale=a.head_dim**-0.5, sliding_window=a.sliding_window, backend=self.backend,
+            q,
+            k_pages,
+            v_pages,
+            md.seq_lens,
+            md.block_tables,
+            md.query_start_loc,
+            md.num_seqs,
+            sm_scale=a.head_dim**-0.5,
+            sliding_window=a.sliding_window,
+            backend=self.backend,
         )  # [T, N, H]
         init = nn.initializers.normal(a.initializer_range)
         w_o = self._weight("o_proj", (a.num_heads, a.head_dim, a.hidden_size), init)

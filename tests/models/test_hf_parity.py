@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from paged_steps import Chunk, build_step
 
 from jaxserve.checkpoints_tools import load_hf_checkpoint
 from jaxserve.checkpoints_tools.testing import write_tiny_hf_checkpoint
 from jaxserve.models import get_model
-from paged_steps import Chunk, build_step
 
 BLOCK_SIZE = 4
 NUM_PAGES = 16
