@@ -117,16 +117,23 @@ class KVCacheManager:
         bs = self.block_size
         req_id = request.request_id
         table = self.req_to_blocks.get(req_id)
+        if table is not None and not new_computed_blocks:
+            # Fast path (nearly every decode step): all new tokens land in one block that the
+            # table already has and that no one else holds.
+            num_computed = request.num_computed_tokens
+            first_write = num_computed // bs
+            if (
+                num_computed + num_new_tokens <= (first_write + 1) * bs
+                and first_write < len(table)
+                and table[first_write].ref_cnt == 1
+            ):
+                return []
         num_held = len(table) if table is not None else 0
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_end = num_computed + num_new_tokens
         num_borrowed = len(new_computed_blocks) if new_computed_blocks else 0
         num_new_blocks = -(-num_end // bs) - num_held - num_borrowed
-        # Fast path (every decode step): no new block, and the block written is not shared.
         first_write = num_computed // bs
-        if num_borrowed == 0 and num_new_blocks <= 0:
-            if first_write >= num_held or table[first_write].ref_cnt == 1:
-                return []
         cow_indices = self._shared_write_indices(table, new_computed_blocks, first_write, num_end)
         num_needed = max(num_new_blocks, 0) + len(cow_indices)
         # Borrowed blocks that sit free in the queue stop being allocatable once touched.

@@ -229,10 +229,17 @@ class Scheduler:
 
     def _schedule_running(self, step: _Step) -> None:
         """Give each running request its next tokens (a decode: 1; a chunked prefill: the rest,
-        up to the budget), preempting from the back of ``running`` when the pool is full."""
+        up to the budget), preempting from the back of ``running`` when the pool is full.
+
+        A running request never writes into a shared block (prefix hits share only full blocks;
+        a fork child copies its shared partial block in its first step), so when its table
+        already covers the new tokens there is nothing to allocate: the decode fast path skips
+        ``allocate_slots`` altogether.
+        """
         running = self.running
         allocate = self.kv_cache_manager.allocate_slots
         tables = self.kv_cache_manager.req_to_blocks
+        bs = self.block_size
         budget = step.budget
         cached_reqs = step.cached_reqs
         cached_tokens = step.cached_tokens
@@ -240,22 +247,26 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
+            rid = req.request_id
             num_computed = req.num_computed_tokens
             num_new = len(req.all_token_ids) - num_computed
             if num_new > budget:
                 num_new = budget
-            new_blocks = allocate(req, num_new)
-            if new_blocks is None:
-                new_blocks = self._preempt_until_fits(req, num_new, step)
-                if new_blocks is None:  # req itself was the victim
-                    break
-            rid = req.request_id
-            new_ids = [b.block_id for b in new_blocks] if new_blocks else []
+            table = tables[rid]
+            if num_computed + num_new <= len(table) * bs:
+                new_ids = []
+            else:
+                new_blocks = allocate(req, num_new)
+                if new_blocks is None:
+                    new_blocks = self._preempt_until_fits(req, num_new, step)
+                    if new_blocks is None:  # req itself was the victim
+                        break
+                new_ids = [b.block_id for b in new_blocks]
             cached_reqs.append(CachedRequestData(rid, new_ids, num_computed))
             cached_tokens[rid] = num_new
             budget -= num_new
             live += num_computed + num_new
-            slots += len(tables[rid])
+            slots += len(table)
             i += 1
         step.budget = budget
         step.live_tokens += live
@@ -389,20 +400,23 @@ class Scheduler:
         EngineCoreOutput per request that sampled or received prompt logprobs.
         """
         requests = self.requests
-        cache_blocks = self.kv_cache_manager.cache_blocks if self.enable_caching else None
+        caching = self.enable_caching
+        bs = self.block_size
         for rid, num in scheduler_output.num_scheduled_tokens.items():
             req = requests.get(rid)
-            if req is not None and req.status == _RUNNING:
-                req.num_computed_tokens += num
-                if cache_blocks is not None:
-                    cache_blocks(req)
+            if req is None or req.status is not _RUNNING:
+                continue
+            old = req.num_computed_tokens
+            req.num_computed_tokens = old + num
+            if caching and (old + num) // bs != old // bs:  # some block just became full
+                self.kv_cache_manager.cache_blocks(req)
         outputs, finished = self._append_samples(model_runner_output)
         if model_runner_output.prompt_logprobs:
             self._attach_prompt_logprobs(model_runner_output, outputs)
         if finished:
             for req in finished:
                 self._release(req)
-            self.running = [r for r in self.running if r.status == _RUNNING]
+            self.running = [r for r in self.running if r.status is _RUNNING]
         return outputs
 
     def _append_samples(
@@ -416,46 +430,57 @@ class Scheduler:
             model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True
         ):
             req = requests.get(rid)
-            if req is None or req.status != _RUNNING:
+            if req is None or req.status is not _RUNNING:
                 continue
             all_ids = req.all_token_ids
             if req.num_computed_tokens < len(all_ids):
                 continue
             status = None
-            num_kept = 0
-            for token_id in token_ids:
+            if len(token_ids) == 1:  # the common case, inlined
+                token_id = token_ids[0]
                 req.output_token_ids.append(token_id)
                 all_ids.append(token_id)
-                num_kept += 1
                 if token_id in req.stop_token_set or len(all_ids) >= req.max_num_tokens:
                     status = req.check_stop(token_id)
-                    if status is not None:
-                        break
-            new_ids = token_ids if num_kept == len(token_ids) else token_ids[:num_kept]
+            else:
+                token_ids, status = self._append_tokens(req, token_ids)
             new_logprobs = logprobs.get(rid) if logprobs else None
-            if new_logprobs is not None and num_kept < len(new_logprobs):
-                new_logprobs = new_logprobs[:num_kept]
             if status is None:
                 outputs.append(
                     EngineCoreOutput(
-                        rid, new_ids, new_logprobs, None, None, None, req.num_cached_tokens
+                        rid, token_ids, new_logprobs, None, None, None, req.num_cached_tokens
                     )
                 )
-            else:
-                req.status = status
-                finished.append(req)
-                outputs.append(
-                    EngineCoreOutput(
-                        rid,
-                        new_ids,
-                        new_logprobs,
-                        None,
-                        status.finish_reason,
-                        req.stop_reason,
-                        req.num_cached_tokens,
-                    )
+                continue
+            if new_logprobs is not None:
+                new_logprobs = new_logprobs[: len(token_ids)]
+            req.status = status
+            finished.append(req)
+            outputs.append(
+                EngineCoreOutput(
+                    rid,
+                    token_ids,
+                    new_logprobs,
+                    None,
+                    status.finish_reason,
+                    req.stop_reason,
+                    req.num_cached_tokens,
                 )
+            )
         return outputs, finished
+
+    @staticmethod
+    def _append_tokens(
+        req: Request, token_ids: list[int]
+    ) -> tuple[list[int], RequestStatus | None]:
+        """Append several samples (multi-token steps), stopping at the first stop; returns the
+        tokens kept and the terminal status, if any."""
+        for i, token_id in enumerate(token_ids):
+            req.append_output_token_id(token_id)
+            status = req.check_stop(token_id)
+            if status is not None:
+                return token_ids[: i + 1], status
+        return token_ids, None
 
     def _attach_prompt_logprobs(
         self, model_runner_output: ModelRunnerOutput, outputs: list[EngineCoreOutput]
