@@ -31,25 +31,33 @@ def _check_positive_float(name: str, value: object) -> None:
 def normalize_rope_scaling(rope_scaling: dict[str, Any] | None) -> dict[str, Any] | None:
     """Return the canonical form of a rope-scaling dict, or None for plain RoPE.
 
-    Accepts the HF spellings ("type" or "rope_type"; "default" meaning none). The result holds
-    "type" plus exactly the keys of ROPE_SCALING_KEYS[type], as floats (the original context
-    length as an int).
+    Accepts the HF spellings ("type" or "rope_type"; "default" meaning none; "rope_theta" may
+    ride along, as in transformers 5's rope_parameters). The result holds "type" plus exactly
+    the keys of ROPE_SCALING_KEYS[type], as floats (the original context length as an int).
 
     Raises:
-        ValueError: an unsupported rope type (named), or a missing/invalid key.
+        ValueError: an unsupported rope type (named), or a missing, invalid or unknown key.
     """
     if rope_scaling is None:
         return None
     if not isinstance(rope_scaling, dict):
         raise ValueError(f"rope_scaling must be a dict or None, got {rope_scaling!r}")
     rope_type = rope_scaling.get("type", rope_scaling.get("rope_type"))
-    if rope_type in (None, "default"):
-        return None
-    if rope_type not in ROPE_SCALING_KEYS:
+    if rope_type not in (None, "default", *ROPE_SCALING_KEYS):
         raise ValueError(
             f"unsupported rope scaling type {rope_type!r}; supported: "
             f"{sorted(ROPE_SCALING_KEYS)} or none"
         )
+    # Keys we do not understand (e.g. partial_rotary_factor) would change the math: refuse.
+    type_keys = ROPE_SCALING_KEYS.get(rope_type, ())
+    unknown = set(rope_scaling) - {"type", "rope_type", "rope_theta", *type_keys}
+    if unknown:
+        raise ValueError(
+            f"rope scaling of type {rope_type!r} has unsupported keys {sorted(unknown)}: "
+            f"{rope_scaling}"
+        )
+    if rope_type in (None, "default"):
+        return None
     out: dict[str, Any] = {"type": rope_type}
     for key in ROPE_SCALING_KEYS[rope_type]:
         if key not in rope_scaling:

@@ -87,9 +87,10 @@ class CausalLM:
 
         The normals come from one flat float32 stream sliced in the params' flattened order: one
         RNG kernel to compile instead of one per shape (threefry compiles take ~1 s each on
-        CPU). Traceable: under jax.eval_shape it allocates nothing.
+        CPU). The stream costs 4 bytes per parameter on top of the params while it lives.
+        Traceable: under jax.eval_shape it allocates nothing.
         """
-        return _init_fn(self.arch, self.dtype.name, self.attention_backend)(rng)
+        return _init_fn(self.arch, self.dtype.name)(rng)
 
     def forward(
         self,
@@ -125,7 +126,7 @@ class CausalLM:
 
     def param_shapes(self) -> dict[str, Any]:
         """The params pytree as jax.ShapeDtypeStruct leaves (allocates nothing)."""
-        return _param_shapes(self.arch, self.dtype.name, self.attention_backend)
+        return _param_shapes(self.arch, self.dtype.name)
 
     def param_partition_specs(self) -> dict[str, Any]:
         """PartitionSpecs matching the params pytree, for TP over a mesh axis named "tp".
@@ -166,8 +167,9 @@ def _dummy_inputs(arch: ModelArchConfig, dtype: jnp.dtype) -> tuple[Any, ...]:
 
 
 @functools.lru_cache(maxsize=32)
-def _param_shapes(arch: ModelArchConfig, dtype: str, backend: str) -> dict[str, Any]:
-    module = Decoder(arch, jnp.dtype(dtype), backend)
+def _param_shapes(arch: ModelArchConfig, dtype: str) -> dict[str, Any]:
+    # Parameters do not depend on the attention backend: trace with the pure-jnp one.
+    module = Decoder(arch, jnp.dtype(dtype), "reference")
     init = lambda rng, *inputs: module.init(rng, *inputs)["params"]
     return jax.eval_shape(init, jax.random.key(0), *_dummy_inputs(arch, jnp.dtype(dtype)))
 
@@ -189,9 +191,9 @@ _NORMAL = (
 
 
 @functools.lru_cache(maxsize=32)
-def _init_fn(arch: ModelArchConfig, dtype: str, backend: str) -> Callable[[jax.Array], Any]:
+def _init_fn(arch: ModelArchConfig, dtype: str) -> Callable[[jax.Array], Any]:
     """A jitted rng -> params, cached per architecture so rebuilding a model recompiles nothing."""
-    shapes = _param_shapes(arch, dtype, backend)
+    shapes = _param_shapes(arch, dtype)
     paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
     names = [path[-1].key for path, _ in paths_leaves]
     unknown = set(names) - set(_ONES + _ZEROS + _NORMAL)
@@ -200,7 +202,6 @@ def _init_fn(arch: ModelArchConfig, dtype: str, backend: str) -> Callable[[jax.A
         math.prod(leaf.shape) if name in _NORMAL else 0
         for name, (_, leaf) in zip(names, paths_leaves, strict=True)
     ]
-
     num_chunks = -(-sum(sizes) // _INIT_CHUNK)
 
     def init(rng: jax.Array) -> Any:

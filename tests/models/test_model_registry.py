@@ -130,3 +130,7 @@ def test_normalize_rope_scaling_requires_keys() -> None:
     with pytest.raises(ValueError, match="low_freq_factor"):
         normalize_rope_scaling({"rope_type": "llama3", "factor": 8.0})
     assert normalize_rope_scaling(None) is None
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        normalize_rope_scaling({"rope_type": "default", "partial_rotary_factor": 0.5})
+    with pytest.raises(ValueError, match="mscale"):
+        normalize_rope_scaling({"rope_type": "linear", "factor": 2.0, "mscale": 1.0})
