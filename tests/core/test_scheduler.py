@@ -16,7 +16,7 @@ from sched_fake_model import (
 from sched_fake_model import step as _step
 
 from jaxserve.core.sched.scheduler import Scheduler
-from jaxserve.outputs import ModelRunnerOutput
+from jaxserve.outputs import ModelRunnerOutput, TokenLogprobs
 from jaxserve.request import RequestStatus
 
 
@@ -326,7 +326,7 @@ def test_duplicate_id_and_bad_parent_raise() -> None:
         sched.add_request(make_request("a", [3]))
     with pytest.raises(ValueError, match="parent 'zz'"):
         sched.add_request(make_request("c", [1, 2]), parent_req_id="zz")
-    with pytest.raises(ValueError, match="prompt differs"):
+    with pytest.raises(ValueError, match="differs from that of its parent"):
         sched.add_request(make_request("d", [1, 3]), parent_req_id="a")
     with pytest.raises(TypeError):
         sched.add_request("a")  # type: ignore[arg-type]
@@ -357,6 +357,20 @@ def test_sample_for_mid_prefill_request_is_discarded() -> None:
     so = sched.schedule()
     outs = sched.update_from_output(so, ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[[7]]))
     assert outs == [] and req.output_token_ids == [] and req.num_computed_tokens == 4
+
+
+def test_multi_token_samples_stop_at_the_first_stop() -> None:
+    sched, _ = make_scheduler()
+    req = make_request("a", [1, 2, 3], max_tokens=10, stop_token_ids=[9], logprobs=0)
+    sched.add_request(req)
+    so = sched.schedule()
+    lps = [TokenLogprobs([t], [-1.0], [1]) for t in (5, 9, 6)]
+    mro = ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[[5, 9, 6]], logprobs={"a": lps})
+    (out,) = sched.update_from_output(so, mro)
+    assert out.new_token_ids == [5, 9] and out.new_logprobs == lps[:2]
+    assert out.finish_reason == "stop" and out.stop_reason == 9
+    assert req.output_token_ids == [5, 9] and req.all_token_ids == [1, 2, 3, 5, 9]
+    check_all_free(sched)
 
 
 def test_stats_keys_and_peak_utilization() -> None:

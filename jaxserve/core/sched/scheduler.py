@@ -21,38 +21,16 @@ from collections.abc import Iterable
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.kv_cache_utils import KVCacheBlock
+from jaxserve.core.sched.admission import generation_limit, validate_request
 from jaxserve.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from jaxserve.core.sched.output_processor import append_samples, attach_prompt_logprobs
 from jaxserve.core.sched.policy import make_policy
+from jaxserve.core.sched.step_batch import StepBatch
 from jaxserve.outputs import EngineCoreOutput, ModelRunnerOutput
 from jaxserve.request import Request, RequestStatus
 
 _RUNNING = RequestStatus.RUNNING
 _WAITING = RequestStatus.WAITING
-
-
-class _Step:
-    """What one schedule() call has decided so far; consumed by _build_output."""
-
-    __slots__ = (
-        "budget",
-        "new_reqs",
-        "new_tokens",
-        "cached_reqs",
-        "cached_tokens",
-        "preempted_req_ids",
-        "live_tokens",
-        "slots",
-    )
-
-    def __init__(self, budget: int) -> None:
-        self.budget = budget  # tokens still free in this step
-        self.new_reqs: list[NewRequestData] = []
-        self.new_tokens: dict[str, int] = {}  # req_id -> scheduled tokens, new requests
-        self.cached_reqs: list[CachedRequestData] = []
-        self.cached_tokens: dict[str, int] = {}  # req_id -> scheduled tokens, running requests
-        self.preempted_req_ids: set[str] = set()
-        self.live_tokens = 0  # sum over scheduled requests of num_computed + scheduled
-        self.slots = 0  # sum over scheduled requests of allocated blocks (times block_size later)
 
 
 class Scheduler:
@@ -106,49 +84,22 @@ class Scheduler:
         """
         if not isinstance(request, Request):
             raise TypeError(f"add_request expects a Request, got {type(request).__name__}")
-        self._validate(request, parent_req_id)
-        num_prompt = request.num_prompt_tokens
-        # Generation ends with "length" at max_tokens, at max_model_len, or when the request
-        # alone would fill the pool (the last sampled token needs no KV slot); always >= 1 token.
-        limit = min(
-            num_prompt + request.sampling_params.max_tokens,
+        validate_request(
+            request,
+            parent_req_id,
+            self.requests,
             self.max_model_len,
-            self.num_usable_blocks * self.block_size + 1,
+            self.block_size,
+            self.num_usable_blocks,
         )
-        request.max_num_tokens = max(limit, num_prompt + 1)
+        request.max_num_tokens = generation_limit(
+            request, self.max_model_len, self.block_size, self.num_usable_blocks
+        )
         request.arrival_index = self._num_added
         request.parent_req_id = parent_req_id
         self._num_added += 1
         self.requests[request.request_id] = request
         self.waiting.add(request)
-
-    def _validate(self, request: Request, parent_req_id: str | None) -> None:
-        rid = request.request_id
-        if rid in self.requests:
-            raise ValueError(f"request_id {rid!r} is already in use by an unfinished request")
-        if request.status != _WAITING or request.num_computed_tokens or request.output_token_ids:
-            raise ValueError(f"request {rid!r} is not fresh (status {request.status.name})")
-        num_prompt = request.num_prompt_tokens
-        if num_prompt == 0:
-            raise ValueError(f"request {rid!r}: the prompt is empty (0 tokens); need >= 1")
-        if num_prompt > self.max_model_len:
-            raise ValueError(
-                f"request {rid!r}: prompt has {num_prompt} tokens, more than "
-                f"max_model_len={self.max_model_len}"
-            )
-        num_blocks = -(-num_prompt // self.block_size)
-        if num_blocks > self.num_usable_blocks:
-            raise ValueError(
-                f"request {rid!r}: prompt of {num_prompt} tokens needs {num_blocks} KV blocks of "
-                f"{self.block_size} tokens, but the pool has only {self.num_usable_blocks} "
-                f"usable blocks"
-            )
-        if parent_req_id is not None:
-            parent = self.requests.get(parent_req_id)
-            if parent is None:
-                raise ValueError(f"request {rid!r}: parent {parent_req_id!r} is not unfinished")
-            if parent.prompt_token_ids != request.prompt_token_ids:
-                raise ValueError(f"request {rid!r}: prompt differs from parent {parent_req_id!r}")
 
     def finish_requests(
         self, req_ids: str | Iterable[str], finished_status: RequestStatus
@@ -221,13 +172,13 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's tokens: running requests first, then waiting ones (DESIGN.md 2)."""
-        step = _Step(self.max_num_batched_tokens)
+        step = StepBatch(self.max_num_batched_tokens)
         self._schedule_running(step)
         if not step.preempted_req_ids:
             self._schedule_waiting(step)
         return self._build_output(step)
 
-    def _schedule_running(self, step: _Step) -> None:
+    def _schedule_running(self, step: StepBatch) -> None:
         """Give each running request its next tokens (a decode: 1; a chunked prefill: the rest,
         up to the budget), preempting from the back of ``running`` when the pool is full.
 
@@ -243,7 +194,7 @@ class Scheduler:
         budget = step.budget
         cached_reqs = step.cached_reqs
         cached_tokens = step.cached_tokens
-        live = slots = 0
+        live = num_blocks = 0
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -266,14 +217,14 @@ class Scheduler:
             cached_tokens[rid] = num_new
             budget -= num_new
             live += num_computed + num_new
-            slots += len(table)
+            num_blocks += len(table)
             i += 1
         step.budget = budget
         step.live_tokens += live
-        step.slots += slots
+        step.num_blocks += num_blocks
 
     def _preempt_until_fits(
-        self, req: Request, num_new: int, step: _Step
+        self, req: Request, num_new: int, step: StepBatch
     ) -> list[KVCacheBlock] | None:
         """Preempt the lowest-ranked running requests until ``req`` fits; None if ``req``
         itself had to go. ``running`` is sorted, so the victim is always the last one, which
@@ -287,7 +238,7 @@ class Scheduler:
             if new_blocks is not None:
                 return new_blocks
 
-    def _preempt(self, req: Request, step: _Step) -> None:
+    def _preempt(self, req: Request, step: StepBatch) -> None:
         """Recompute preemption: drop the KV (full blocks stay in the prefix cache), requeue at
         the front of waiting; the runner drops its state and gets it back as a new request."""
         self.kv_cache_manager.free(req)
@@ -298,7 +249,7 @@ class Scheduler:
         self.waiting.add_preempted(req)
         step.preempted_req_ids.add(req.request_id)
 
-    def _schedule_waiting(self, step: _Step) -> None:
+    def _schedule_waiting(self, step: StepBatch) -> None:
         """Admit waiting requests in policy order while budget, sequences and blocks last."""
         kv = self.kv_cache_manager
         waiting = self.waiting
@@ -340,7 +291,7 @@ class Scheduler:
         blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(req)
         return blocks, num_hit_tokens, False
 
-    def _admit(self, req: Request, num_computed: int, num_new: int, step: _Step) -> None:
+    def _admit(self, req: Request, num_computed: int, num_new: int, step: StepBatch) -> None:
         rid = req.request_id
         if req.status == _WAITING:  # first schedule (a resumed one is PREEMPTED)
             req.num_cached_tokens = num_computed
@@ -362,31 +313,16 @@ class Scheduler:
         step.new_tokens[rid] = num_new
         step.budget -= num_new
         step.live_tokens += num_computed + num_new
-        step.slots += len(block_ids)
+        step.num_blocks += len(block_ids)
 
-    def _build_output(self, step: _Step) -> SchedulerOutput:
-        # Batch order: new requests first, then running ones, as in the two lists.
-        num_scheduled = step.new_tokens
-        if num_scheduled:
-            num_scheduled.update(step.cached_tokens)
-        else:
-            num_scheduled = step.cached_tokens
-        total = self.max_num_batched_tokens - step.budget
-        if total:
+    def _build_output(self, step: StepBatch) -> SchedulerOutput:
+        if step.num_scheduled_tokens:
             self.num_steps += 1
-            utilization = step.live_tokens / (step.slots * self.block_size)
+            utilization = step.slot_utilization(self.block_size)
             if utilization > self.peak_kv_slot_utilization:
                 self.peak_kv_slot_utilization = utilization
         finished, self._finished_req_ids = self._finished_req_ids, set()
-        return SchedulerOutput(
-            scheduled_new_reqs=step.new_reqs,
-            scheduled_cached_reqs=step.cached_reqs,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=total,
-            finished_req_ids=finished,
-            preempted_req_ids=step.preempted_req_ids,
-            block_copies=self.kv_cache_manager.take_block_copies(),
-        )
+        return step.to_output(finished, self.kv_cache_manager.take_block_copies())
 
     # ----------------------------------------------------------------------------- update
 
@@ -410,96 +346,14 @@ class Scheduler:
             req.num_computed_tokens = old + num
             if caching and (old + num) // bs != old // bs:  # some block just became full
                 self.kv_cache_manager.cache_blocks(req)
-        outputs, finished = self._append_samples(model_runner_output)
+        outputs, finished = append_samples(requests, model_runner_output)
         if model_runner_output.prompt_logprobs:
-            self._attach_prompt_logprobs(model_runner_output, outputs)
+            attach_prompt_logprobs(requests, model_runner_output, outputs)
         if finished:
             for req in finished:
                 self._release(req)
             self.running = [r for r in self.running if r.status is _RUNNING]
         return outputs
-
-    def _append_samples(
-        self, model_runner_output: ModelRunnerOutput
-    ) -> tuple[list[EngineCoreOutput], list[Request]]:
-        requests = self.requests
-        logprobs = model_runner_output.logprobs
-        outputs: list[EngineCoreOutput] = []
-        finished: list[Request] = []
-        for rid, token_ids in zip(
-            model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True
-        ):
-            req = requests.get(rid)
-            if req is None or req.status is not _RUNNING:
-                continue
-            all_ids = req.all_token_ids
-            if req.num_computed_tokens < len(all_ids):
-                continue
-            status = None
-            if len(token_ids) == 1:  # the common case, inlined
-                token_id = token_ids[0]
-                req.output_token_ids.append(token_id)
-                all_ids.append(token_id)
-                if token_id in req.stop_token_set or len(all_ids) >= req.max_num_tokens:
-                    status = req.check_stop(token_id)
-            else:
-                token_ids, status = self._append_tokens(req, token_ids)
-            new_logprobs = logprobs.get(rid) if logprobs else None
-            if status is None:
-                outputs.append(
-                    EngineCoreOutput(
-                        rid, token_ids, new_logprobs, None, None, None, req.num_cached_tokens
-                    )
-                )
-                continue
-            if new_logprobs is not None:
-                new_logprobs = new_logprobs[: len(token_ids)]
-            req.status = status
-            finished.append(req)
-            outputs.append(
-                EngineCoreOutput(
-                    rid,
-                    token_ids,
-                    new_logprobs,
-                    None,
-                    status.finish_reason,
-                    req.stop_reason,
-                    req.num_cached_tokens,
-                )
-            )
-        return outputs, finished
-
-    @staticmethod
-    def _append_tokens(
-        req: Request, token_ids: list[int]
-    ) -> tuple[list[int], RequestStatus | None]:
-        """Append several samples (multi-token steps), stopping at the first stop; returns the
-        tokens kept and the terminal status, if any."""
-        for i, token_id in enumerate(token_ids):
-            req.append_output_token_id(token_id)
-            status = req.check_stop(token_id)
-            if status is not None:
-                return token_ids[: i + 1], status
-        return token_ids, None
-
-    def _attach_prompt_logprobs(
-        self, model_runner_output: ModelRunnerOutput, outputs: list[EngineCoreOutput]
-    ) -> None:
-        by_id = {out.req_id: out for out in outputs}
-        for rid, prompt_logprobs in model_runner_output.prompt_logprobs.items():
-            out = by_id.get(rid)
-            if out is not None:
-                out.new_prompt_logprobs = prompt_logprobs
-            elif rid in self.requests:
-                req = self.requests[rid]
-                outputs.append(
-                    EngineCoreOutput(
-                        rid,
-                        [],
-                        new_prompt_logprobs=prompt_logprobs,
-                        num_cached_tokens=req.num_cached_tokens,
-                    )
-                )
 
     def _release(self, req: Request) -> None:
         """Forget a finished request: free its blocks (tail first), tell the runner."""

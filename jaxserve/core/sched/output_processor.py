@@ -1,0 +1,105 @@
+"""Turning a ModelRunnerOutput into EngineCoreOutputs: append samples, check stops, pass
+logprobs through. Pure functions over the scheduler's request map; the scheduler frees what
+finished."""
+
+from __future__ import annotations
+
+from jaxserve.outputs import EngineCoreOutput, ModelRunnerOutput
+from jaxserve.request import Request, RequestStatus
+
+_RUNNING = RequestStatus.RUNNING
+
+
+def append_samples(
+    requests: dict[str, Request], model_runner_output: ModelRunnerOutput
+) -> tuple[list[EngineCoreOutput], list[Request]]:
+    """Append each running request's samples and check its stops.
+
+    Requests gone since the step was scheduled are skipped; a sample for a request whose tokens
+    are not all computed (mid-prefill) is discarded. A request that stops gets its terminal
+    status here; the caller frees it.
+
+    Returns:
+        (one EngineCoreOutput per request that sampled, the requests that finished).
+    """
+    logprobs = model_runner_output.logprobs
+    outputs: list[EngineCoreOutput] = []
+    finished: list[Request] = []
+    for rid, token_ids in zip(
+        model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True
+    ):
+        req = requests.get(rid)
+        if req is None or req.status is not _RUNNING:
+            continue
+        all_ids = req.all_token_ids
+        if req.num_computed_tokens < len(all_ids):
+            continue
+        status = None
+        if len(token_ids) == 1:  # the common case, inlined
+            token_id = token_ids[0]
+            req.output_token_ids.append(token_id)
+            all_ids.append(token_id)
+            if token_id in req.stop_token_set or len(all_ids) >= req.max_num_tokens:
+                status = req.check_stop(token_id)
+        else:
+            token_ids, status = _append_tokens(req, token_ids)
+        new_logprobs = logprobs.get(rid) if logprobs else None
+        if status is None:
+            outputs.append(
+                EngineCoreOutput(
+                    rid, token_ids, new_logprobs, None, None, None, req.num_cached_tokens
+                )
+            )
+            continue
+        if new_logprobs is not None:
+            new_logprobs = new_logprobs[: len(token_ids)]
+        req.status = status
+        finished.append(req)
+        outputs.append(
+            EngineCoreOutput(
+                rid,
+                token_ids,
+                new_logprobs,
+                None,
+                status.finish_reason,
+                req.stop_reason,
+                req.num_cached_tokens,
+            )
+        )
+    return outputs, finished
+
+
+def _append_tokens(req: Request, token_ids: list[int]) -> tuple[list[int], RequestStatus | None]:
+    """Append several samples (multi-token steps), stopping at the first stop; returns the
+    tokens kept and the terminal status, if any."""
+    for i, token_id in enumerate(token_ids):
+        req.append_output_token_id(token_id)
+        status = req.check_stop(token_id)
+        if status is not None:
+            return token_ids[: i + 1], status
+    return token_ids, None
+
+
+def attach_prompt_logprobs(
+    requests: dict[str, Request],
+    model_runner_output: ModelRunnerOutput,
+    outputs: list[EngineCoreOutput],
+) -> None:
+    """Put prompt logprobs on the request's output of this step, or on a new token-less one
+    (a request in mid-prefill samples nothing but still gets its prompt logprobs)."""
+    by_id = {out.req_id: out for out in outputs}
+    for rid, prompt_logprobs in model_runner_output.prompt_logprobs.items():
+        out = by_id.get(rid)
+        if out is not None:
+            out.new_prompt_logprobs = prompt_logprobs
+            continue
+        req = requests.get(rid)
+        if req is not None:
+            outputs.append(
+                EngineCoreOutput(
+                    rid,
+                    [],
+                    new_prompt_logprobs=prompt_logprobs,
+                    num_cached_tokens=req.num_cached_tokens,
+                )
+            )

@@ -1,0 +1,68 @@
+"""StepBatch: what one ``Scheduler.schedule()`` call has decided so far.
+
+The scheduler fills it in two passes (running requests, then waiting ones) and turns it into the
+SchedulerOutput hand-off at the end. Keeping new and running requests in separate containers
+gives the batch order the runner relies on (new requests first, then running ones) without
+sorting.
+"""
+
+from __future__ import annotations
+
+from jaxserve.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+
+class StepBatch:
+    """Accumulator of one step; owned by the scheduler for the duration of schedule()."""
+
+    __slots__ = (
+        "max_budget",
+        "budget",
+        "new_reqs",
+        "new_tokens",
+        "cached_reqs",
+        "cached_tokens",
+        "preempted_req_ids",
+        "live_tokens",
+        "num_blocks",
+    )
+
+    def __init__(self, budget: int) -> None:
+        self.max_budget = budget  # max_num_batched_tokens of the step
+        self.budget = budget  # tokens still free in this step
+        self.new_reqs: list[NewRequestData] = []
+        self.new_tokens: dict[str, int] = {}  # req_id -> scheduled tokens, new requests
+        self.cached_reqs: list[CachedRequestData] = []
+        self.cached_tokens: dict[str, int] = {}  # req_id -> scheduled tokens, running requests
+        self.preempted_req_ids: set[str] = set()
+        # Sums over the scheduled requests: tokens whose KV is in the cache once this step ran
+        # (num_computed + scheduled), and blocks in their tables.
+        self.live_tokens = 0
+        self.num_blocks = 0
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return self.max_budget - self.budget
+
+    def slot_utilization(self, block_size: int) -> float:
+        """Live tokens / allocated KV slots of the scheduled requests (0 if none)."""
+        slots = self.num_blocks * block_size
+        return self.live_tokens / slots if slots else 0.0
+
+    def to_output(
+        self, finished_req_ids: set[str], block_copies: list[tuple[int, int]]
+    ) -> SchedulerOutput:
+        # Batch order: new requests first, then running ones, as in the two lists.
+        num_scheduled = self.new_tokens
+        if num_scheduled:
+            num_scheduled.update(self.cached_tokens)
+        else:
+            num_scheduled = self.cached_tokens
+        return SchedulerOutput(
+            scheduled_new_reqs=self.new_reqs,
+            scheduled_cached_reqs=self.cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.num_scheduled_tokens,
+            finished_req_ids=finished_req_ids,
+            preempted_req_ids=self.preempted_req_ids,
+            block_copies=block_copies,
+        )
