@@ -195,9 +195,11 @@ class Scheduler:
         cached_reqs = step.cached_reqs
         cached_tokens = step.cached_tokens
         live = num_blocks = 0
-        i = 0
-        while i < len(running) and budget > 0:
-            req = running[i]
+        # Preemption pops from the end of ``running`` only (never before ``req``), which a list
+        # iterator tolerates: it just stops earlier.
+        for req in running:
+            if budget <= 0:
+                break
             rid = req.request_id
             num_computed = req.num_computed_tokens
             num_new = len(req.all_token_ids) - num_computed
@@ -218,7 +220,6 @@ class Scheduler:
             budget -= num_new
             live += num_computed + num_new
             num_blocks += len(table)
-            i += 1
         step.budget = budget
         step.live_tokens += live
         step.num_blocks += num_blocks
