@@ -207,7 +207,8 @@ def _attention_kernel(
         )  # [M, W]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
-        token = blk_start + jax.lax.broadcasted_iota(jnp.int32, (rows, kv_tile), 0) // group
+        row = jax.lax.broadcasted_iota(jnp.int32, (rows, kv_tile), 0)
+        token = blk_start + jax.lax.div(row, jnp.int32(group))  # non-negative: div == floor
         col = tile * kv_tile + jax.lax.broadcasted_iota(jnp.int32, (rows, kv_tile), 1)
         pos = kv_len - q_end + token
         mask = (token >= q_start) & (token < q_end) & (col <= jnp.minimum(pos, max_pos))

@@ -38,9 +38,8 @@ def _check(kernel, shape: cases.Shape, kind: str, options: dict) -> None:
     options = dict(options)
     dtype = options.pop("dtype", jnp.float32)
     args = cases.make_inputs(shape, cases.batch(kind, shape.page_size), dtype)
-    scale = cases.sm_scale(shape)
-    want = ragged_paged_attention_reference(*args, sm_scale=scale, **options)
-    got = kernel(*args, sm_scale=scale, **options)
+    want = ragged_paged_attention_reference(*args, sm_scale=cases.sm_scale(shape), **options)
+    got = cases.compiled(kernel, shape, dtype, tuple(sorted(options.items())))(*args)
     assert got.shape == want.shape and got.dtype == want.dtype
     tol = cases.TOLERANCE[dtype]
     np.testing.assert_allclose(

@@ -1,0 +1,95 @@
+"""The kernels lower for their real targets from this CPU-only machine: the GPU kernel through
+Triton for CUDA, the TPU kernel through Mosaic for a TPU v5e. jax.export runs the whole Pallas
+lowering (kernel jaxpr -> Triton IR / Mosaic MLIR), so unsupported ops, shapes or indexing fail
+here; only the final device compilers (Triton -> PTX, Mosaic layout passes) stay untested."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxserve.pallas_kernels.ragged_paged_attention import (
+    ragged_paged_attention_gpu,
+    ragged_paged_attention_tpu,
+)
+
+TRITON_CALL = "__gpu$xla.gpu.triton"
+
+
+def _specs(num_tokens, num_q_heads, num_kv_heads, head_dim, page_size, dtype, num_slots=8):
+    width, num_pages = 64, 256
+    pool = jax.ShapeDtypeStruct((num_kv_heads, num_pages, page_size, head_dim), dtype)
+    i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+    return (
+        jax.ShapeDtypeStruct((num_tokens, num_q_heads, head_dim), dtype),
+        pool,
+        pool,
+        i32((num_slots,)),
+        i32((num_slots, width)),
+        i32((num_slots + 1,)),
+        i32((1,)),
+    )
+
+
+# (id, q/kv shapes (T, N, K, H, P, dtype), kernel options)
+GPU_CASES = [
+    ("decode-bf16-splits", (8, 32, 8, 128, 16, jnp.bfloat16), {}),
+    ("prefill-bf16", (512, 32, 8, 128, 16, jnp.bfloat16), {}),
+    (
+        "window-softcap-f32",
+        (64, 16, 2, 64, 32, jnp.float32),
+        dict(sliding_window=64, soft_cap=30.0),
+    ),
+    ("gqa7-padded-heads", (64, 28, 4, 128, 16, jnp.bfloat16), dict(num_kv_splits=4)),
+    ("mha", (128, 8, 8, 64, 16, jnp.float16), dict(block_q=16, kv_tile=64)),
+]
+
+
+@pytest.mark.parametrize(
+    ("shapes", "options"), [c[1:] for c in GPU_CASES], ids=[c[0] for c in GPU_CASES]
+)
+def test_gpu_kernel_lowers_to_triton_for_cuda(shapes, options) -> None:
+    fn = jax.jit(functools.partial(ragged_paged_attention_gpu, sm_scale=0.1, **options))
+    exported = jax.export.export(
+        fn,
+        platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)],
+    )(*_specs(*shapes))
+    module = exported.mlir_module()
+    assert TRITON_CALL in module and "ragged_paged_attention_gpu" in module
+    assert exported.out_avals[0].shape == (shapes[0], shapes[1], shapes[3])
+
+
+def test_gpu_kernel_rejects_head_dim_triton_cannot_tile() -> None:
+    fn = jax.jit(functools.partial(ragged_paged_attention_gpu, sm_scale=0.1))
+    with pytest.raises(ValueError, match="head dim H must be a power of two >= 16, got 96"):
+        jax.export.export(fn, platforms=["cuda"])(*_specs(16, 8, 2, 96, 16, jnp.bfloat16))
+
+
+TPU_CASES = [
+    ("decode-bf16", (8, 32, 8, 128, 16, jnp.bfloat16), {}),
+    ("prefill-bf16", (512, 32, 8, 128, 16, jnp.bfloat16), {}),
+    (
+        "window-softcap-f32-g8",
+        (64, 64, 8, 128, 32, jnp.float32),
+        dict(sliding_window=64, soft_cap=30.0),
+    ),
+    ("small-tiles-mha", (64, 8, 8, 128, 16, jnp.bfloat16), dict(block_q=16, pages_per_tile=1)),
+]
+
+
+@pytest.mark.parametrize(
+    ("shapes", "options"), [c[1:] for c in TPU_CASES], ids=[c[0] for c in TPU_CASES]
+)
+def test_tpu_kernel_lowers_to_mosaic_for_tpu(shapes, options) -> None:
+    # Mosaic reads the target chip from the (abstract) default device: pretend a TPU v5e.
+    device = jax.sharding.AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+    fn = jax.jit(functools.partial(ragged_paged_attention_tpu, sm_scale=0.1, **options))
+    with jax.sharding.use_abstract_mesh(mesh):
+        exported = jax.export.export(fn, platforms=["tpu"])(*_specs(*shapes))
+    assert "tpu_custom_call" in exported.mlir_module()
+    assert exported.out_avals[0].shape == (shapes[0], shapes[1], shapes[3])

@@ -1,0 +1,54 @@
+"""Backend selection of the dispatcher, and every backend through it on CPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import rpa_cases as cases
+
+from jaxserve.pallas_kernels.ragged_paged_attention import (
+    BACKENDS,
+    default_attention_backend,
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+    resolve_backend,
+)
+
+
+@pytest.mark.parametrize(
+    ("platform", "backend"),
+    [("cpu", "reference"), ("gpu", "pallas"), ("cuda", "pallas"), ("tpu", "pallas")],
+)
+def test_default_backend_per_platform(platform: str, backend: str) -> None:
+    assert default_attention_backend(platform) == backend
+
+
+def test_default_backend_here_is_reference_on_cpu() -> None:
+    assert default_attention_backend() == "reference"
+
+
+@pytest.mark.parametrize(
+    ("backend", "platform", "resolved"),
+    [
+        ("reference", "gpu", ("reference", False)),
+        ("pallas", "gpu", ("gpu", False)),
+        ("pallas", "tpu", ("tpu", False)),
+        ("pallas", "cpu", ("gpu", True)),
+        ("pallas_gpu", "gpu", ("gpu", False)),
+        ("pallas_gpu", "tpu", ("gpu", True)),
+        ("pallas_tpu", "tpu", ("tpu", False)),
+        ("pallas_tpu", "cpu", ("tpu", True)),
+    ],
+)
+def test_resolve_backend(backend: str, platform: str, resolved: tuple[str, bool]) -> None:
+    assert resolve_backend(backend, platform) == resolved
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_backend_matches_reference_on_cpu(backend: str) -> None:
+    shape = cases.SHAPES[2]
+    args = cases.make_inputs(shape, cases.batch("mixed", shape.page_size), seed=3)
+    options = dict(sm_scale=cases.sm_scale(shape), sliding_window=9, soft_cap=3.0)
+    want = ragged_paged_attention_reference(*args, **options)
+    got = ragged_paged_attention(*args, **options, backend=backend)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
