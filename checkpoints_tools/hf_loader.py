@@ -118,8 +118,11 @@ def _load_tensors(
                 spec = specs[name]
                 # Cast before converting: a bfloat16 target halves the transposed copy.
                 host = spec.convert(f.get_tensor(name).astype(dtype, copy=False))
-                set_path(params, spec.param_path, place(host, spec.param_path, param_sharding))
-                del host  # the only host copy; the next tensor is read after it is gone
+                placed = place(host, spec.param_path, param_sharding)
+                # device_put is asynchronous: wait, so the host copy is released before the
+                # next tensor is read, however slow the transfer.
+                set_path(params, spec.param_path, placed.block_until_ready())
+                del host
     return params
 
 
