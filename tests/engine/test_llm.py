@@ -1,0 +1,226 @@
+"""End-to-end behaviour of LLM / LLMEngine on the built-in demo model: batch invariance, seeds,
+no compilation after warm-up, aborts, bad input, and the DESIGN.md section 6 invariants."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from jaxserve import LLM, LLMEngine, SamplingParams
+
+SMALL = dict(block_size=8, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128)
+
+
+def _random_prompts(n: int, seed: int, lo: int = 4, hi: int = 50) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 1000) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+def assert_nothing_held(engine: LLMEngine) -> None:
+    stats = engine.get_stats()
+    assert not engine.has_unfinished_requests()
+    assert not engine.scheduler.has_unfinished_requests()
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+    assert all(b.ref_cnt == 0 for b in engine.scheduler.kv_cache_manager.block_pool.blocks[1:])
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM("tiny-random-llama", num_kv_blocks=64, **SMALL)
+
+
+def test_generate_returns_outputs_in_input_order(llm):
+    prompts = ["The capital of France is", [5, 6, 7, 8], {"prompt_token_ids": [9, 10, 11]}]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)
+    assert [o.prompt for o in outs] == ["The capital of France is", None, None]
+    assert outs[1].prompt_token_ids == [5, 6, 7, 8]
+    for out in outs:
+        assert out.finished
+        (completion,) = out.outputs
+        assert 1 <= len(completion.token_ids) <= 5
+        assert completion.finish_reason in ("stop", "length")
+    tokenizer = llm.get_tokenizer()
+    text_out = outs[0].outputs[0]
+    assert text_out.text == tokenizer.decode(text_out.token_ids)
+    assert_nothing_held(llm.engine)
+
+
+def test_greedy_and_seeded_tokens_do_not_depend_on_the_batch(llm):
+    target = _random_prompts(1, seed=1, lo=30, hi=31)[0]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    seeded = SamplingParams(
+        temperature=0.9, top_p=0.9, top_k=50, seed=1234, max_tokens=24, ignore_eos=True
+    )
+    alone = [
+        llm.generate([target], p, use_tqdm=False)[0].outputs[0].token_ids for p in (greedy, seeded)
+    ]
+    # In a crowd, in a tiny pool with a tiny budget: chunking and preemption happen.
+    crowded = LLM(
+        "tiny-random-llama",
+        num_kv_blocks=14,
+        block_size=8,
+        max_num_seqs=6,
+        max_num_batched_tokens=16,
+        max_model_len=128,
+    )
+    others = _random_prompts(5, seed=2)
+    other_params = [SamplingParams(temperature=0.7, max_tokens=20, ignore_eos=True)] * 5
+    outs = crowded.generate(
+        [target, target] + others, [greedy, seeded] + other_params, use_tqdm=False
+    )
+    assert outs[0].outputs[0].token_ids == alone[0]
+    assert outs[1].outputs[0].token_ids == alone[1]
+    assert crowded.get_stats()["num_preemptions"] > 0
+    assert_nothing_held(crowded.engine)
+
+
+def test_unseeded_requests_follow_the_engine_seed():
+    prompts = _random_prompts(3, seed=3)
+    params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+    runs = [
+        [
+            o.outputs[0].token_ids
+            for o in LLM("tiny-random-llama", seed=s, num_kv_blocks=64, **SMALL).generate(
+                prompts, params, use_tqdm=False
+            )
+        ]
+        for s in (0, 0, 1)
+    ]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+def test_nothing_compiles_after_warmup():
+    engine = LLMEngine(
+        "tiny-random-llama",
+        num_kv_blocks=48,
+        warmup=True,
+        block_size=8,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        max_model_len=64,
+    )
+    compiled = engine.get_stats()["num_compilations"]
+    assert compiled > 0
+    rng = random.Random(0)
+    next_id = 0
+    while engine.get_stats()["num_steps"] < 55:
+        if rng.random() < 0.3:  # keep a stream of new requests arriving: mixed steps
+            params = SamplingParams(
+                temperature=rng.choice([0.0, 0.8]),
+                top_p=0.9,
+                max_tokens=rng.randrange(1, 12),
+                seed=rng.randrange(9),
+            )
+            engine.add_request(str(next_id), _random_prompts(1, seed=next_id, hi=40)[0], params)
+            next_id += 1
+        engine.step()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.get_stats()["num_compilations"] == compiled
+    assert_nothing_held(engine)
+
+
+def test_abort_at_every_stage_frees_everything():
+    engine = LLMEngine("tiny-random-llama", num_kv_blocks=12, **SMALL)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    prompts = _random_prompts(6, seed=4, lo=20, hi=60)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    engine.abort_request("5")  # still waiting
+    engine.step()  # 0 is mid-prefill (budget 32)
+    engine.abort_request("0")
+    for _ in range(6):
+        engine.step()
+    engine.abort_request(["1", "2", "unknown"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_nothing_held(engine)
+
+
+@pytest.mark.parametrize(
+    "prompt, params, match",
+    [
+        ([], None, "empty"),
+        ("", None, "empty"),
+        ([1, 2, 5000], None, "5000.*vocabulary"),
+        ([1, -3], None, "-3.*vocabulary"),
+        (list(range(3, 200)), None, "max_model_len=128"),
+        ({"foo": 1}, None, "prompt_token_ids"),
+    ],
+)
+def test_bad_input_raises_and_engine_keeps_serving(llm, prompt, params, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        llm.generate([[5, 6, 7], prompt], params, use_tqdm=False)
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3), use_tqdm=False)
+    assert out[0].finished
+    assert_nothing_held(llm.engine)
+
+
+def test_prompt_larger_than_the_pool_is_rejected():
+    engine = LLMEngine("tiny-random-llama", num_kv_blocks=4, **SMALL)
+    with pytest.raises(ValueError, match="3 usable blocks"):
+        engine.add_request("big", list(range(3, 60)), SamplingParams())
+    assert_nothing_held(engine)
+
+
+def test_request_level_errors(llm):
+    with pytest.raises(ValueError, match="2 entries but there are 1 prompts"):
+        llm.generate([[5, 6]], [SamplingParams(), SamplingParams()], use_tqdm=False)
+    with pytest.raises(TypeError, match="SamplingParams"):
+        llm.generate([[5, 6]], [{"temperature": 0}], use_tqdm=False)
+    engine = llm.engine
+    engine.add_request("dup", [5, 6, 7], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="'dup' is already in use"):
+        engine.add_request("dup", [5, 6, 7], SamplingParams(max_tokens=2))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_nothing_held(engine)
+    with pytest.raises(TypeError, match="unknown engine argument 'max_num_sequences'"):
+        LLM("tiny-random-llama", max_num_sequences=4)
+    with pytest.raises(ValueError, match="dtype"):
+        LLM("tiny-random-llama", dtype="int8")
+    with pytest.raises(FileNotFoundError, match="no-such-model"):
+        LLM("no-such-model")
+
+
+def test_stop_strings_and_stop_tokens(llm):
+    prompt = [5, 6, 7, 8, 9]
+    free = llm.generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
+    text = free.text
+    assert len(text) > 6
+    stop = text[3:6]
+    out = llm.generate(
+        [prompt],
+        SamplingParams(temperature=0.0, max_tokens=16, stop=stop, ignore_eos=True),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[: text.index(stop)]
+    tok = free.token_ids[4]
+    out = llm.generate(
+        [prompt],
+        SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[tok], ignore_eos=True),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == tok
+    assert out.token_ids == free.token_ids[: free.token_ids.index(tok) + 1]
+    assert_nothing_held(llm.engine)
+
+
+def test_get_stats_keys(llm):
+    keys = {
+        "num_kv_blocks",
+        "num_free_kv_blocks",
+        "kv_cache_usage",
+        "prefix_cache_queries",
+        "prefix_cache_hits",
+        "num_preemptions",
+        "num_steps",
+        "num_compilations",
+        "peak_kv_slot_utilization",
+    }
+    assert keys <= set(llm.get_stats())
