@@ -32,7 +32,8 @@ TP_AXIS = "tp"
 # Tensor-parallel layout, by the parameter's leaf name (Megatron style): projections into heads
 # or MLP columns shard their output axis, the projections back to D shard their input axis, so
 # each layer needs one all-reduce after o_proj and one after down_proj. KV heads are sharded
-# too, so tp must divide K (the KV cache is sharded the same way, on its K axis).
+# too when tp divides K (the KV cache is sharded the same way, on its K axis); a group whose
+# dimension tp does not divide is replicated (see param_partition_specs).
 _TP_SPECS = {
     "q_proj": PartitionSpec(None, TP_AXIS, None),  # [D, N, H]  column-parallel over heads
     "k_proj": PartitionSpec(None, TP_AXIS, None),  # [D, K, H]
@@ -128,22 +129,39 @@ class CausalLM:
         """The params pytree as jax.ShapeDtypeStruct leaves (allocates nothing)."""
         return _param_shapes(self.arch, self.dtype.name)
 
-    def param_partition_specs(self) -> dict[str, Any]:
+    def param_partition_specs(self, tp_size: int | None = None) -> dict[str, Any]:
         """PartitionSpecs matching the params pytree, for TP over a mesh axis named "tp".
 
         Column-parallel (output axis sharded): q/k/v_proj and their biases (heads), gate_proj,
         up_proj (F). Row-parallel (input axis sharded): o_proj (heads), down_proj (F).
         Vocab-sharded: embed (V axis) and lm_head (V axis). Replicated: norms and o_bias.
-        Requires tp | N, tp | K, tp | F, tp | V; the KV pages shard on their K axis to match.
+
+        Args:
+            tp_size: the size of the "tp" mesh axis. None: the full layout, which requires
+                tp | N, K, F, V. Given: a parameter whose sharded dimension tp does not divide is
+                replicated instead; every parameter of a group shares that dimension (N: q, o;
+                K: k, v; F: MLP; V: embed, lm_head), so a group is replicated as a whole. K < tp
+                (GQA on many devices) replicates the KV projections; kv_cache_partition_spec
+                replicates the pages to match.
         """
 
         def spec(path: tuple[Any, ...], leaf: jax.ShapeDtypeStruct) -> PartitionSpec:
             name = path[-1].key
-            if name in _TP_SPECS:
-                return _TP_SPECS[name]
-            return PartitionSpec(*([None] * leaf.ndim))
+            if name not in _TP_SPECS:
+                return PartitionSpec(*([None] * leaf.ndim))
+            tp_spec = _TP_SPECS[name]
+            if tp_size is not None and leaf.shape[tp_spec.index(TP_AXIS)] % tp_size:
+                return PartitionSpec(*([None] * leaf.ndim))
+            return tp_spec
 
         return jax.tree_util.tree_map_with_path(spec, self.param_shapes())
+
+    def kv_cache_partition_spec(self, tp_size: int) -> PartitionSpec:
+        """Spec of each layer's [K, S, P, H] pages: sharded on K when tp | K (each device holds
+        the KV heads of its query heads), else replicated, like k_proj/v_proj then."""
+        if self.arch.num_kv_heads % tp_size:
+            return PartitionSpec(None, None, None, None)
+        return PartitionSpec(TP_AXIS, None, None, None)
 
     def num_params(self) -> int:
         """Parameter count (from shapes only)."""
