@@ -70,7 +70,9 @@ class KVCacheManager:
         Returns:
             (blocks, num_computed_tokens) with num_computed_tokens = len(blocks) * block_size.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            # Prompt logprobs need the logits of every prompt position, which a hit would skip
+            # (vLLM makes the same exception). The request's own blocks are still cached.
             return [], 0
         num_tokens = len(request.all_token_ids)
         max_hit_blocks = (num_tokens - 1) // self.block_size

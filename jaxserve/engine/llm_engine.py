@@ -7,6 +7,7 @@ into child requests, incremental detokenization and stop strings, and assembling
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -48,6 +49,11 @@ class LLMEngine:
         self._states: dict[str, RequestState] = {}  # user request id -> state
         self._child_of: dict[str, tuple[str, int]] = {}  # scheduler id -> (user id, index)
         self._seed_rng = np.random.default_rng(self.config.model.seed)
+        # Start-up made many long-lived objects (blocks, buffers, jit caches); freezing them
+        # keeps the cyclic GC from rescanning them during serving (as vLLM's EngineCore does:
+        # ~0.4 ms a step at 1024 running requests, measured by bench/scheduler_overhead.py).
+        gc.collect()
+        gc.freeze()
 
     # ---- inputs -----------------------------------------------------------------------------
     def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:

@@ -3,10 +3,13 @@ sampling (n > 1) sharing blocks with copy-on-write, batch scoring and chat."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from jaxserve import LLM, LLMEngine, SamplingParams
+from jaxserve.engine.llm_engine import _mix_seed
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -70,6 +73,16 @@ def test_logprobs_and_prompt_logprobs_match_transformers(hf_pair):
     assert abs(completion.cumulative_logprob - total) < 10 * TOL
 
 
+def test_prompt_logprobs_are_complete_for_a_cached_prompt(hf_pair):
+    _, llm = hf_pair
+    prompt = list(range(40, 61))
+    llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)  # fills the cache
+    params = SamplingParams(max_tokens=1, prompt_logprobs=1)
+    (out,) = llm.generate([prompt], params, use_tqdm=False)
+    assert len(out.prompt_logprobs) == len(prompt)
+    assert all(out.prompt_logprobs[i][prompt[i]].logprob <= 0 for i in range(1, len(prompt)))
+
+
 def test_score_is_the_continuation_logprob(hf_pair):
     model, llm = hf_pair
     prompts = [[5, 17, 42, 9], [300, 11]]
@@ -109,15 +122,22 @@ def test_parallel_sampling_shares_blocks_with_copy_on_write():
     assert len(set(tokens)) == 3, "children must draw independent streams"
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
     assert all(b.ref_cnt == 0 for b in pool.blocks[1:])
-    # Seeded: the same request again gives the same three completions.
-    again = LLM(
+    # Each child reads the right KV through its copied block: it gives exactly what a lone
+    # request with the child's seed gives. And the whole request is reproducible.
+    llm = LLM(
         "tiny-random-llama",
         block_size=8,
         num_kv_blocks=64,
         max_num_seqs=8,
         max_num_batched_tokens=64,
         max_model_len=128,
-    ).generate([prompt], params, use_tqdm=False)[0]
+    )
+    seeds = [11] + [_mix_seed(11, i) for i in (1, 2)]
+    alone = llm.generate(
+        [prompt] * 3, [dataclasses.replace(params, n=1, seed=s) for s in seeds], use_tqdm=False
+    )
+    assert [tuple(o.outputs[0].token_ids) for o in alone] == tokens
+    again = llm.generate([prompt], params, use_tqdm=False)[0]
     assert [tuple(c.token_ids) for c in again.outputs] == tokens
 
 
