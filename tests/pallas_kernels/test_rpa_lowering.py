@@ -34,6 +34,13 @@ def _specs(num_tokens, num_q_heads, num_kv_heads, head_dim, page_size, dtype, nu
     )
 
 
+def _target(device_kind: str, platform: str) -> jax.sharding.AbstractMesh:
+    """A one-device abstract mesh of the target chip: the Triton (jax >= 0.11) and Mosaic
+    lowerings read the chip from it when no such device is attached."""
+    device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=1, platform=platform)
+    return jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+
+
 # (id, q/kv shapes (T, N, K, H, P, dtype), kernel options)
 GPU_CASES = [
     ("decode-bf16-splits", (8, 32, 8, 128, 16, jnp.bfloat16), {}),
@@ -53,11 +60,12 @@ GPU_CASES = [
 )
 def test_gpu_kernel_lowers_to_triton_for_cuda(shapes, options) -> None:
     fn = jax.jit(functools.partial(ragged_paged_attention_gpu, sm_scale=0.1, **options))
-    exported = jax.export.export(
-        fn,
-        platforms=["cuda"],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)],
-    )(*_specs(*shapes))
+    with jax.sharding.use_abstract_mesh(_target("NVIDIA H200", "gpu")):
+        exported = jax.export.export(
+            fn,
+            platforms=["cuda"],
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)],
+        )(*_specs(*shapes))
     module = exported.mlir_module()
     assert TRITON_CALL in module and "ragged_paged_attention_gpu" in module
     assert exported.out_avals[0].shape == (shapes[0], shapes[1], shapes[3])
@@ -66,7 +74,8 @@ def test_gpu_kernel_lowers_to_triton_for_cuda(shapes, options) -> None:
 def test_gpu_kernel_rejects_head_dim_triton_cannot_tile() -> None:
     fn = jax.jit(functools.partial(ragged_paged_attention_gpu, sm_scale=0.1))
     with pytest.raises(ValueError, match="head dim H must be a power of two >= 16, got 96"):
-        jax.export.export(fn, platforms=["cuda"])(*_specs(16, 8, 2, 96, 16, jnp.bfloat16))
+        with jax.sharding.use_abstract_mesh(_target("NVIDIA H200", "gpu")):
+            jax.export.export(fn, platforms=["cuda"])(*_specs(16, 8, 2, 96, 16, jnp.bfloat16))
 
 
 TPU_CASES = [
@@ -85,11 +94,8 @@ TPU_CASES = [
     ("shapes", "options"), [c[1:] for c in TPU_CASES], ids=[c[0] for c in TPU_CASES]
 )
 def test_tpu_kernel_lowers_to_mosaic_for_tpu(shapes, options) -> None:
-    # Mosaic reads the target chip from the (abstract) default device: pretend a TPU v5e.
-    device = jax.sharding.AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
     fn = jax.jit(functools.partial(ragged_paged_attention_tpu, sm_scale=0.1, **options))
-    with jax.sharding.use_abstract_mesh(mesh):
+    with jax.sharding.use_abstract_mesh(_target("TPU v5 lite", "tpu")):
         exported = jax.export.export(fn, platforms=["tpu"])(*_specs(*shapes))
     assert "tpu_custom_call" in exported.mlir_module()
     assert exported.out_avals[0].shape == (shapes[0], shapes[1], shapes[3])
