@@ -24,11 +24,11 @@ assert jax.default_backend() == "gpu", "no GPU visible to jax"
 PY
 [ "${PIPESTATUS[0]}" -eq 0 ] || exit 2
 
-timeout 170 "$python" -m pytest -m gpu tests/pallas_kernels -q -rs \
+timeout 160 "$python" -m pytest -m gpu tests/pallas_kernels -q -rs \
   --junitxml="$out/pytest_gpu.xml" 2>&1 | tee "$out/pytest_gpu.txt"
 tests_status=${PIPESTATUS[0]}
 
-timeout 110 "$python" bench/attention_kernel.py --preset h200 \
+timeout 120 "$python" bench/attention_kernel.py --preset h200 \
   --out "$out/attention_kernel.json" 2>&1 | tee "$out/attention_kernel.txt"
 bench_status=${PIPESTATUS[0]}
 
