@@ -418,7 +418,7 @@ def _lazy(module: str) -> AddParser:
 
 
 # One entry per subcommand, in --help order.
-SUBCOMMANDS: list[AddParser] = [add_generate_parser]
+SUBCOMMANDS: list[AddParser] = [add_generate_parser, _lazy("jaxserve.cli_convert")]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,18 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import jax
-
 from jaxserve.checkpoints_tools import LoadedCheckpoint, TokenizerInfo, load_checkpoint
+from jaxserve.checkpoints_tools.load import load_arch
 from jaxserve.config import EngineConfig
-from jaxserve.models import get_model
+from jaxserve.models import CausalLM, get_model
 from jaxserve.pallas_kernels.ragged_paged_attention import BACKENDS
-from jaxserve.runner.kv_cache import (
-    device_memory_bytes,
-    num_blocks_for_budget,
-    params_bytes,
-)
+from jaxserve.runner.kv_cache import device_memory_bytes, num_blocks_for_budget
 from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.runner.sharding import ShardingPlan, make_mesh, per_device_bytes, plan_sharding
 
 
 @dataclass(frozen=True)
@@ -56,35 +52,52 @@ def resolve_max_model_len(requested: int | None, ckpt: LoadedCheckpoint) -> int:
     return requested
 
 
+def _num_kv_blocks(
+    config: EngineConfig,
+    model: CausalLM,
+    ckpt: LoadedCheckpoint,
+    plan: ShardingPlan,
+    max_model_len: int,
+) -> int:
+    """The configured pool size, or what fits in one device's memory budget next to that
+    device's share of the weights (under TP every device holds the same share)."""
+    cache = config.cache
+    if cache.num_kv_blocks is not None:
+        return cache.num_kv_blocks
+    device = plan.mesh.devices.flat[0]
+    blocks_per_seq = -(-max_model_len // cache.block_size)
+    return num_blocks_for_budget(
+        budget_bytes=int(
+            device_memory_bytes(device, cache.cpu_memory_bytes) * cache.memory_utilization
+        ),
+        weights_bytes=per_device_bytes(ckpt.params),
+        bytes_per_block=plan.kv_bytes_per_block(model, cache.block_size, ckpt.dtype),
+        max_useful_blocks=config.scheduler.max_num_seqs * blocks_per_seq + 1,
+    )
+
+
 def build_runner(config: EngineConfig) -> tuple[ModelRunner, RunnerInfo]:
-    """Load the checkpoint and build the runner.
+    """Load the checkpoint (each parameter straight into its tensor-parallel sharding) and
+    build the runner over a mesh of `tensor_parallel_size` devices.
 
     Raises:
         ValueError / FileNotFoundError: bad model path or checkpoint (from the loader), an
-            unknown backend, max_model_len beyond the model, a KV pool that cannot fit.
+            unknown backend, max_model_len beyond the model, a KV pool that cannot fit, more
+            tensor-parallel devices than there are.
     """
-    if config.runner.tensor_parallel_size != 1:
-        raise ValueError(
-            f"tensor_parallel_size={config.runner.tensor_parallel_size}: only 1 is supported "
-            "by this build"
-        )
-    device = jax.devices()[0]
-    backend = resolve_attention_backend(config.runner.attention_backend, device.platform)
-    ckpt = load_checkpoint(config.model.model, dtype=config.model.dtype)
+    mesh = make_mesh(config.runner.tensor_parallel_size)
+    platform = mesh.devices.flat[0].platform
+    backend = resolve_attention_backend(config.runner.attention_backend, platform)
+    # The shardings depend only on the architecture: read it (config only) before the weights,
+    # so that every weight is placed once, into its own sharding.
+    plan = plan_sharding(get_model(load_arch(config.model.model)), mesh)
+    ckpt = load_checkpoint(
+        config.model.model, dtype=config.model.dtype, param_sharding=plan.param_sharding
+    )
     max_model_len = resolve_max_model_len(config.model.max_model_len, ckpt)
     model = get_model(ckpt.arch, dtype=ckpt.dtype, attention_backend=backend)
     cache = config.cache
-    num_kv_blocks = cache.num_kv_blocks
-    if num_kv_blocks is None:
-        blocks_per_seq = -(-max_model_len // cache.block_size)
-        num_kv_blocks = num_blocks_for_budget(
-            budget_bytes=int(
-                device_memory_bytes(device, cache.cpu_memory_bytes) * cache.memory_utilization
-            ),
-            weights_bytes=params_bytes(ckpt.params),
-            bytes_per_block=model.kv_cache_bytes_per_block(cache.block_size, ckpt.dtype),
-            max_useful_blocks=config.scheduler.max_num_seqs * blocks_per_seq + 1,
-        )
+    num_kv_blocks = _num_kv_blocks(config, model, ckpt, plan, max_model_len)
     resolved = replace(
         config,
         model=replace(config.model, max_model_len=max_model_len),
@@ -101,6 +114,7 @@ def build_runner(config: EngineConfig) -> tuple[ModelRunner, RunnerInfo]:
         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
         max_model_len=max_model_len,
         eos_token_ids=ckpt.eos_token_ids,
+        sharding=plan,
     )
     if config.runner.warmup:
         runner.warmup()

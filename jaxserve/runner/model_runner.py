@@ -27,6 +27,7 @@ from jaxserve.runner.input_batch import InputBatch, PreparedBatch
 from jaxserve.runner.kv_cache import allocate_kv_caches
 from jaxserve.runner.sampler import prompt_logprobs, sample, to_token_logprobs
 from jaxserve.runner.sampling_metadata import SamplingInputs, SamplingMetadata
+from jaxserve.runner.sharding import ShardingPlan
 
 
 class ModelRunner:
@@ -38,7 +39,8 @@ class ModelRunner:
         num_kv_blocks: pages in the pool, null block 0 included.
         block_size, max_num_seqs, max_num_batched_tokens, max_model_len: as the engine config.
         eos_token_ids: for min_tokens bans.
-        kv_sharding: sharding of each layer's pages (tensor parallelism), or None.
+        sharding: where params, KV pages and step inputs live (tensor parallelism; the
+            params must already be placed by it), or None: the default device.
     """
 
     def __init__(
@@ -52,7 +54,7 @@ class ModelRunner:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: frozenset[int] = frozenset(),
-        kv_sharding: jax.sharding.Sharding | None = None,
+        sharding: ShardingPlan | None = None,
     ) -> None:
         self.model = model
         self.params = params
@@ -73,18 +75,24 @@ class ModelRunner:
             model.arch.num_layers,
             model.kv_cache_shape(num_kv_blocks, block_size),
             model.dtype,
-            kv_sharding,
+            None if sharding is None else sharding.kv_sharding,
         )
         # req_id -> prompt-logprobs progress; kept across preemption, dropped when finished.
         self._prompt_logprobs: dict[str, _PromptLogprobsState] = {}
         self._num_logprobs: dict[str, int] = {}  # req_id -> top-N logprobs asked
         self._num_traces = 0
-        self._step = jax.jit(
+        step_shardings, copy_shardings = _jit_shardings(sharding, model.arch.num_layers)
+        step = jax.jit(
             self._step_fn,
             donate_argnums=(1,),
-            static_argnames=("all_greedy", "max_num_logprobs", "num_prompt_logprobs"),
+            static_argnums=(7, 8, 9),  # all_greedy, max_num_logprobs, num_prompt_logprobs
+            **step_shardings,
         )
-        self._copy = jax.jit(_copy_blocks, donate_argnums=(0,))
+        # A jit with in_shardings takes no keyword arguments: the static flags go by position.
+        self._step = lambda *args, all_greedy, max_num_logprobs, num_prompt_logprobs: step(
+            *args, all_greedy, max_num_logprobs, num_prompt_logprobs
+        )
+        self._copy = jax.jit(_copy_blocks, donate_argnums=(0,), **copy_shardings)
 
     @property
     def num_compilations(self) -> int:
@@ -101,7 +109,6 @@ class ModelRunner:
         logits_indices: jax.Array,  # i32[R]
         sampling_md: SamplingMetadata,
         prompt_targets: jax.Array,  # i32[T] next prompt token per row (prompt logprobs only)
-        *,
         all_greedy: bool,
         max_num_logprobs: int | None,
         num_prompt_logprobs: int | None,
@@ -286,6 +293,23 @@ def _attention_metadata(batch: PreparedBatch) -> AttentionMetadata:
         query_start_loc=batch.query_start_loc,
         num_seqs=batch.num_seqs,
     )
+
+
+def _jit_shardings(
+    plan: ShardingPlan | None, num_layers: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """jax.jit sharding arguments of the step and of the block copy: every argument and result
+    explicit (params and pages as planned, host inputs and sampled results replicated), so
+    warm-up and serving hit the same executables. No plan: jit's defaults (one device)."""
+    if plan is None:
+        return {}, {}
+    kv, rep = plan.kv_shardings(num_layers), plan.replicated
+    step = dict(
+        # params, kv_caches, input_ids, md, logits_indices, sampling_md, prompt_targets
+        in_shardings=(plan.param_shardings(), kv, rep, rep, rep, rep, rep),
+        out_shardings=(kv, rep, rep),  # kv_caches, sampler output, prompt logprobs (or None)
+    )
+    return step, dict(in_shardings=(kv, rep, rep), out_shardings=kv)
 
 
 def _copy_blocks(kv_caches, src: jax.Array, dst: jax.Array):

@@ -233,7 +233,7 @@ def test_subcommand_hook(
         textwrap.dedent(
             """
             def add_parser(subparsers):
-                p = subparsers.add_parser("convert", help="HF -> Orbax")
+                p = subparsers.add_parser("fake-convert", help="HF -> Orbax")
                 p.add_argument("src")
                 p.set_defaults(run=lambda args: print("converting", args.src) or 0)
             """
@@ -241,7 +241,7 @@ def test_subcommand_hook(
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(cli, "SUBCOMMANDS", [*cli.SUBCOMMANDS, cli._lazy("fake_convert")])
-    assert cli.main(["convert", "ckpt"]) == 0
+    assert cli.main(["fake-convert", "ckpt"]) == 0
     assert capsys.readouterr().out == "converting ckpt\n"
 
 
