@@ -69,14 +69,18 @@ TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 3e-2}
 
 
 def make_inputs(
-    shape: Shape, seqs: list[tuple[int, int]], dtype=jnp.float32, seed: int = 0
+    shape: Shape,
+    seqs: list[tuple[int, int]],
+    dtype=jnp.float32,
+    seed: int = 0,
+    num_tokens: int = NUM_TOKENS,
 ) -> tuple[jax.Array, ...]:
     """(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs) for the batch `seqs`,
     each sequence on distinct random pages; padding slots and table entries are 0."""
     rng = np.random.default_rng(seed)
     num_kv_heads = NUM_Q_HEADS // shape.group
     pool = (num_kv_heads, NUM_PAGES, shape.page_size, shape.head_dim)
-    q = rng.standard_normal((NUM_TOKENS, NUM_Q_HEADS, shape.head_dim), np.float32)
+    q = rng.standard_normal((num_tokens, NUM_Q_HEADS, shape.head_dim), np.float32)
     k_pages = rng.standard_normal(pool, np.float32)
     v_pages = rng.standard_normal(pool, np.float32)
     kv_lens = np.zeros(NUM_SLOTS, np.int32)
@@ -90,7 +94,7 @@ def make_inputs(
         block_tables[i, :num_pages] = [next(free_pages) for _ in range(num_pages)]
         cu_q_lens[i + 1] = cu_q_lens[i] + q_len
     cu_q_lens[len(seqs) + 1 :] = cu_q_lens[len(seqs)]
-    assert cu_q_lens[-1] < NUM_TOKENS and len(seqs) < NUM_SLOTS
+    assert cu_q_lens[-1] < num_tokens and len(seqs) < NUM_SLOTS
     return (
         jnp.asarray(q, dtype),
         jnp.asarray(k_pages, dtype),

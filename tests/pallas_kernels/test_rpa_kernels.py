@@ -64,3 +64,14 @@ def test_kernel_matches_reference(kernel_name: str, shape, kind: str, options: d
 @pytest.mark.parametrize("shape", cases.SHAPES, ids=[s.id for s in cases.SHAPES])
 def test_small_tiles_match_reference(kernel_name: str, shape) -> None:
     _check(SMALL_TILE_KERNELS[kernel_name](shape), shape, "mixed", {})
+
+
+@pytest.mark.parametrize("kernel_name", sorted(KERNELS))
+def test_token_count_not_a_multiple_of_the_query_block(kernel_name: str) -> None:
+    """T = 19 rows (17 real): the last query block is partial and reads past q's end."""
+    shape = cases.SHAPES[0]
+    args = cases.make_inputs(shape, cases.batch("mixed", shape.page_size), num_tokens=19)
+    scale = cases.sm_scale(shape)
+    want = ragged_paged_attention_reference(*args, sm_scale=scale)
+    got = KERNELS[kernel_name](*args, sm_scale=scale, block_q=16)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)

@@ -19,6 +19,26 @@ from jaxserve.pallas_kernels.ragged_paged_attention import (
 TRITON_CALL = "__gpu$xla.gpu.triton"
 
 
+@pytest.fixture
+def triton_modules_verified(monkeypatch) -> list[bool]:
+    """Run the MLIR verifier on every Triton module the lowering builds (it is not run by the
+    lowering itself: an ill-typed module would otherwise only fail in XLA's Triton compiler on
+    a GPU). Private API, so the check is skipped where the hook is gone."""
+    registration = pytest.importorskip("jax._src.pallas.triton.pallas_call_registration")
+    lower = getattr(registration.lowering, "lower_jaxpr_to_triton_module", None)
+    if lower is None:
+        pytest.skip("this jax has no Triton lowering hook to verify")
+    results: list[bool] = []
+
+    def lower_and_verify(*args, **kwargs):
+        lowered = lower(*args, **kwargs)
+        results.append(bool(lowered.module.operation.verify()))
+        return lowered
+
+    monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
+    return results
+
+
 def _specs(num_tokens, num_q_heads, num_kv_heads, head_dim, page_size, dtype, num_slots=8):
     width, num_pages = 64, 256
     pool = jax.ShapeDtypeStruct((num_kv_heads, num_pages, page_size, head_dim), dtype)
@@ -58,7 +78,7 @@ GPU_CASES = [
 @pytest.mark.parametrize(
     ("shapes", "options"), [c[1:] for c in GPU_CASES], ids=[c[0] for c in GPU_CASES]
 )
-def test_gpu_kernel_lowers_to_triton_for_cuda(shapes, options) -> None:
+def test_gpu_kernel_lowers_to_triton_for_cuda(shapes, options, triton_modules_verified) -> None:
     fn = jax.jit(functools.partial(ragged_paged_attention_gpu, sm_scale=0.1, **options))
     with jax.sharding.use_abstract_mesh(_target("NVIDIA H200", "gpu")):
         exported = jax.export.export(
@@ -68,6 +88,7 @@ def test_gpu_kernel_lowers_to_triton_for_cuda(shapes, options) -> None:
         )(*_specs(*shapes))
     module = exported.mlir_module()
     assert TRITON_CALL in module and "ragged_paged_attention_gpu" in module
+    assert triton_modules_verified == [True]
     assert exported.out_avals[0].shape == (shapes[0], shapes[1], shapes[3])
 
 
