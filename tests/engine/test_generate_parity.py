@@ -6,8 +6,6 @@ own top-2 logits (float32 summation order differs between the two stacks)."""
 
 from __future__ import annotations
 
-import random
-
 import numpy as np
 import pytest
 
@@ -15,10 +13,15 @@ from jaxserve import LLM, SamplingParams
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-from jaxserve.checkpoints_tools.testing import write_tiny_hf_checkpoint  # noqa: E402
+from parity_utils import (  # noqa: E402
+    MAX_TOKENS,
+    hf_greedy,
+    make_prompts,
+    assert_all_blocks_free,
+    assert_matches_hf,
+)
 
-NEAR_TIE = 1e-3  # top-1 minus top-2 logit under which either token is a fair greedy choice
-MAX_TOKENS = 10
+from jaxserve.checkpoints_tools.testing import write_tiny_hf_checkpoint  # noqa: E402
 
 FAMILIES = {
     "llama3_rope": (
@@ -40,58 +43,12 @@ FAMILIES = {
 }
 
 
-def _prompts(vocab: int) -> list[list[int]]:
-    rng = random.Random(0)
-    shared = [rng.randrange(3, vocab) for _ in range(13)]
-    prompts = [shared + [rng.randrange(3, vocab) for _ in range(n)] for n in (5, 11)]
-    prompts += [[rng.randrange(3, vocab) for _ in range(n)] for n in (23, 7)]
-    return prompts
-
-
-def _hf_greedy(folder, prompts):
-    """Greedy continuation of each prompt by transformers, with the top-2 margin per step."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    model.eval()
-    results = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = list(prompt)
-            tokens, margins = [], []
-            for _ in range(MAX_TOKENS):
-                logits = model(torch.tensor([ids])).logits[0, -1]
-                top2 = torch.topk(logits, 2)
-                tokens.append(int(top2.indices[0]))
-                margins.append(float(top2.values[0] - top2.values[1]))
-                ids.append(tokens[-1])
-            results.append((tokens, margins))
-    return results
-
-
-def assert_matches_hf(ours: list[int], hf: tuple[list[int], list[float]]) -> None:
-    tokens, margins = hf
-    for i, (a, b) in enumerate(zip(ours, tokens, strict=True)):
-        if a != b:
-            assert margins[i] < NEAR_TIE, (
-                f"token {i}: jaxserve {a} != transformers {b} with top-2 margin {margins[i]:.2e}"
-            )
-            return  # after a tie the two continuations legitimately diverge
-
-
-def assert_all_blocks_free(llm: LLM) -> None:
-    sched = llm.engine.scheduler
-    stats = llm.get_stats()
-    assert not sched.has_unfinished_requests()
-    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
-    pool = sched.kv_cache_manager.block_pool
-    assert all(b.ref_cnt == 0 for b in pool.blocks[1:])
-
-
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def checkpoint(request, tmp_path_factory):
     family, overrides = FAMILIES[request.param]
     folder = write_tiny_hf_checkpoint(tmp_path_factory.mktemp(request.param), family, **overrides)
-    prompts = _prompts(512)
-    return folder, prompts, _hf_greedy(folder, prompts)
+    prompts = make_prompts(512)
+    return folder, prompts, hf_greedy(folder, prompts)
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
@@ -124,7 +81,7 @@ def test_greedy_matches_transformers_under_scheduler_stress(checkpoint, prefix_c
 def test_prefix_caching_does_not_change_tokens(tmp_path):
     family, overrides = FAMILIES["qwen3"]
     folder = write_tiny_hf_checkpoint(tmp_path, family, **overrides)
-    prompts = _prompts(512)
+    prompts = make_prompts(512)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     runs = []
     for caching in (True, False):
