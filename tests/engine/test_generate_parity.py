@@ -15,10 +15,10 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 from parity_utils import (  # noqa: E402
     MAX_TOKENS,
-    hf_greedy,
-    make_prompts,
     assert_all_blocks_free,
     assert_matches_hf,
+    hf_greedy,
+    make_prompts,
 )
 
 from jaxserve.checkpoints_tools.testing import write_tiny_hf_checkpoint  # noqa: E402
