@@ -97,8 +97,12 @@ def _hf_batch(model, batch: list[BenchRequest], max_new: int, gen_kw: dict, stre
         mask[i, longest - r.prompt_len :] = 1
     with torch.inference_mode():
         out = model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
-            streamer=streamer, **gen_kw,
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_new,
+            min_new_tokens=max_new,
+            streamer=streamer,
+            **gen_kw,
         )
     if out.shape[1] != longest + max_new:
         raise RuntimeError(f"generate returned {out.shape[1] - longest} tokens, not {max_new}")
@@ -143,7 +147,10 @@ def run_vllm(
         with open(log_path, "w") as log:
             proc = subprocess.run(
                 [python, str(HERE / "vllm_throughput.py"), str(spec_path), str(out_path)],
-                stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout_s,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                timeout=timeout_s,
             )
         if proc.returncode != 0 or not out_path.exists():
             tail = log_path.read_text()[-4000:]
@@ -162,7 +169,8 @@ def vllm_available(python: str) -> str | None:
         return None
     proc = subprocess.run(
         [python, "-c", "import vllm; print(vllm.__version__)"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     return proc.stdout.strip().splitlines()[-1] if proc.returncode == 0 else None
-

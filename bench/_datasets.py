@@ -78,9 +78,7 @@ def _tokens(rng: np.random.Generator, n: int, vocab_size: int) -> list[int]:
     return rng.integers(FIRST_ID, vocab_size, size=n).tolist()
 
 
-def _lognormal_lengths(
-    rng: np.random.Generator, n: int, mean: float, sigma: float
-) -> np.ndarray:
+def _lognormal_lengths(rng: np.random.Generator, n: int, mean: float, sigma: float) -> np.ndarray:
     # mean of a lognormal = exp(mu + sigma^2 / 2): choose mu for the requested mean.
     mu = math.log(mean) - sigma**2 / 2
     return np.rint(rng.lognormal(mu, sigma, size=n)).astype(np.int64)
@@ -105,17 +103,24 @@ def sharegpt_like(
     reports the drawn means.
     """
     rng = np.random.default_rng(seed)
-    ins = np.clip(_lognormal_lengths(rng, num_requests, mean_input, sigma_input),
-                  MIN_LEN, max_prompt_len)
+    ins = np.clip(
+        _lognormal_lengths(rng, num_requests, mean_input, sigma_input), MIN_LEN, max_prompt_len
+    )
     outs = _lognormal_lengths(rng, num_requests, mean_output, sigma_output)
     outs = np.clip(outs, MIN_LEN, max_total_len - ins)
     requests = [
         BenchRequest(_tokens(rng, int(i), vocab_size), int(o))
         for i, o in zip(ins, outs, strict=True)
     ]
-    params = dict(mean_input=mean_input, mean_output=mean_output, sigma_input=sigma_input,
-                  sigma_output=sigma_output, max_prompt_len=max_prompt_len,
-                  max_total_len=max_total_len, seed=seed)
+    params = dict(
+        mean_input=mean_input,
+        mean_output=mean_output,
+        sigma_input=sigma_input,
+        sigma_output=sigma_output,
+        max_prompt_len=max_prompt_len,
+        max_total_len=max_total_len,
+        seed=seed,
+    )
     return Dataset("sharegpt", requests, params)
 
 
@@ -176,8 +181,14 @@ def prefix_repetition(
     requests = [requests[i] for i in order]
     shared = (prefix_len // block_size) * block_size
     ideal = (per_prefix - 1) * num_prefixes * shared
-    params = dict(num_prefixes=num_prefixes, prefix_len=prefix_len, suffix_len=suffix_len,
-                  output_len=output_len, block_size=block_size, seed=seed)
+    params = dict(
+        num_prefixes=num_prefixes,
+        prefix_len=prefix_len,
+        suffix_len=suffix_len,
+        output_len=output_len,
+        block_size=block_size,
+        seed=seed,
+    )
     return Dataset("prefix", requests, params, ideal_prefix_hit_tokens=ideal)
 
 

@@ -26,7 +26,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-
 from _datasets import BenchRequest
 from _metrics import RequestTiming, RunResult
 
@@ -176,7 +175,9 @@ def run(
         now = time.perf_counter() - t0
         for s in admit(pending, engine, now):
             params = SamplingParams(
-                max_tokens=s.max_tokens, temperature=temperature, ignore_eos=True,
+                max_tokens=s.max_tokens,
+                temperature=temperature,
+                ignore_eos=True,
                 seed=seed + int(s.request_id.rsplit("-", 1)[1]),
             )
             engine.add_request(s.request_id, s.prompt, params)

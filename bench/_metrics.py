@@ -117,7 +117,13 @@ class ModelShape:
     @property
     def layer_matmul_params(self) -> int:
         """Parameters every computed token multiplies with (q, k, v, o, gate, up, down)."""
-        d, n, k, h, f = self.hidden, self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate
+        d, n, k, h, f = (
+            self.hidden,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.intermediate,
+        )
         return self.num_layers * (d * n * h + 2 * d * k * h + n * h * d + 3 * d * f)
 
     @property

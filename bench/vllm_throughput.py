@@ -52,16 +52,26 @@ def _run(llm, requests: list, tag: str, temperature: float, seed: int) -> tuple[
 
     engine = llm.llm_engine
     timings = [
-        {"prompt_len": len(p), "output_len": n, "arrival": 0.0, "first_token": math.nan,
-         "last_useful_token": math.nan, "finish": math.nan}
+        {
+            "prompt_len": len(p),
+            "output_len": n,
+            "arrival": 0.0,
+            "first_token": math.nan,
+            "last_useful_token": math.nan,
+            "finish": math.nan,
+        }
         for p, n in requests
     ]
     counts = [0] * len(requests)
     t0 = time.perf_counter()
     for i, (prompt, n) in enumerate(requests):
         params = SamplingParams(
-            temperature=temperature, max_tokens=n, ignore_eos=True, detokenize=False,
-            seed=seed + i, output_kind=RequestOutputKind.DELTA,
+            temperature=temperature,
+            max_tokens=n,
+            ignore_eos=True,
+            detokenize=False,
+            seed=seed + i,
+            output_kind=RequestOutputKind.DELTA,
         )
         engine.add_request(f"{tag}-{i}", TokensPrompt(prompt_token_ids=prompt), params)
     while engine.has_unfinished_requests():
@@ -78,7 +88,7 @@ def _run(llm, requests: list, tag: str, temperature: float, seed: int) -> tuple[
             if out.finished:
                 t["finish"] = now
     elapsed = time.perf_counter() - t0
-    bad = [i for i, (c, t) in enumerate(zip(counts, timings)) if c != t["output_len"]]
+    bad = [i for i, (c, t) in enumerate(zip(counts, timings, strict=True)) if c != t["output_len"]]
     if bad:
         raise RuntimeError(f"{tag}: {len(bad)} requests got the wrong number of tokens")
     return elapsed, timings
