@@ -1,0 +1,399 @@
+"""Where jaxserve's time goes on bench/throughput.py's model: host vs device per step, padding,
+attention vs context bucket, sampling, compilations.
+
+    python bench/profile_throughput.py [--preset default] [--concurrency 256]
+
+Three parts, one warmed-up engine (the benchmark's preset and checkpoint):
+
+    steps      the jitted step alone on all-padding batches of chosen (T, R, B) buckets, greedy
+               and sampled (temperature 1.0): ms per call, model FLOP/s against the matmul
+               measured here, and the cost of attention's block-table width B (the reference
+               attention reads B x P context positions for every query token, masked or not)
+    sharegpt   the benchmark's ShareGPT-like offline run, every step instrumented: scheduler,
+               input preparation, the step call, waiting for the device, update_from_output,
+               the engine's output processing; padding of T, R and of attention's width
+    decode     `--concurrency` requests of 128 prompt tokens admitted together; once all of
+               them decode, `--decode-steps` steps are timed the same way and profiled with
+               cProfile (host functions by own time)
+
+Instrumentation wraps methods of this engine instance (nothing in jaxserve is edited): the
+step wrapper waits for the step's sampled ids, so "device" is dispatch-to-ready time and every
+other millisecond of an engine step is host time. On this CPU the host and XLA share the same
+cores: host work can only hide behind device work to the extent cores are idle.
+
+Writes bench/results/throughput_profile.json and prints tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import jaxserve.runner  # noqa: F401  applies the XLA CPU workaround before jax starts
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import _datasets  # noqa: E402
+import _jaxserve_runs  # noqa: E402
+import numpy as np  # noqa: E402
+import throughput  # noqa: E402
+from _metrics import ModelShape, machine_limits  # noqa: E402
+
+# ---- instrumentation ------------------------------------------------------------------------
+
+
+class StepProbe:
+    """Times the parts of every LLMEngine.step of one engine and records the step's buckets.
+
+    Install after each reset_scheduler (the scheduler is a new object each run).
+    """
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.records: list[dict] = []
+        self._cur: dict = {}
+        runner = engine.runner
+        self._orig_execute = runner.execute_model
+        self._orig_step = runner._step
+        runner.execute_model = self._execute_model
+        runner._step = self._step
+        self.install_scheduler()
+
+    def install_scheduler(self) -> None:
+        sched = self.engine.scheduler
+        orig_schedule, orig_update = sched.schedule, sched.update_from_output
+
+        def schedule():
+            t0 = time.perf_counter()
+            out = orig_schedule()
+            self._cur["schedule"] = time.perf_counter() - t0
+            return out
+
+        def update(so, ro):
+            t0 = time.perf_counter()
+            out = orig_update(so, ro)
+            self._cur["update"] = time.perf_counter() - t0
+            return out
+
+        sched.schedule, sched.update_from_output = schedule, update
+
+    def uninstall(self) -> None:
+        runner = self.engine.runner
+        runner.execute_model, runner._step = self._orig_execute, self._orig_step
+
+    def _execute_model(self, so):
+        t0 = time.perf_counter()
+        out = self._orig_execute(so)
+        self._cur["execute"] = time.perf_counter() - t0
+        return out
+
+    def _step(self, params, kv, input_ids, md, logits_indices, *rest, **kw):
+        import jax
+
+        t0 = time.perf_counter()
+        res = self._orig_step(params, kv, input_ids, md, logits_indices, *rest, **kw)
+        t1 = time.perf_counter()
+        jax.block_until_ready(res[1].token_ids)
+        t2 = time.perf_counter()
+        n = int(md.num_seqs[0])
+        qsl = np.asarray(md.query_start_loc)
+        q = np.diff(qsl[: n + 1]).astype(np.int64)
+        seq = np.asarray(md.seq_lens[:n], np.int64)
+        self._cur.update(
+            dispatch=t1 - t0,
+            device=t2 - t0,
+            T=int(input_ids.shape[0]),
+            R=int(md.block_tables.shape[0]),
+            B=int(md.block_tables.shape[1]),
+            tokens=int(qsl[n]),
+            rows=n,
+            decode_rows=int((q == 1).sum()),
+            # Context positions attention really needs: token i of a row of q new tokens and
+            # length L sees L - q + i + 1 positions.
+            ctx=int((q * (2 * seq - q + 1) // 2).sum()),
+            all_greedy=bool(kw.get("all_greedy")),
+        )
+        return res
+
+    def step(self) -> list:
+        self._cur = {}
+        t0 = time.perf_counter()
+        outs = self.engine.step()
+        self._cur["total"] = time.perf_counter() - t0
+        if "T" in self._cur:
+            self.records.append(self._cur)
+        return outs
+
+
+def summarize_steps(records: list[dict], block_size: int) -> dict:
+    """Means per step (ms) and padding ratios over the recorded steps."""
+    if not records:
+        return {}
+
+    def mean(key: str) -> float:
+        return float(np.mean([r.get(key, 0.0) for r in records])) * 1e3
+
+    total, device = mean("total"), mean("device")
+    prepare = mean("execute") - device  # execute_model minus the step: inputs + collect
+    engine_out = total - mean("schedule") - mean("execute") - mean("update")
+    sum_ = lambda k: float(sum(r[k] for r in records))  # noqa: E731
+    attn_read = sum(r["T"] * r["B"] * block_size for r in records)
+    return {
+        "num_steps": len(records),
+        "total_ms": total,
+        "device_ms": device,
+        "dispatch_ms": mean("dispatch"),
+        "host_ms": total - device,
+        "host_share": (total - device) / total,
+        "schedule_ms": mean("schedule"),
+        "prepare_and_collect_ms": prepare,
+        "update_ms": mean("update"),
+        "engine_output_ms": engine_out,
+        "mean_real_tokens": sum_("tokens") / len(records),
+        "mean_padded_tokens": sum_("T") / len(records),
+        "mean_rows": sum_("rows") / len(records),
+        "token_padding_waste": sum_("T") / sum_("tokens") - 1.0,
+        "row_padding_waste": sum_("R") / sum_("rows") - 1.0,
+        "attention_reads_per_needed": attn_read / max(sum_("ctx"), 1.0),
+        "bucket_histogram": _histogram(records),
+    }
+
+
+def _histogram(records: list[dict]) -> dict:
+    counts: dict[str, int] = {}
+    for r in records:
+        key = f"T{r['T']}/R{r['R']}/B{r['B']}"
+        counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+# ---- parts ----------------------------------------------------------------------------------
+
+
+def step_microbench(engine, shape: ModelShape, limits: dict, shapes, reps: int) -> list[dict]:
+    """The jitted step alone on all-padding batches (compiled by warm-up)."""
+    import jax
+
+    from jaxserve.runner.input_batch import PreparedBatch
+    from jaxserve.runner.model_runner import _attention_metadata
+    from jaxserve.runner.sampling_metadata import SamplingMetadata
+
+    runner = engine.runner
+    rows = []
+    for t, b in shapes:
+        r = runner.buckets.padded_rows(t)
+        batch = PreparedBatch.padding(t, r, b)
+        md = SamplingMetadata.neutral(r, runner.vocab_size)
+        md_sampled = SamplingMetadata.neutral(r, runner.vocab_size)
+        md_sampled.temperature[:] = 1.0
+        row = {"T": t, "R": r, "B": b}
+        for label, greedy, smd in (("greedy", True, md), ("sampled", False, md_sampled)):
+            times = []
+            for _ in range(reps + 1):
+                t0 = time.perf_counter()
+                runner.kv_caches, out, _ = runner._step(
+                    runner.params,
+                    runner.kv_caches,
+                    batch.input_ids,
+                    _attention_metadata(batch),
+                    batch.logits_indices,
+                    smd,
+                    batch.input_ids,
+                    all_greedy=greedy,
+                    max_num_logprobs=None,
+                    num_prompt_logprobs=None,
+                )
+                jax.block_until_ready(out.token_ids)
+                times.append(time.perf_counter() - t0)
+            row[f"{label}_ms"] = float(np.median(times[1:])) * 1e3
+        flops = 2.0 * shape.layer_matmul_params * t + 2.0 * shape.lm_head_params * r
+        row["matmul_flops_per_s"] = flops / (row["greedy_ms"] / 1e3)
+        row["vs_matmul_peak"] = row["matmul_flops_per_s"] / limits["matmul_flops_per_s"]
+        rows.append(row)
+        print(
+            f"  T={t:5d} R={r:4d} B={b:3d}  greedy {row['greedy_ms']:8.1f} ms  sampled "
+            f"{row['sampled_ms']:8.1f} ms  {row['matmul_flops_per_s'] / 1e9:6.1f} GFLOP/s "
+            f"({row['vs_matmul_peak']:.0%} of matmul)",
+            flush=True,
+        )
+    return rows
+
+
+def profile_run(
+    engine,
+    requests,
+    *,
+    name: str,
+    block_size: int,
+    max_steps=None,
+    skip_until_all_decode: bool = False,
+    profile_host: bool = False,
+) -> dict:
+    """Offline run of `requests` with every step instrumented (optionally a window only)."""
+    from jaxserve import SamplingParams
+
+    _jaxserve_runs.reset_scheduler(engine, True)
+    probe = StepProbe(engine)
+    for i, req in enumerate(requests):
+        params = SamplingParams(max_tokens=req.output_len, temperature=1.0, ignore_eos=True, seed=i)
+        engine.add_request(f"{name}-{i}", req.prompt_token_ids, params)
+    compiles = engine.runner.num_compilations
+    n = len(requests)
+    if skip_until_all_decode:  # run the prefill phase uninstrumented-in-summary
+        while True:
+            probe.step()
+            rec = probe.records[-1]
+            if rec["rows"] == n and rec["decode_rows"] == n:
+                break
+        probe.records.clear()
+    prof = cProfile.Profile() if profile_host else None
+    t0 = time.perf_counter()
+    steps = 0
+    while engine.has_unfinished_requests() and (max_steps is None or steps < max_steps):
+        if prof:
+            prof.enable()
+        probe.step()
+        if prof:
+            prof.disable()
+        steps += 1
+    elapsed = time.perf_counter() - t0
+    if engine.has_unfinished_requests():
+        engine.abort_request([f"{name}-{i}" for i in range(n)])
+    probe.uninstall()
+    out = summarize_steps(probe.records, block_size)
+    out.update(elapsed_s=elapsed, compilations_during_run=engine.runner.num_compilations - compiles)
+    if prof:
+        out["host_profile_top"] = _top_functions(prof, 18)
+    return out
+
+
+def _top_functions(prof: cProfile.Profile, n: int) -> list[dict]:
+    stats = pstats.Stats(prof, stream=io.StringIO())
+    rows = []
+    for (file, line, func), (_cc, calls, tottime, cumtime, _) in stats.stats.items():
+        rows.append(
+            {
+                "function": f"{Path(file).name}:{line}:{func}",
+                "calls": calls,
+                "tottime_s": tottime,
+                "cumtime_s": cumtime,
+            }
+        )
+    rows.sort(key=lambda r: -r["tottime_s"])
+    return rows[:n]
+
+
+def print_summary(title: str, s: dict) -> None:
+    print(
+        f"\n{title}: {s['num_steps']} steps, {s['total_ms']:.1f} ms/step "
+        f"(device {s['device_ms']:.1f}, host {s['host_ms']:.1f} = {s['host_share']:.1%})"
+    )
+    print(
+        f"  host per step: schedule {s['schedule_ms']:.2f} ms, prepare+collect "
+        f"{s['prepare_and_collect_ms']:.2f} ms, update {s['update_ms']:.2f} ms, engine outputs "
+        f"{s['engine_output_ms']:.2f} ms; the step call itself returned after "
+        f"{s['dispatch_ms']:.2f} of the device ms (CPU: dispatch is not fully asynchronous)"
+    )
+    print(
+        f"  tokens/step real {s['mean_real_tokens']:.0f} padded {s['mean_padded_tokens']:.0f} "
+        f"(waste {s['token_padding_waste']:.1%}), rows {s['mean_rows']:.0f} (row waste "
+        f"{s['row_padding_waste']:.1%}); attention reads {s['attention_reads_per_needed']:.1f}x "
+        f"the context positions needed"
+    )
+    top = list(s["bucket_histogram"].items())[:6]
+    print("  buckets: " + ", ".join(f"{k} x{v}" for k, v in top))
+    for r in s.get("host_profile_top", [])[:12]:
+        print(
+            f"    {r['tottime_s'] * 1e3 / s['num_steps']:7.2f} ms/step own  "
+            f"{r['calls']:7d} calls  {r['function']}"
+        )
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", choices=sorted(throughput.PRESETS), default="default")
+    p.add_argument("--concurrency", type=int, default=256)
+    p.add_argument("--decode-steps", type=int, default=20)
+    p.add_argument("--num-requests", type=int, default=None, help="sharegpt part")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--parts", default="steps,sharegpt,decode")
+    p.add_argument("--cache", default=str(throughput.CACHE))
+    p.add_argument("--output", default=str(throughput.RESULTS / "throughput_profile.json"))
+    args = p.parse_args(argv)
+    parts = args.parts.split(",")
+    preset = throughput.PRESETS[args.preset]
+    throughput.enable_compile_cache(Path(args.cache) / "jax")
+    model_dir = throughput.ensure_checkpoint(preset, Path(args.cache))
+    shape = ModelShape.from_hf_config(json.loads((model_dir / "config.json").read_text()))
+    settings = _jaxserve_runs.EngineSettings(model=str(model_dir), **preset.engine)
+    report: dict = {
+        "preset": args.preset,
+        "loadavg_start": os.getloadavg(),
+        "model": {"name": preset.model_name, "num_params": shape.num_params},
+    }
+    report["machine_limits"] = limits = machine_limits(**preset.limits)
+    print(
+        f"matmul {limits['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s, copy "
+        f"{limits['copy_bytes_per_s'] / 1e9:.1f} GB/s; load {os.getloadavg()}",
+        flush=True,
+    )
+    engine, warm_s, warm_compiles = _jaxserve_runs.build_engine(settings)
+    report["warmup"] = {"seconds": warm_s, "compilations": warm_compiles}
+    bs = settings.block_size
+    buckets = engine.runner.buckets
+    if "steps" in parts:
+        print("\nstep alone (all-padding batches):", flush=True)
+        t_max = buckets.token_buckets[-1]
+        decode_t = min(args.concurrency, t_max)
+        shapes = [(decode_t, b) for b in buckets.width_buckets]
+        shapes += [(t_max, b) for b in (1, 8, buckets.width_buckets[-1])]
+        shapes += [(t, 8 if 8 in buckets.width_buckets else 1) for t in buckets.token_buckets[:4]]
+        report["steps"] = step_microbench(engine, shape, limits, shapes, args.reps)
+    if "sharegpt" in parts:
+        n = args.num_requests or preset.num_requests
+        ds = _datasets.build(
+            "sharegpt", n, shape.vocab, bs, **preset.dataset_kw.get("sharegpt", {})
+        )
+        s = profile_run(engine, ds.requests, name="profile-sharegpt", block_size=bs)
+        report["sharegpt"] = s
+        print_summary(f"sharegpt ({n} requests, offline)", s)
+    if "decode" in parts:
+        c = args.concurrency
+        if c > settings.max_num_seqs:
+            raise SystemExit(f"--concurrency {c} exceeds max_num_seqs={settings.max_num_seqs}")
+        ds = _datasets.random_fixed(
+            c,
+            shape.vocab,
+            input_len=min(128, settings.max_model_len // 4),
+            output_len=args.decode_steps + 64,
+            seed=1,
+        )
+        s = profile_run(
+            engine,
+            ds.requests,
+            name="profile-decode",
+            block_size=bs,
+            max_steps=args.decode_steps,
+            skip_until_all_decode=True,
+            profile_host=True,
+        )
+        report["decode"] = s
+        print_summary(f"decode at {c} running requests", s)
+    report["loadavg_end"] = os.getloadavg()
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(f"\nwrote {out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
