@@ -1,0 +1,195 @@
+"""Tensor-parallel cases, run as a script in a fresh process with 8 simulated CPU devices.
+
+    python tests/runner/tp_cases.py WORK_DIR RESULTS.json
+
+XLA_FLAGS must hold --xla_force_host_platform_device_count=8 before jax starts, hence a
+separate process; test_tensor_parallel.py runs it once and checks the JSON it writes:
+
+    parity[family][tp]      greedy tokens, param/KV specs and local shard shapes at tp 1, 2, 4, 8;
+                            for llama at tp 1 and 2 also "seeded": seeded sampled tokens; at
+                            tp 2 (warmed up) also "compiles": step compilations in warm-up, then
+                            step traces and XLA backend compiles while serving
+    builtin[tp]             tiny-random-llama's greedy tokens at tp 1 and 4 (tp_multihost.py's
+                            reference)
+    orbax                   tokens and param shardings of an Orbax checkpoint restored at tp 2
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import random
+import sys
+from typing import Any
+
+import jax
+
+from jaxserve import LLM, LLMEngine, SamplingParams
+from jaxserve.checkpoints_tools.convert import convert_hf_to_orbax
+from jaxserve.checkpoints_tools.testing import write_tiny_hf_checkpoint
+from jaxserve.runner.sharding import plan_sharding
+
+TP_SIZES = (1, 2, 4, 8)
+# N = 8 query heads everywhere; K from 1 (MQA) to 8, so K < tp, K == tp and K > tp all occur.
+# mistral's vocabulary (515) is divisible by no tp > 1: embed and lm_head are replicated.
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": dict(num_key_value_heads=2),
+    "mistral": dict(num_key_value_heads=1, vocab_size=515, sliding_window=6),
+    "qwen2": dict(num_key_value_heads=4, tie_word_embeddings=True),
+    "qwen3": dict(num_key_value_heads=8),
+}
+COMMON = dict(num_attention_heads=8, head_dim=16)
+ENGINE = dict(
+    dtype="float32",
+    # One page per sequence: one (T, R, B) bucket, so each engine compiles its step once (or
+    # twice, greedy and sampled); the 19 prompt tokens of a batch still take two steps (chunked).
+    block_size=16,
+    num_kv_blocks=8,
+    max_num_seqs=4,
+    max_num_batched_tokens=16,
+    max_model_len=16,
+)
+
+
+def _prompts(vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in (9, 3, 7)]
+
+
+def _spec(x: jax.Array) -> list[Any]:
+    return [list(a) if isinstance(a, tuple) else a for a in x.sharding.spec]
+
+
+def _layout(llm: LLM) -> dict[str, Any]:
+    """Specs and the shape of device 0's shard of a few params and of the KV pages."""
+    runner = llm.engine.runner
+    attn = runner.params["layers_0"]["attn"]
+    arrays = {
+        "q_proj": attn["q_proj"],
+        "k_proj": attn["k_proj"],
+        "down_proj": runner.params["layers_0"]["mlp"]["down_proj"],
+        "embed": runner.params["embed"],
+        "kv_pages": runner.kv_caches[0][0],
+    }
+    return {
+        name: {
+            "spec": _spec(x),
+            "shard_shape": list(x.addressable_shards[0].data.shape),
+            "num_devices": len(x.sharding.device_set),
+        }
+        for name, x in arrays.items()
+    }
+
+
+def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _seeded(llm: LLM) -> list[list[int]]:
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=6, ignore_eos=True),
+        SamplingParams(temperature=1.2, top_k=20, seed=8, max_tokens=6, ignore_eos=True),
+        SamplingParams(temperature=0.7, min_p=0.05, seed=9, max_tokens=6, ignore_eos=True),
+    ]
+    outs = llm.generate(_prompts(512, seed=1), params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+class _BackendCompiles:
+    """Counts XLA backend compiles (any function) while `on`."""
+
+    def __init__(self) -> None:
+        self.on, self.count = False, 0
+        jax.monitoring.register_event_duration_secs_listener(self._event)
+
+    def _event(self, event: str, secs: float, **kwargs: Any) -> None:
+        if self.on and event == "/jax/core/compile/backend_compile_duration":
+            self.count += 1
+
+
+def _serve_stream(engine: LLMEngine) -> None:
+    """A stream of greedy and seeded sampled requests, arriving while others run."""
+    rng = random.Random(0)
+    for i, prompt in enumerate(_prompts(512, seed=2) * 2):
+        temperature = rng.choice([0.0, 0.8])
+        params = SamplingParams(temperature=temperature, max_tokens=rng.randrange(1, 8), seed=i)
+        engine.add_request(f"stream-{i}", prompt, params)
+        engine.step()
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def run_parity(work: pathlib.Path) -> dict[str, Any]:
+    """Every family at every tp. The llama engines also sample seeded requests (tp 1, 2); the
+    llama tp 2 engine is warmed up, and everything it serves is counted for compilations."""
+    compiles = _BackendCompiles()
+    results: dict[str, Any] = {}
+    for family, overrides in FAMILIES.items():
+        folder = write_tiny_hf_checkpoint(work / family, family, **COMMON, **overrides)
+        prompts = _prompts(overrides.get("vocab_size", 512))
+        results[family] = {}
+        for tp in TP_SIZES:
+            warm = family == "llama" and tp == 2
+            llm = LLM(str(folder), tensor_parallel_size=tp, warmup=warm, **ENGINE)
+            compiles.on = warm
+            warmup_compilations = llm.get_stats()["num_compilations"]
+            case = {"tokens": _greedy(llm, prompts), "layout": _layout(llm)}
+            if family == "llama" and tp <= 2:
+                case["seeded"] = _seeded(llm)
+            if warm:
+                _serve_stream(llm.engine)
+                case["compiles"] = {
+                    "warmup": warmup_compilations,
+                    "after": llm.get_stats()["num_compilations"],
+                    "backend_compiles_after_warmup": compiles.count,
+                    "num_steps": llm.get_stats()["num_steps"],
+                }
+                compiles.on = False
+            results[family][tp] = case
+    return results
+
+
+def multihost_prompts() -> list[list[int]]:
+    """The prompts of tp_multihost.py, for the built-in tiny-random-llama (V = 1024)."""
+    return _prompts(1024, seed=3)
+
+
+def run_builtin() -> dict[int, list[list[int]]]:
+    """tiny-random-llama's greedy tokens at tp 1 and 4 in this one process: what the two
+    processes of tp_multihost.py (2 devices each) must reproduce."""
+    engines = {tp: LLM("tiny-random-llama", tensor_parallel_size=tp, **ENGINE) for tp in (1, 4)}
+    return {tp: _greedy(llm, multihost_prompts()) for tp, llm in engines.items()}
+
+
+def run_orbax(work: pathlib.Path) -> dict[str, Any]:
+    orbax_dir = convert_hf_to_orbax(work / "llama", work / "llama_orbax")
+    prompts = _prompts(512)
+    llm = LLM(str(orbax_dir), tensor_parallel_size=2, **ENGINE)
+    runner = llm.engine.runner
+    plan = plan_sharding(runner.model, runner.params["embed"].sharding.mesh)
+    same = jax.tree_util.tree_map(
+        lambda x, want: x.sharding.is_equivalent_to(want, x.ndim),
+        runner.params,
+        plan.param_shardings(),
+    )
+    return {
+        "tokens": _greedy(llm, prompts),
+        "layout": _layout(llm),
+        "shardings_as_planned": all(jax.tree_util.tree_leaves(same)),
+    }
+
+
+def main() -> None:
+    work, results_file = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+    assert jax.device_count() == 8, jax.devices()
+    results = {
+        "parity": run_parity(work),
+        "builtin": run_builtin(),
+        "orbax": run_orbax(work),
+    }
+    results_file.write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
