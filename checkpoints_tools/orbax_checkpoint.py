@@ -80,12 +80,17 @@ def write_marker(folder: pathlib.Path, *, dtype: np.dtype, source: str, num_para
 
 def save_params(params: dict[str, Any], directory: pathlib.Path) -> None:
     """Write a params pytree as an Orbax item at `directory` (which must not exist); returns
-    when every array is on disk."""
+    when every array is on disk.
+
+    Uncompressed: trained weights barely compress (zstd saves ~7% on float32 weights), while
+    decompressing doubles the restore time (bench/load_time.py measured 0.7 s vs 0.35 s for
+    200 MB on CPU).
+    """
     import orbax.checkpoint as ocp
 
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(directory.absolute(), params)
-        checkpointer.wait_until_finished()
+    handler = ocp.PyTreeCheckpointHandler(use_compression=False)
+    with ocp.Checkpointer(handler) as checkpointer:
+        checkpointer.save(directory.absolute(), args=ocp.args.PyTreeSave(params))
 
 
 def _flatten(tree: dict[str, Any], prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
@@ -99,19 +104,17 @@ def _flatten(tree: dict[str, Any], prefix: tuple[str, ...] = ()) -> dict[tuple[s
     return flat
 
 
-def check_stored_arrays(directory: pathlib.Path, expected: dict[str, Any]) -> None:
-    """Compare the arrays stored at `directory` (metadata only) with `expected` (a pytree of
+def check_stored_arrays(
+    stored_tree: dict[str, Any], expected: dict[str, Any], directory: pathlib.Path
+) -> None:
+    """Compare the stored array metadata tree of `directory` with `expected` (a pytree of
     ShapeDtypeStruct).
 
     Raises:
         ValueError: a missing, unexpected or mis-shaped array, named ("layers_0/attn/q_proj")
             with the folder.
     """
-    import orbax.checkpoint as ocp
-
-    with ocp.StandardCheckpointer() as checkpointer:
-        stored = _flatten(dict(checkpointer.metadata(directory.absolute()).item_metadata.tree))
-    wanted = _flatten(expected)
+    stored, wanted = _flatten(stored_tree), _flatten(expected)
     name = "/".join
     missing = [path for path in wanted if path not in stored]
     if missing:
@@ -166,7 +169,6 @@ def load_orbax_checkpoint(
         raise ValueError(f"{config_file}: {e}") from None
     np_dtype = resolve_dtype(dtype, marker.get("dtype"))
     shapes = get_model(arch, dtype=np_dtype).param_shapes()
-    check_stored_arrays(params_dir, shapes)
     default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
 
     def target(key_path: tuple[Any, ...], leaf: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
@@ -174,8 +176,10 @@ def load_orbax_checkpoint(
         sharding = default if param_sharding is None else param_sharding(keys)
         return jax.ShapeDtypeStruct(leaf.shape, np_dtype, sharding=sharding)
 
-    abstract = jax.tree_util.tree_map_with_path(target, shapes)
     with ocp.StandardCheckpointer() as checkpointer:
+        stored = checkpointer.metadata(params_dir.absolute()).item_metadata.tree
+        check_stored_arrays(dict(stored), shapes, params_dir)
+        abstract = jax.tree_util.tree_map_with_path(target, shapes)
         params = checkpointer.restore(params_dir.absolute(), abstract)
     tokenizer = load_tokenizer(folder)
     return LoadedCheckpoint(
