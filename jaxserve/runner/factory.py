@@ -32,12 +32,28 @@ class RunnerInfo:
     dtype: str
 
 
-def resolve_attention_backend(name: str, platform: str) -> str:
-    """ "auto" -> the Pallas kernel on GPU/TPU, the jnp reference on CPU."""
+def resolve_attention_backend(name: str, platform: str, tensor_parallel_size: int = 1) -> str:
+    """ "auto" -> the Pallas kernel on GPU/TPU, the jnp reference on CPU or under tensor
+    parallelism.
+
+    A Pallas kernel is a custom call GSPMD cannot partition (XLA refuses to compile it over
+    sharded operands, "Mosaic kernels cannot be automatically partitioned"); running it under
+    TP needs a shard_map around the kernel, which the attention layer does not have yet. So
+    under TP "auto" takes the reference (plain XLA ops, which GSPMD partitions by KV head), and
+    an explicit Pallas backend is refused rather than left to fail at compile time.
+
+    Raises:
+        ValueError: an unknown name, or a Pallas backend with tensor_parallel_size > 1.
+    """
     if name == "auto":
-        return "reference" if platform == "cpu" else "pallas"
+        return "reference" if platform == "cpu" or tensor_parallel_size > 1 else "pallas"
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of ('auto', *{BACKENDS}), got {name!r}")
+    if name != "reference" and tensor_parallel_size > 1:
+        raise ValueError(
+            f"attention_backend={name!r} with tensor_parallel_size={tensor_parallel_size}: the "
+            "Pallas kernels do not run sharded yet; use 'reference' or 'auto'"
+        )
     return name
 
 
@@ -87,7 +103,9 @@ def build_runner(config: EngineConfig) -> tuple[ModelRunner, RunnerInfo]:
     """
     mesh = make_mesh(config.runner.tensor_parallel_size)
     platform = mesh.devices.flat[0].platform
-    backend = resolve_attention_backend(config.runner.attention_backend, platform)
+    backend = resolve_attention_backend(
+        config.runner.attention_backend, platform, config.runner.tensor_parallel_size
+    )
     # The shardings depend only on the architecture: read it (config only) before the weights,
     # so that every weight is placed once, into its own sharding.
     plan = plan_sharding(get_model(load_arch(config.model.model)), mesh)

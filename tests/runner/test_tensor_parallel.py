@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve import LLM
 from jaxserve.models import ModelArchConfig, get_model
+from jaxserve.runner.factory import resolve_attention_backend
 from jaxserve.runner.sharding import make_mesh, plan_sharding
 
 pytest.importorskip("torch")  # tp_cases.py writes its checkpoints with transformers
@@ -208,3 +209,13 @@ def test_more_devices_than_there_are_is_rejected():
     n = jax.device_count()
     with pytest.raises(ValueError, match=rf"tensor_parallel_size={n + 1} must be between 1"):
         LLM("tiny-random-llama", tensor_parallel_size=n + 1)
+
+
+def test_pallas_attention_is_not_used_sharded():
+    # GSPMD cannot partition a Pallas custom call: under TP "auto" takes the jnp reference, and
+    # an explicit kernel backend is refused up front instead of failing at compile time.
+    assert resolve_attention_backend("auto", "gpu", 1) == "pallas"
+    assert resolve_attention_backend("auto", "tpu", 2) == "reference"
+    assert resolve_attention_backend("reference", "gpu", 8) == "reference"
+    with pytest.raises(ValueError, match="attention_backend='pallas' with tensor_parallel_size=2"):
+        resolve_attention_backend("pallas", "gpu", 2)
