@@ -22,6 +22,11 @@ pool is sized per device, so this shows up as a smaller `num_kv_blocks`, never a
 The k/v projections it recomputes are 2K/N of the attention projections' FLOPs (2/8 for an
 8:2 GQA model), small next to the MLP.
 
+Attention under TP runs the jnp reference (factory.resolve_attention_backend): a Pallas kernel
+is a custom call that GSPMD cannot partition. Running the kernel sharded needs a shard_map
+around it in the attention layer (q on N, pages on K; when K < tp, each device's slice of KV
+heads), not done yet.
+
 Multi-host. The mesh spans processes when jax's own distributed runtime is up: call
 
     jax.distributed.initialize(coordinator_address="host0:1234", num_processes=P, process_id=i)
