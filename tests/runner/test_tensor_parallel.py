@@ -10,6 +10,7 @@ jax.distributed with gloo collectives.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import pathlib
@@ -49,10 +50,7 @@ def _env(num_devices: int) -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict[str, Any]:
-    work = tmp_path_factory.mktemp("tp")
-    out = work / "results.json"
+def _run_cases(work: pathlib.Path, out: pathlib.Path) -> None:
     proc = subprocess.run(
         [sys.executable, str(HERE / "tp_cases.py"), str(work), str(out)],
         env=_env(8),
@@ -61,6 +59,26 @@ def results(tmp_path_factory) -> dict[str, Any]:
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory, request) -> dict[str, Any]:
+    """tp_cases.py's results, computed once per test session: under pytest-xdist the workers
+    share one run through a lock file in the session's common temp folder."""
+    worker = getattr(request.config, "workerinput", None)
+    if worker is None:
+        work = tmp_path_factory.mktemp("tp")
+        _run_cases(work, work / "results.json")
+        return json.loads((work / "results.json").read_text())
+    shared = tmp_path_factory.getbasetemp().parent  # per session, common to its workers
+    out = shared / "tp_results.json"
+    with open(shared / "tp_results.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not out.is_file():
+            work = shared / "tp_work"
+            work.mkdir(exist_ok=True)
+            _run_cases(work, work / "results.json")
+            (work / "results.json").rename(out)
     return json.loads(out.read_text())
 
 
