@@ -13,7 +13,7 @@ from jaxserve.checkpoints_tools import LoadedCheckpoint, TokenizerInfo, load_che
 from jaxserve.checkpoints_tools.load import load_arch
 from jaxserve.config import EngineConfig
 from jaxserve.models import CausalLM, get_model
-from jaxserve.pallas_kernels.ragged_paged_attention import BACKENDS
+from jaxserve.pallas_kernels.ragged_paged_attention import BACKENDS, default_attention_backend
 from jaxserve.runner.kv_cache import device_memory_bytes, num_blocks_for_budget
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.sharding import ShardingPlan, make_mesh, per_device_bytes, plan_sharding
@@ -46,7 +46,7 @@ def resolve_attention_backend(name: str, platform: str, tensor_parallel_size: in
         ValueError: an unknown name, or a Pallas backend with tensor_parallel_size > 1.
     """
     if name == "auto":
-        return "reference" if platform == "cpu" or tensor_parallel_size > 1 else "pallas"
+        return "reference" if tensor_parallel_size > 1 else default_attention_backend(platform)
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of ('auto', *{BACKENDS}), got {name!r}")
     if name != "reference" and tensor_parallel_size > 1:
