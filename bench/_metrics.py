@@ -199,8 +199,12 @@ def utilization(
 
 
 def machine_limits(matmul_n: int = 2048, copy_mib: int = 256, reps: int = 5) -> dict:
-    """Best-of-reps float32 matmul FLOP/s (n^3, jnp) and streaming bytes/s (x + 1 over
-    copy_mib MiB: one read and one write per element), measured here and now."""
+    """The machine's limits, measured here and now (best of reps).
+
+    matmul: float32 n^3 through jnp (2 n^3 FLOPs). copy: streaming over copy_mib MiB, one read
+    and one write per element, both as jnp `x + 1` and as numpy's copyto; the faster of the two
+    is the bandwidth limit (XLA's elementwise loop may not saturate memory).
+    """
     import jax
     import jax.numpy as jnp
 
@@ -212,22 +216,31 @@ def machine_limits(matmul_n: int = 2048, copy_mib: int = 256, reps: int = 5) -> 
     n = copy_mib * (1 << 20) // 4
     x = jnp.ones((n,), jnp.float32)
     add = jax.jit(lambda v: v + 1.0)
-    copy_s = _best_time(lambda: add(x), reps)
+    jnp_s = _best_time(lambda: add(x), reps)
+    src, dst = np.ones(n, np.float32), np.empty(n, np.float32)
+    np_s = _best_time(lambda: np.copyto(dst, src), reps)
+    nbytes = 2.0 * n * 4
     return {
         "matmul_n": matmul_n,
         "matmul_s": mm_s,
         "matmul_flops_per_s": 2.0 * matmul_n**3 / mm_s,
         "copy_mib": copy_mib,
-        "copy_s": copy_s,
-        "copy_bytes_per_s": 2.0 * n * 4 / copy_s,
+        "copy_jnp_bytes_per_s": nbytes / jnp_s,
+        "copy_numpy_bytes_per_s": nbytes / np_s,
+        "copy_bytes_per_s": nbytes / min(jnp_s, np_s),
     }
 
 
 def _best_time(fn, reps: int) -> float:
-    fn().block_until_ready()  # compile and first touch
+    def once() -> None:
+        out = fn()
+        if hasattr(out, "block_until_ready"):
+            out.block_until_ready()
+
+    once()  # compile and first touch
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
-        fn().block_until_ready()
+        once()
         best = min(best, time.perf_counter() - t0)
     return best

@@ -478,7 +478,8 @@ def print_table(report: dict) -> None:
     lim = report["info"]["machine_limits"]
     print(
         f"machine: matmul {lim['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s, "
-        f"copy {lim['copy_bytes_per_s'] / 1e9:.1f} GB/s"
+        f"streaming copy {lim['copy_bytes_per_s'] / 1e9:.1f} GB/s (jnp "
+        f"{lim['copy_jnp_bytes_per_s'] / 1e9:.1f}, numpy {lim['copy_numpy_bytes_per_s'] / 1e9:.1f})"
     )
     head = (
         f"{'dataset':9s} {'engine':17s} {'req/s':>6s} {'out tok/s':>9s} {'tot tok/s':>9s} "
