@@ -368,3 +368,29 @@ def test_bad_metadata_shapes_raise(field: str) -> None:
 def test_bad_logits_rank_raises() -> None:
     with pytest.raises(ValueError, match=r"logits must be \[R, V\]"):
         sample(jnp.zeros(16), SamplingMetadata.neutral(8, 16), max_num_logprobs=None)
+
+
+def test_inverse_cdf_draw_edges_never_pick_masked_tokens():
+    """The two-level inverse-CDF draw at the extremes of the uniform, with masked tokens at both
+    ends of the vocabulary and a vocabulary that is not a multiple of the chunk."""
+    from jaxserve.runner.sampler import _inverse_cdf_draw
+
+    vocab = 600  # chunks of 256: 256, 256, 88 (+ 168 of padding)
+    x = np.full((4, vocab), -np.inf, np.float32)
+    x[:, 10] = 0.0
+    x[:, 300] = 1.0
+    x[:, 550] = 0.5
+    u = jnp.array([0.0, 0.999999, np.nextafter(np.float32(1), np.float32(0)), 0.5], jnp.float32)
+    tokens = np.asarray(_inverse_cdf_draw(jnp.asarray(x), u))
+    assert tokens[0] == 10 and tokens[1] == 550 and tokens[2] == 550
+    assert set(tokens.tolist()) <= {10, 300, 550}
+    # The draw's frequencies follow softmax(x).
+    n = 20000
+    uniform = (np.arange(n, dtype=np.float64) + 0.5) / n
+    rows = np.broadcast_to(x[:1], (n, vocab))
+    counts = np.bincount(
+        np.asarray(_inverse_cdf_draw(jnp.asarray(rows), jnp.asarray(uniform, jnp.float32))),
+        minlength=vocab,
+    )
+    p = np.exp([0.0, 1.0, 0.5]) / np.exp([0.0, 1.0, 0.5]).sum()
+    np.testing.assert_allclose(counts[[10, 300, 550]] / n, p, atol=2e-3)
