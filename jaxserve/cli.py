@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any
 
+from jaxserve.config import ATTENTION_BACKENDS
 from jaxserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -401,7 +402,7 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     e.add_argument("--max-num-seqs", type=int)
     e.add_argument("--max-num-batched-tokens", type=int)
     e.add_argument("--no-prefix-caching", action="store_true")
-    e.add_argument("--attention-backend", choices=["auto", "reference", "pallas"])
+    e.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS))
     e.add_argument("--tensor-parallel-size", type=int)
     e.add_argument(
         "--seed",

@@ -10,7 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "reference", "pallas")
+# Must list jaxserve.pallas_kernels.ragged_paged_attention.BACKENDS (a test checks) plus "auto";
+# this module stays free of jax, so it cannot import them.
+ATTENTION_BACKENDS = ("auto", "reference", "xla", "pallas", "pallas_gpu", "pallas_tpu")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 

@@ -86,3 +86,10 @@ def test_core_and_engine_have_no_direct_jax_import() -> None:
                     assert name.split(".")[0] not in ("jax", "jaxlib", "flax"), (
                         f"{path.relative_to(ROOT)} imports {name}"
                     )
+
+
+def test_config_lists_every_attention_backend() -> None:
+    from jaxserve.config import ATTENTION_BACKENDS
+    from jaxserve.pallas_kernels.ragged_paged_attention import BACKENDS
+
+    assert set(ATTENTION_BACKENDS) == {"auto", *BACKENDS}

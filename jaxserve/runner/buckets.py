@@ -50,11 +50,21 @@ class BucketSpec:
 
     @classmethod
     def create(
-        cls, *, max_num_batched_tokens: int, max_num_seqs: int, max_blocks_per_seq: int
+        cls,
+        *,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        bucket_width: bool = True,
     ) -> BucketSpec:
+        """bucket_width=False: one width, the whole table (for attention backends whose cost
+        follows the actual context lengths, see LENGTH_BOUNDED_BACKENDS)."""
         token_buckets = pow2_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens)
         max_rows = max(8, 1 << (max_num_seqs - 1).bit_length())
-        width_buckets = pow2_buckets(1, max_blocks_per_seq)
+        if bucket_width:
+            width_buckets = pow2_buckets(1, max_blocks_per_seq)
+        else:
+            width_buckets = (max_blocks_per_seq,)
         return cls(token_buckets, max_rows, width_buckets)
 
     def padded_tokens(self, num_tokens: int) -> int:

@@ -33,8 +33,8 @@ class RunnerInfo:
 
 
 def resolve_attention_backend(name: str, platform: str, tensor_parallel_size: int = 1) -> str:
-    """ "auto" -> the Pallas kernel on GPU/TPU, the jnp reference on CPU or under tensor
-    parallelism.
+    """ "auto" -> the Pallas kernel on GPU/TPU, the chunked XLA backend on CPU, the jnp
+    reference under tensor parallelism.
 
     A Pallas kernel is a custom call GSPMD cannot partition (XLA refuses to compile it over
     sharded operands, "Mosaic kernels cannot be automatically partitioned"); running it under

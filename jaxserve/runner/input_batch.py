@@ -39,7 +39,6 @@ class PreparedBatch:
     logits_indices: np.ndarray
     sampling_rows: np.ndarray
 
-
     @classmethod
     def padding(cls, padded_tokens: int, padded_rows: int, width: int) -> PreparedBatch:
         """An all-padding batch of the given buckets (no real request): for warm-up."""

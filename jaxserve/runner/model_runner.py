@@ -22,6 +22,7 @@ import numpy as np
 from jaxserve.core.sched.output import SchedulerOutput
 from jaxserve.models import AttentionMetadata, CausalLM
 from jaxserve.outputs import ModelRunnerOutput
+from jaxserve.pallas_kernels.ragged_paged_attention import LENGTH_BOUNDED_BACKENDS
 from jaxserve.runner.buckets import BucketSpec
 from jaxserve.runner.input_batch import InputBatch, PreparedBatch
 from jaxserve.runner.kv_cache import allocate_kv_caches
@@ -70,6 +71,9 @@ class ModelRunner:
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
             max_blocks_per_seq=self.input_batch.max_blocks_per_seq,
+            # A backend whose cost stops at the batch's longest context gets full-width
+            # tables: one compiled shape per token bucket, no width buckets.
+            bucket_width=model.attention_backend not in LENGTH_BOUNDED_BACKENDS,
         )
         self.kv_caches = allocate_kv_caches(
             model.arch.num_layers,
@@ -136,9 +140,16 @@ class ModelRunner:
             md = SamplingMetadata.neutral(padded_rows, self.vocab_size)
             for all_greedy in (True, False):
                 self.kv_caches, out, _ = self._step(
-                    self.params, self.kv_caches, batch.input_ids, _attention_metadata(batch),
-                    batch.logits_indices, md, batch.input_ids, all_greedy=all_greedy,
-                    max_num_logprobs=None, num_prompt_logprobs=None,
+                    self.params,
+                    self.kv_caches,
+                    batch.input_ids,
+                    _attention_metadata(batch),
+                    batch.logits_indices,
+                    md,
+                    batch.input_ids,
+                    all_greedy=all_greedy,
+                    max_num_logprobs=None,
+                    num_prompt_logprobs=None,
                 )
         jax.block_until_ready(out.token_ids)
         return self._num_traces - before

@@ -1,5 +1,6 @@
 """Ragged paged attention: a jnp reference and Pallas kernels sharing one signature."""
 
+from jaxserve.pallas_kernels.ragged_paged_attention.chunked import ragged_paged_attention_chunked
 from jaxserve.pallas_kernels.ragged_paged_attention.gpu import (
     GpuConfig,
     default_gpu_config,
@@ -7,6 +8,7 @@ from jaxserve.pallas_kernels.ragged_paged_attention.gpu import (
 )
 from jaxserve.pallas_kernels.ragged_paged_attention.ops import (
     BACKENDS,
+    LENGTH_BOUNDED_BACKENDS,
     default_attention_backend,
     ragged_paged_attention,
     resolve_backend,
@@ -23,12 +25,14 @@ from jaxserve.pallas_kernels.ragged_paged_attention.tpu import (
 
 __all__ = [
     "BACKENDS",
+    "LENGTH_BOUNDED_BACKENDS",
     "GpuConfig",
     "TpuConfig",
     "default_attention_backend",
     "default_gpu_config",
     "default_tpu_config",
     "ragged_paged_attention",
+    "ragged_paged_attention_chunked",
     "ragged_paged_attention_gpu",
     "ragged_paged_attention_reference",
     "ragged_paged_attention_tpu",

@@ -1,7 +1,9 @@
 """One entry point for every ragged paged attention implementation, chosen by name.
 
 Backends:
-    "reference"   pure jnp (reference.py): the ground truth and the CPU default.
+    "reference"   pure jnp (reference.py): the ground truth.
+    "xla"         plain XLA ops chunked over the context (chunked.py): the CPU default; its
+                  cost follows the batch's longest context, so callers need no width buckets.
     "pallas"      this project's Pallas kernel for the platform jax runs on: the Triton-lowered
                   GPU kernel on GPU, the Mosaic kernel on TPU, and the GPU kernel in interpret
                   mode on CPU (slow; for tests).
@@ -16,30 +18,33 @@ from __future__ import annotations
 
 import jax
 
+from jaxserve.pallas_kernels.ragged_paged_attention.chunked import ragged_paged_attention_chunked
 from jaxserve.pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
 from jaxserve.pallas_kernels.ragged_paged_attention.reference import (
     ragged_paged_attention_reference,
 )
 from jaxserve.pallas_kernels.ragged_paged_attention.tpu import ragged_paged_attention_tpu
 
-BACKENDS = ("reference", "pallas", "pallas_gpu", "pallas_tpu")
+BACKENDS = ("reference", "xla", "pallas", "pallas_gpu", "pallas_tpu")
+# Backends whose cost stops at the batch's longest context: callers may pass full-width tables.
+LENGTH_BOUNDED_BACKENDS = ("xla", "pallas", "pallas_gpu", "pallas_tpu")
 
 
 def default_attention_backend(platform: str | None = None) -> str:
-    """The backend attention_backend="auto" resolves to: "pallas" on gpu/tpu, "reference" on
-    cpu (interpret mode is far slower than the jnp reference there).
+    """The backend attention_backend="auto" resolves to: "pallas" on gpu/tpu, "xla" on cpu
+    (interpret mode is far slower than plain XLA ops there).
 
     Args:
         platform: a jax platform name ("cpu", "gpu", "cuda", "rocm", "tpu"); default: the
             platform of jax.default_backend().
     """
     platform = jax.default_backend() if platform is None else platform
-    return "pallas" if platform in ("gpu", "cuda", "rocm", "tpu") else "reference"
+    return "pallas" if platform in ("gpu", "cuda", "rocm", "tpu") else "xla"
 
 
 def resolve_backend(backend: str, platform: str | None = None) -> tuple[str, bool]:
-    """Map a backend name to (kernel, interpret) for a platform: kernel is "reference", "gpu"
-    or "tpu"; interpret is True when the kernel cannot run natively there.
+    """Map a backend name to (kernel, interpret) for a platform: kernel is "reference", "xla",
+    "gpu" or "tpu"; interpret is True when the kernel cannot run natively there.
 
     Raises:
         ValueError: an unknown backend name.
@@ -48,8 +53,8 @@ def resolve_backend(backend: str, platform: str | None = None) -> tuple[str, boo
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
     platform = jax.default_backend() if platform is None else platform
     on_gpu = platform in ("gpu", "cuda", "rocm")
-    if backend == "reference":
-        return "reference", False
+    if backend in ("reference", "xla"):
+        return backend, False
     if backend == "pallas":
         return ("tpu", False) if platform == "tpu" else ("gpu", not on_gpu)
     if backend == "pallas_gpu":
@@ -82,6 +87,8 @@ def ragged_paged_attention(
     options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     if kernel == "reference":
         return ragged_paged_attention_reference(*args, **options)
+    if kernel == "xla":
+        return ragged_paged_attention_chunked(*args, **options)
     if kernel == "gpu":
         return ragged_paged_attention_gpu(*args, **options, interpret=interpret)
     return ragged_paged_attention_tpu(*args, **options, interpret=interpret)

@@ -38,11 +38,15 @@ def write_kv(
     """Scatter the new tokens' K/V into their slots. In place when the pages are donated."""
     num_kv_heads, num_pages, page_size, head_dim = k_pages.shape
     flat_shape = (num_kv_heads, num_pages * page_size, head_dim)
-    k_flat = k_pages.reshape(flat_shape).at[:, slot_mapping].set(
-        new_k.swapaxes(0, 1).astype(k_pages.dtype), mode="drop"
+    k_flat = (
+        k_pages.reshape(flat_shape)
+        .at[:, slot_mapping]
+        .set(new_k.swapaxes(0, 1).astype(k_pages.dtype), mode="drop")
     )
-    v_flat = v_pages.reshape(flat_shape).at[:, slot_mapping].set(
-        new_v.swapaxes(0, 1).astype(v_pages.dtype), mode="drop"
+    v_flat = (
+        v_pages.reshape(flat_shape)
+        .at[:, slot_mapping]
+        .set(new_v.swapaxes(0, 1).astype(v_pages.dtype), mode="drop")
     )
     return k_flat.reshape(k_pages.shape), v_flat.reshape(v_pages.shape)
 
@@ -85,9 +89,9 @@ def ragged_paged_attention_reference(
         k = k_pages[:, pages].reshape(num_kv_heads, -1, width, head_dim)  # [K, C, W, H]
         v = v_pages[:, pages].reshape(num_kv_heads, -1, width, head_dim)
         qg = q_c.reshape(-1, num_kv_heads, group, head_dim)  # [C, K, G, H]
-        s = jnp.einsum(
-            "CKGH,KCWH->CKGW", qg.astype(jnp.float32), k.astype(jnp.float32)
-        ) * sm_scale  # [C, K, G, W]
+        s = (
+            jnp.einsum("CKGH,KCWH->CKGW", qg.astype(jnp.float32), k.astype(jnp.float32)) * sm_scale
+        )  # [C, K, G, W]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         kv_pos = jnp.arange(width, dtype=jnp.int32)

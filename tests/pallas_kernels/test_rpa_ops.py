@@ -17,14 +17,14 @@ from jaxserve.pallas_kernels.ragged_paged_attention import (
 
 @pytest.mark.parametrize(
     ("platform", "backend"),
-    [("cpu", "reference"), ("gpu", "pallas"), ("cuda", "pallas"), ("tpu", "pallas")],
+    [("cpu", "xla"), ("gpu", "pallas"), ("cuda", "pallas"), ("tpu", "pallas")],
 )
 def test_default_backend_per_platform(platform: str, backend: str) -> None:
     assert default_attention_backend(platform) == backend
 
 
-def test_default_backend_here_is_reference_on_cpu() -> None:
-    assert default_attention_backend() == "reference"
+def test_default_backend_here_is_xla_on_cpu() -> None:
+    assert default_attention_backend() == "xla"
 
 
 @pytest.mark.parametrize(
