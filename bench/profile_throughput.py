@@ -168,11 +168,21 @@ def summarize_steps(records: list[dict], block_size: int) -> dict:
 
 
 def _histogram(records: list[dict]) -> dict:
-    counts: dict[str, int] = {}
+    """Per bucket: steps, mean device ms, share of all device time, mean real tokens."""
+    groups: dict[str, list[dict]] = {}
     for r in records:
-        key = f"T{r['T']}/R{r['R']}/B{r['B']}"
-        counts[key] = counts.get(key, 0) + 1
-    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+        groups.setdefault(f"T{r['T']}/R{r['R']}/B{r['B']}", []).append(r)
+    total = sum(r["device"] for r in records) or 1.0
+    out = {
+        key: {
+            "steps": len(rs),
+            "device_ms": 1e3 * sum(r["device"] for r in rs) / len(rs),
+            "device_share": sum(r["device"] for r in rs) / total,
+            "mean_real_tokens": sum(r["tokens"] for r in rs) / len(rs),
+        }
+        for key, rs in groups.items()
+    }
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["device_share"]))
 
 
 # ---- parts ----------------------------------------------------------------------------------
@@ -308,8 +318,11 @@ def print_summary(title: str, s: dict) -> None:
         f"{s['row_padding_waste']:.1%}); attention reads {s['attention_reads_per_needed']:.1f}x "
         f"the context positions needed"
     )
-    top = list(s["bucket_histogram"].items())[:6]
-    print("  buckets: " + ", ".join(f"{k} x{v}" for k, v in top))
+    for k, v in list(s["bucket_histogram"].items())[:6]:
+        print(
+            f"    bucket {k:18s} {v['steps']:5d} steps, {v['device_ms']:7.1f} ms device, "
+            f"{v['device_share']:5.1%} of device time, {v['mean_real_tokens']:6.1f} real tokens"
+        )
     for r in s.get("host_profile_top", [])[:12]:
         print(
             f"    {r['tottime_s'] * 1e3 / s['num_steps']:7.2f} ms/step own  "
@@ -352,10 +365,16 @@ def main(argv: list[str] | None = None) -> dict:
     if "steps" in parts:
         print("\nstep alone (all-padding batches):", flush=True)
         t_max = buckets.token_buckets[-1]
-        decode_t = min(args.concurrency, t_max)
+        decode_t = buckets.padded_tokens(min(args.concurrency, t_max))
         shapes = [(decode_t, b) for b in buckets.width_buckets]
         shapes += [(t_max, b) for b in (1, 8, buckets.width_buckets[-1])]
         shapes += [(t, 8 if 8 in buckets.width_buckets else 1) for t in buckets.token_buckets[:4]]
+        # The buckets a small, long-context batch lands in (the tail of an offline run).
+        shapes += [(t, b) for t in buckets.token_buckets[:3] for b in buckets.width_buckets[-2:]]
+        shapes += [(t, 1) for t in buckets.token_buckets[:3]]
+        # Only compiled buckets (warm-up compiled them all), each once, in order.
+        valid = {(t, b) for t, _, b in buckets.all_shapes()}
+        shapes = [sh for i, sh in enumerate(shapes) if sh in valid and sh not in shapes[:i]]
         report["steps"] = step_microbench(engine, shape, limits, shapes, args.reps)
     if "sharegpt" in parts:
         n = args.num_requests or preset.num_requests
@@ -373,7 +392,7 @@ def main(argv: list[str] | None = None) -> dict:
             c,
             shape.vocab,
             input_len=min(128, settings.max_model_len // 4),
-            output_len=args.decode_steps + 64,
+            output_len=min(args.decode_steps + 64, settings.max_model_len * 3 // 4 - 1),
             seed=1,
         )
         s = profile_run(
