@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxserve.pallas_kernels.ragged_paged_attention.reference import token_seq_ids
+from jaxserve.pallas_kernels.ragged_paged_attention.validation import validate_inputs
 
 _MASK_VALUE = -1e30
 # Gathered floats per chunk iteration (T * C * K * H); bounds memory and sets C for large T.
@@ -57,7 +58,15 @@ def ragged_paged_attention_chunked(
     soft_cap: float | None = None,
     pages_per_chunk: int | None = None,
 ) -> jax.Array:  # [T, N, H]
-    """See the module docstring; pages_per_chunk overrides chunk_pages() (tuning, tests)."""
+    """See the module docstring; pages_per_chunk overrides chunk_pages() (tuning, tests).
+
+    Raises:
+        ValueError: bad shapes / dtypes / options (validation.py).
+    """
+    validate_inputs(
+        q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs,
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+    )  # fmt: skip
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
