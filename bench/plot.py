@@ -39,22 +39,39 @@ def plot(report: dict, output: Path) -> Path:
     engines = _engines(report)
     fig, (ax_tp, ax_ratio) = plt.subplots(1, 2, figsize=(13, 4.8))
     width = 0.8 / len(engines)
+    top = 0.0
     for i, engine in enumerate(engines):
-        xs, ys = [], []
+        xs, ys, err = [], [], [[], []]
         for j, name in enumerate(datasets):
             s = report["datasets"][name]["engines"].get(engine)
             if s is not None:
                 xs.append(j + (i - (len(engines) - 1) / 2) * width)
                 ys.append(s["output_tokens_per_s"])
-        bars = ax_tp.bar(xs, ys, width, label=engine, color=COLORS.get(engine))
-        ax_tp.bar_label(bars, fmt="%.0f", fontsize=7)
+                # Repeated runs (jaxserve's bracketing): whiskers span their min..max.
+                runs = s.get("runs_output_tokens_per_s") or [ys[-1]]
+                err[0].append(ys[-1] - min(runs))
+                err[1].append(max(runs) - ys[-1])
+                top = max(top, max(runs))
+        bars = ax_tp.bar(
+            xs,
+            ys,
+            width,
+            label=engine,
+            color=COLORS.get(engine),
+            yerr=err,
+            capsize=2,
+            error_kw={"lw": 0.8},
+        )
+        ax_tp.bar_label(bars, fmt="%.0f", fontsize=7, padding=2)
+    ax_tp.set_ylim(0, top * 1.35)
     ax_tp.set_xticks(range(len(datasets)), datasets)
     ax_tp.set_ylabel("output tokens/s")
-    ax_tp.set_title("throughput (higher is better)")
-    ax_tp.legend(fontsize=8)
+    ax_tp.set_title("throughput (higher is better; whiskers: repeated runs)")
+    ax_tp.legend(fontsize=8, loc="upper center", ncol=3)
 
     others = [e for e in engines if e != "jaxserve"]
     width = 0.8 / max(len(others), 1)
+    top = 1.0
     for i, engine in enumerate(others):
         xs, ys = [], []
         for j, name in enumerate(datasets):
@@ -62,13 +79,15 @@ def plot(report: dict, output: Path) -> Path:
             if r is not None:
                 xs.append(j + (i - (len(others) - 1) / 2) * width)
                 ys.append(r)
+                top = max(top, r)
         bars = ax_ratio.bar(xs, ys, width, label=f"jaxserve / {engine}", color=COLORS.get(engine))
         ax_ratio.bar_label(bars, fmt="%.2fx", fontsize=7)
     ax_ratio.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax_ratio.set_xticks(range(len(datasets)), datasets)
     ax_ratio.set_ylabel("jaxserve output tokens/s / engine's")
     ax_ratio.set_title("ratios (> 1: jaxserve faster)")
-    ax_ratio.legend(fontsize=8)
+    ax_ratio.set_ylim(0, top * 1.35)
+    ax_ratio.legend(fontsize=8, loc="upper center", ncol=2)
 
     model = report["model"]
     load = report["machine"]["loadavg"]
