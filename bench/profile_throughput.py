@@ -5,10 +5,10 @@ attention vs context bucket, sampling, compilations.
 
 Three parts, one warmed-up engine (the benchmark's preset and checkpoint):
 
-    steps      the jitted step alone on all-padding batches of chosen (T, R, B) buckets, greedy
-               and sampled (temperature 1.0): ms per call, model FLOP/s against the matmul
-               measured here, and the cost of attention's block-table width B (the reference
-               attention reads B x P context positions for every query token, masked or not)
+    steps      the jitted step alone on synthetic batches of T tokens whose rows all have one
+               context length, greedy and sampled (temperature 1.0): ms per call, dense
+               FLOP/s against the matmul measured here, and how attention's cost grows with
+               the context
     sharegpt   the benchmark's ShareGPT-like offline run, every step instrumented: scheduler,
                input preparation, the step call, waiting for the device, update_from_output,
                the engine's output processing; padding of T, R and of attention's width
@@ -119,9 +119,28 @@ class StepProbe:
             # Context positions attention really needs: token i of a row of q new tokens and
             # length L sees L - q + i + 1 positions.
             ctx=int((q * (2 * seq - q + 1) // 2).sum()),
+            attn_read=self._attention_reads(int(input_ids.shape[0]), md, int(seq.max(initial=0))),
             all_greedy=bool(kw.get("all_greedy")),
         )
         return res
+
+    def _attention_reads(self, num_tokens: int, md, longest: int) -> int:
+        """Context positions the step's attention backend reads, summed over query rows:
+        reference: every row reads the whole bucketed width B x P; xla (chunked): every row
+        reads up to the batch's longest context, rounded up to a chunk; others: as needed
+        (reported as the needed count, via a negative marker resolved by the caller)."""
+        from jaxserve.pallas_kernels.ragged_paged_attention.chunked import chunk_pages
+
+        backend = self.engine.info.attention_backend
+        width = int(md.block_tables.shape[1])
+        bs = self.engine.runner.block_size
+        if backend == "reference":
+            return num_tokens * width * bs
+        if backend == "xla":
+            shape = self.engine.runner.kv_caches[0][0].shape
+            chunk = chunk_pages(num_tokens, shape, width) * bs
+            return num_tokens * min(-(-longest // chunk) * chunk, width * bs)
+        return -1
 
     def step(self) -> list:
         self._cur = {}
@@ -145,7 +164,7 @@ def summarize_steps(records: list[dict], block_size: int) -> dict:
     prepare = mean("execute") - device  # execute_model minus the step: inputs + collect
     engine_out = total - mean("schedule") - mean("execute") - mean("update")
     sum_ = lambda k: float(sum(r[k] for r in records))  # noqa: E731
-    attn_read = sum(r["T"] * r["B"] * block_size for r in records)
+    attn_read = sum(r["attn_read"] if r["attn_read"] >= 0 else r["ctx"] for r in records)
     return {
         "num_steps": len(records),
         "total_ms": total,
@@ -188,23 +207,48 @@ def _histogram(records: list[dict]) -> dict:
 # ---- parts ----------------------------------------------------------------------------------
 
 
-def step_microbench(engine, shape: ModelShape, limits: dict, shapes, reps: int) -> list[dict]:
-    """The jitted step alone on all-padding batches (compiled by warm-up)."""
+def synthetic_batch(runner, num_tokens: int, context: int):
+    """A real-looking step batch without requests: T tokens spread evenly over R rows (the
+    row bucket of T), each row's context `context` positions long, its block table pointing at
+    distinct pages; new K/V go to the null block (slot 0), so the pool is never corrupted."""
+    from jaxserve.runner.input_batch import PreparedBatch
+
+    bs = runner.block_size
+    r = runner.buckets.padded_rows(num_tokens)
+    q = num_tokens // r  # tokens per row (1: decode)
+    num_blocks = -(-context // bs)
+    width = runner.buckets.padded_width(num_blocks)
+    batch = PreparedBatch.padding(num_tokens, r, width)
+    pages = 1 + (np.arange(r * width) % (runner.num_kv_blocks - 1))
+    batch.block_tables[:] = pages.reshape(r, width)
+    batch.seq_lens[:] = max(context, q)
+    batch.query_start_loc[:] = np.arange(r + 1) * q
+    batch.num_seqs[:] = r
+    batch.logits_indices[:] = np.arange(1, r + 1) * q - 1
+    batch.positions[:] = np.tile(np.arange(max(context, q) - q, max(context, q)), r)
+    return batch
+
+
+def step_microbench(engine, shape: ModelShape, limits: dict, cases, reps: int) -> list[dict]:
+    """The jitted step alone (compiled by warm-up) on synthetic batches of T tokens whose rows
+    all have the given context length: greedy and sampled (temperature 1.0)."""
     import jax
 
-    from jaxserve.runner.input_batch import PreparedBatch
     from jaxserve.runner.model_runner import _attention_metadata
     from jaxserve.runner.sampling_metadata import SamplingMetadata
 
     runner = engine.runner
     rows = []
-    for t, b in shapes:
-        r = runner.buckets.padded_rows(t)
-        batch = PreparedBatch.padding(t, r, b)
+    for t, ctx in cases:
+        # The machine's matmul rate right now: on a shared machine the load drifts, so each
+        # case is compared with a matmul timed just before it.
+        local_peak = machine_limits(copy_mib=1, reps=2)["matmul_flops_per_s"]
+        batch = synthetic_batch(runner, t, ctx)
+        r, width = batch.block_tables.shape
         md = SamplingMetadata.neutral(r, runner.vocab_size)
         md_sampled = SamplingMetadata.neutral(r, runner.vocab_size)
         md_sampled.temperature[:] = 1.0
-        row = {"T": t, "R": r, "B": b}
+        row = {"T": t, "R": r, "context": ctx, "B": width}
         for label, greedy, smd in (("greedy", True, md), ("sampled", False, md_sampled)):
             times = []
             for _ in range(reps + 1):
@@ -224,14 +268,17 @@ def step_microbench(engine, shape: ModelShape, limits: dict, shapes, reps: int) 
                 jax.block_until_ready(out.token_ids)
                 times.append(time.perf_counter() - t0)
             row[f"{label}_ms"] = float(np.median(times[1:])) * 1e3
+        # Dense matmuls only (attention excluded): how close the step's GEMMs get to the peak.
         flops = 2.0 * shape.layer_matmul_params * t + 2.0 * shape.lm_head_params * r
         row["matmul_flops_per_s"] = flops / (row["greedy_ms"] / 1e3)
-        row["vs_matmul_peak"] = row["matmul_flops_per_s"] / limits["matmul_flops_per_s"]
+        row["local_matmul_flops_per_s"] = local_peak
+        row["vs_matmul_peak"] = row["matmul_flops_per_s"] / local_peak
         rows.append(row)
         print(
-            f"  T={t:5d} R={r:4d} B={b:3d}  greedy {row['greedy_ms']:8.1f} ms  sampled "
-            f"{row['sampled_ms']:8.1f} ms  {row['matmul_flops_per_s'] / 1e9:6.1f} GFLOP/s "
-            f"({row['vs_matmul_peak']:.0%} of matmul)",
+            f"  T={t:5d} R={r:4d} ctx={ctx:5d} B={width:3d}  greedy {row['greedy_ms']:8.1f} ms  "
+            f"sampled {row['sampled_ms']:8.1f} ms  {row['matmul_flops_per_s'] / 1e9:6.1f} "
+            f"GFLOP/s dense ({row['vs_matmul_peak']:.0%} of a matmul timed just before: "
+            f"{local_peak / 1e9:.0f})",
             flush=True,
         )
     return rows
@@ -363,18 +410,16 @@ def main(argv: list[str] | None = None) -> dict:
     bs = settings.block_size
     buckets = engine.runner.buckets
     if "steps" in parts:
-        print("\nstep alone (all-padding batches):", flush=True)
+        print("\nstep alone (synthetic batches, every row at the given context):", flush=True)
         t_max = buckets.token_buckets[-1]
         decode_t = buckets.padded_tokens(min(args.concurrency, t_max))
-        shapes = [(decode_t, b) for b in buckets.width_buckets]
-        shapes += [(t_max, b) for b in (1, 8, buckets.width_buckets[-1])]
-        shapes += [(t, 8 if 8 in buckets.width_buckets else 1) for t in buckets.token_buckets[:4]]
-        # The buckets a small, long-context batch lands in (the tail of an offline run).
-        shapes += [(t, b) for t in buckets.token_buckets[:3] for b in buckets.width_buckets[-2:]]
-        shapes += [(t, 1) for t in buckets.token_buckets[:3]]
-        # Only compiled buckets (warm-up compiled them all), each once, in order.
-        valid = {(t, b) for t, _, b in buckets.all_shapes()}
-        shapes = [sh for i, sh in enumerate(shapes) if sh in valid and sh not in shapes[:i]]
+        max_ctx = settings.max_model_len
+        contexts = sorted({c for c in (1, 128, 256, 512, 1024, max_ctx) if c <= max_ctx})
+        shapes = [(decode_t, c) for c in contexts]  # decode at high concurrency
+        shapes += [(t_max, c) for c in contexts[:2]]  # a full prefill budget
+        # A small batch (the tail of an offline run): few tokens, short and long contexts.
+        shapes += [(t, c) for t in buckets.token_buckets[:3] for c in (contexts[1], max_ctx)]
+        shapes = list(dict.fromkeys(shapes))  # each once, in order
         report["steps"] = step_microbench(engine, shape, limits, shapes, args.reps)
     if "sharegpt" in parts:
         n = args.num_requests or preset.num_requests
