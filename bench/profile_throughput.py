@@ -3,12 +3,14 @@ attention vs context bucket, sampling, compilations.
 
     python bench/profile_throughput.py [--preset default] [--concurrency 256]
 
-Three parts, one warmed-up engine (the benchmark's preset and checkpoint):
+Four parts, one warmed-up engine (the benchmark's preset and checkpoint):
 
     steps      the jitted step alone on synthetic batches of T tokens whose rows all have one
                context length, greedy and sampled (temperature 1.0): ms per call, dense
                FLOP/s against the matmul measured here, and how attention's cost grows with
                the context
+    attention  one layer's attention op alone (x layers) at given contexts: the xla backend at
+               several chunk sizes and the reference with its width bucket
     sharegpt   the benchmark's ShareGPT-like offline run, every step instrumented: scheduler,
                input preparation, the step call, waiting for the device, update_from_output,
                the engine's output processing; padding of T, R and of attention's width
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import io
 import json
 import os
@@ -152,8 +155,10 @@ class StepProbe:
         return outs
 
 
-def summarize_steps(records: list[dict], block_size: int) -> dict:
-    """Means per step (ms) and padding ratios over the recorded steps."""
+def summarize_steps(records: list[dict], shape: ModelShape) -> dict:
+    """Means per step (ms), padding ratios and useful model FLOP/s over the recorded steps
+    (FLOPs as bench/_metrics.py counts them: 2 x layer params per real token, 2 x D x V per
+    real row, causal attention over each real token's own context)."""
     if not records:
         return {}
 
@@ -165,6 +170,13 @@ def summarize_steps(records: list[dict], block_size: int) -> dict:
     engine_out = total - mean("schedule") - mean("execute") - mean("update")
     sum_ = lambda k: float(sum(r[k] for r in records))  # noqa: E731
     attn_read = sum(r["attn_read"] if r["attn_read"] >= 0 else r["ctx"] for r in records)
+    attn_flops = 4.0 * shape.num_layers * shape.num_heads * shape.head_dim
+    flops = sum(
+        2.0 * shape.layer_matmul_params * r["tokens"]
+        + 2.0 * shape.lm_head_params * r["rows"]
+        + attn_flops * r["ctx"]
+        for r in records
+    )
     return {
         "num_steps": len(records),
         "total_ms": total,
@@ -182,6 +194,7 @@ def summarize_steps(records: list[dict], block_size: int) -> dict:
         "token_padding_waste": sum_("T") / sum_("tokens") - 1.0,
         "row_padding_waste": sum_("R") / sum_("rows") - 1.0,
         "attention_reads_per_needed": attn_read / max(sum_("ctx"), 1.0),
+        "model_flops_per_s": flops / sum_("total"),
         "bucket_histogram": _histogram(records),
     }
 
@@ -284,12 +297,79 @@ def step_microbench(engine, shape: ModelShape, limits: dict, cases, reps: int) -
     return rows
 
 
+def _reference_at_width(q, k_pages, v_pages, kv_lens, tables, cu, num_seqs, *, width, sm_scale):
+    from jaxserve.pallas_kernels.ragged_paged_attention.reference import (
+        ragged_paged_attention_reference,
+    )
+
+    return ragged_paged_attention_reference(
+        q, k_pages, v_pages, kv_lens, tables[:, :width], cu, num_seqs, sm_scale=sm_scale
+    )
+
+
+def attention_microbench(engine, shape: ModelShape, cases, reps: int) -> list[dict]:
+    """One layer's attention op alone on the engine's KV pages, x num_layers: the xla
+    (chunked) backend at several chunk sizes (its default first) and the reference with its
+    width bucket, for T query tokens over R rows at a given context."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.pallas_kernels.ragged_paged_attention.chunked import (
+        chunk_pages,
+        ragged_paged_attention_chunked,
+    )
+
+    runner = engine.runner
+    k_pages, v_pages = runner.kv_caches[0]
+    scale = shape.head_dim**-0.5
+    out = []
+    for t, ctx in cases:
+        full = synthetic_batch(runner, t, ctx)
+        q = jnp.ones((t, shape.num_heads, shape.head_dim), jnp.float32)
+        args = [
+            jnp.asarray(x)
+            for x in (full.seq_lens, full.block_tables, full.query_start_loc, full.num_seqs)
+        ]
+        # The reference's own width bucket: the power of two >= the context's pages.
+        width = 1 << (-(-ctx // runner.block_size) - 1).bit_length()
+        default_pages = chunk_pages(t, k_pages.shape, full.block_tables.shape[1])
+        variants = {f"xla pages={default_pages} (default)": (None, default_pages)}
+        for pages in (1, 2, 4):
+            if pages < default_pages:
+                variants[f"xla pages={pages}"] = (None, pages)
+        variants[f"reference B={width}"] = ("reference", width)
+        row = {"T": t, "R": full.block_tables.shape[0], "context": ctx}
+        for label, (kind, n) in variants.items():
+            if kind == "reference":
+                fn = functools.partial(_reference_at_width, width=n, sm_scale=scale)
+            else:
+                fn = functools.partial(
+                    ragged_paged_attention_chunked, sm_scale=scale, pages_per_chunk=n
+                )
+            fn = jax.jit(fn)
+            jax.block_until_ready(fn(q, k_pages, v_pages, *args))
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn(q, k_pages, v_pages, *args))
+                times.append(time.perf_counter() - t0)
+            row[label] = float(np.median(times)) * 1e3 * shape.num_layers
+        out.append(row)
+        cells = "  ".join(f"{k} {v:7.1f}" for k, v in row.items() if k.startswith(("xla", "ref")))
+        print(
+            f"  T={t:5d} R={row['R']:4d} ctx={ctx:5d}  ms per step ({shape.num_layers} layers): "
+            f"{cells}",
+            flush=True,
+        )
+    return out
+
+
 def profile_run(
     engine,
     requests,
     *,
     name: str,
-    block_size: int,
+    shape: ModelShape,
     max_steps=None,
     skip_until_all_decode: bool = False,
     profile_host: bool = False,
@@ -311,6 +391,7 @@ def profile_run(
             if rec["rows"] == n and rec["decode_rows"] == n:
                 break
         probe.records.clear()
+    local_peak = machine_limits(copy_mib=1, reps=2)["matmul_flops_per_s"]
     prof = cProfile.Profile() if profile_host else None
     t0 = time.perf_counter()
     steps = 0
@@ -325,7 +406,9 @@ def profile_run(
     if engine.has_unfinished_requests():
         engine.abort_request([f"{name}-{i}" for i in range(n)])
     probe.uninstall()
-    out = summarize_steps(probe.records, block_size)
+    out = summarize_steps(probe.records, shape)
+    out["local_matmul_flops_per_s"] = local_peak
+    out["mfu_vs_local_matmul"] = out["model_flops_per_s"] / local_peak
     out.update(elapsed_s=elapsed, compilations_during_run=engine.runner.num_compilations - compiles)
     if prof:
         out["host_profile_top"] = _top_functions(prof, 18)
@@ -351,7 +434,9 @@ def _top_functions(prof: cProfile.Profile, n: int) -> list[dict]:
 def print_summary(title: str, s: dict) -> None:
     print(
         f"\n{title}: {s['num_steps']} steps, {s['total_ms']:.1f} ms/step "
-        f"(device {s['device_ms']:.1f}, host {s['host_ms']:.1f} = {s['host_share']:.1%})"
+        f"(device {s['device_ms']:.1f}, host {s['host_ms']:.1f} = {s['host_share']:.1%}); "
+        f"{s['model_flops_per_s'] / 1e9:.1f} useful GFLOP/s = {s['mfu_vs_local_matmul']:.0%} "
+        "of a matmul timed just before"
     )
     print(
         f"  host per step: schedule {s['schedule_ms']:.2f} ms, prepare+collect "
@@ -377,6 +462,32 @@ def print_summary(title: str, s: dict) -> None:
         )
 
 
+def profile_goals(report: dict, concurrency: int) -> list[dict]:
+    """The issue's per-step goals that this profile measures."""
+    goals = []
+    dec = report.get("decode")
+    if dec:
+        goals.append(
+            {
+                "goal": f"host time per step <= 5% at {concurrency} running",
+                "measured": dec["host_share"],
+                "holds": dec["host_share"] <= 0.05,
+            }
+        )
+        goals.append(
+            {
+                "goal": f"useful FLOP/s >= 50% of matmul at {concurrency} running",
+                "measured": dec["mfu_vs_local_matmul"],
+                "holds": dec["mfu_vs_local_matmul"] >= 0.5,
+            }
+        )
+    runs = [report[k] for k in ("sharegpt", "decode") if k in report]
+    if runs:
+        n = sum(r["compilations_during_run"] for r in runs)
+        goals.append({"goal": "compilations after warm-up == 0", "measured": n, "holds": n == 0})
+    return goals
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=sorted(throughput.PRESETS), default="default")
@@ -384,7 +495,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--decode-steps", type=int, default=20)
     p.add_argument("--num-requests", type=int, default=None, help="sharegpt part")
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--parts", default="steps,sharegpt,decode")
+    p.add_argument("--parts", default="steps,attention,sharegpt,decode")
     p.add_argument("--cache", default=str(throughput.CACHE))
     p.add_argument("--output", default=str(throughput.RESULTS / "throughput_profile.json"))
     args = p.parse_args(argv)
@@ -421,12 +532,22 @@ def main(argv: list[str] | None = None) -> dict:
         shapes += [(t, c) for t in buckets.token_buckets[:3] for c in (contexts[1], max_ctx)]
         shapes = list(dict.fromkeys(shapes))  # each once, in order
         report["steps"] = step_microbench(engine, shape, limits, shapes, args.reps)
+    if "attention" in parts:
+        print("\nattention alone (one layer's op x layers):", flush=True)
+        t_max = buckets.token_buckets[-1]
+        decode_t = buckets.padded_tokens(min(args.concurrency, t_max))
+        contexts = [c for c in (32, 128, 512, 2048) if c <= settings.max_model_len]
+        cases = [(decode_t, c) for c in contexts]
+        # The tail of an offline run: few tokens, long contexts.
+        cases += [(t, c) for t in buckets.token_buckets[:3:2] for c in contexts[-2:]]
+        cases += [(t_max, c) for c in contexts[1:3]]
+        report["attention"] = attention_microbench(engine, shape, cases, args.reps)
     if "sharegpt" in parts:
         n = args.num_requests or preset.num_requests
         ds = _datasets.build(
             "sharegpt", n, shape.vocab, bs, **preset.dataset_kw.get("sharegpt", {})
         )
-        s = profile_run(engine, ds.requests, name="profile-sharegpt", block_size=bs)
+        s = profile_run(engine, ds.requests, name="profile-sharegpt", shape=shape)
         report["sharegpt"] = s
         print_summary(f"sharegpt ({n} requests, offline)", s)
     if "decode" in parts:
@@ -444,7 +565,7 @@ def main(argv: list[str] | None = None) -> dict:
             engine,
             ds.requests,
             name="profile-decode",
-            block_size=bs,
+            shape=shape,
             max_steps=args.decode_steps,
             skip_until_all_decode=True,
             profile_host=True,
@@ -452,6 +573,9 @@ def main(argv: list[str] | None = None) -> dict:
         report["decode"] = s
         print_summary(f"decode at {c} running requests", s)
     report["loadavg_end"] = os.getloadavg()
+    report["goals"] = profile_goals(report, args.concurrency)
+    for g in report["goals"]:
+        print(f"  [{'OK  ' if g['holds'] else 'MISS'}] {g['goal']}: measured {g['measured']:.3g}")
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))

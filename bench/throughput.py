@@ -21,7 +21,7 @@ last ("bracketing"): ratios use the mean of the two, which cancels a linear drif
 machine's load; the spread of the two is reported.
 
     python bench/throughput.py                      # full run: 50M-param model, all baselines
-    python bench/throughput.py --preset quick       # tiny model, < 3 min, no vLLM
+    python bench/throughput.py --preset quick       # tiny model, < 3 min (~1 min of it vLLM)
     python bench/throughput.py --baselines static,hf --datasets sharegpt --num-requests 32
     python bench/throughput.py --request-rate 4     # Poisson arrivals (jaxserve only)
 
@@ -122,7 +122,6 @@ PRESETS = {
             "sharegpt": dict(mean_input=40, mean_output=60, max_prompt_len=128, max_total_len=256),
             "prefix": dict(num_prefixes=2, prefix_len=64, suffix_len=64, output_len=32),
         },
-        baselines=("static", "nocache", "hf"),
         output="throughput_quick.json",
     ),
     # For tests/bench: seconds, not minutes (4 compilations: T in {16}, B in {1, 2}).

@@ -22,14 +22,20 @@ pytest.importorskip("transformers")
 import throughput  # noqa: E402
 
 
-def test_smoke_preset_end_to_end(tmp_path):
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """One checkpoint and one XLA compile cache for the module's runs."""
+    return tmp_path_factory.mktemp("bench-cache")
+
+
+def test_smoke_preset_end_to_end(tmp_path, cache):
     out = tmp_path / "smoke.json"
     report = throughput.main(
         [
             "--preset",
             "smoke",
             "--cache",
-            str(tmp_path / "cache"),
+            str(cache),
             "--output",
             str(out),
             "--no-bracket",
@@ -64,6 +70,32 @@ def test_smoke_preset_end_to_end(tmp_path):
         s.get("compilations_during_run", 0) == 0 for d in (sg, px) for s in d["engines"].values()
     )
     assert {g["goal"] for g in report["goals"]}  # evaluated, whatever they say
+
+
+def test_poisson_arrivals(tmp_path, cache):
+    report = throughput.main(
+        [
+            "--preset",
+            "smoke",
+            "--cache",
+            str(cache),
+            "--output",
+            str(tmp_path / "p.json"),
+            "--baselines",
+            "none",
+            "--datasets",
+            "sharegpt",
+            "--request-rate",
+            "100",
+            "--no-bracket",
+        ]
+    )
+    assert report["request_rate"] == 100
+    (runs,) = report["datasets"]["sharegpt"]["timings"]["jaxserve"]
+    arrivals = [t["arrival"] for t in runs]
+    assert arrivals[0] == 0 and arrivals == sorted(arrivals) and arrivals[-1] > 0
+    assert all(t["first_token"] >= t["arrival"] for t in runs)
+    assert report["datasets"]["sharegpt"]["engines"]["jaxserve"]["mode"] == "poisson"
 
 
 def test_plot_writes_a_png(tmp_path):
