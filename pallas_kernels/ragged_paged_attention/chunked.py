@@ -28,7 +28,9 @@ from jaxserve.pallas_kernels.ragged_paged_attention.validation import validate_i
 
 _MASK_VALUE = -1e30
 # Gathered floats per chunk iteration (T * C * K * H); bounds memory and sets C for large T.
-_CHUNK_ELEMENTS = 1 << 23
+# 2**21 rather than 2**23: at 256 decode rows, 2-page chunks beat 8-page ones 4.5x at context
+# 128 and 1.4x at context 1000 (one layer, K=2, H=64, P=32, side by side on the 2-core CPU).
+_CHUNK_ELEMENTS = 1 << 21
 _MAX_CHUNK_POSITIONS = 256  # over-read past the longest context is at most this
 
 
