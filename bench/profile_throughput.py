@@ -128,21 +128,19 @@ class StepProbe:
         return res
 
     def _attention_reads(self, num_tokens: int, md, longest: int) -> int:
-        """Context positions the step's attention backend reads, summed over query rows:
-        reference: every row reads the whole bucketed width B x P; xla (chunked): every row
-        reads up to the batch's longest context, rounded up to a chunk; others: as needed
-        (reported as the needed count, via a negative marker resolved by the caller)."""
-        from jaxserve.pallas_kernels.ragged_paged_attention.chunked import chunk_pages
-
+        """Context positions the step's attention backend scores, summed over query rows:
+        reference: every row, the whole bucketed width B x P; xla: see xla_scored_positions;
+        others: as needed (reported as the needed count, via a negative marker resolved by
+        the caller)."""
         backend = self.engine.info.attention_backend
         width = int(md.block_tables.shape[1])
         bs = self.engine.runner.block_size
         if backend == "reference":
             return num_tokens * width * bs
         if backend == "xla":
-            shape = self.engine.runner.kv_caches[0][0].shape
-            chunk = chunk_pages(num_tokens, shape, width) * bs
-            return num_tokens * min(-(-longest // chunk) * chunk, width * bs)
+            n = int(md.num_seqs[0])
+            q = np.diff(np.asarray(md.query_start_loc)[: n + 1])
+            return xla_scored_positions(q, np.asarray(md.seq_lens[:n]), bs, width)
         return -1
 
     def step(self) -> list:
@@ -153,6 +151,29 @@ class StepProbe:
         if "T" in self._cur:
             self.records.append(self._cur)
         return outs
+
+
+def xla_scored_positions(q_lens, kv_lens, page_size: int, table_width: int) -> int:
+    """Context positions the xla backend scores (default tunables), summed over query rows:
+    decode rows, sorted by context and blocked, score up to their block's longest context
+    rounded up to a chunk; a tile of prefill rows scores up to its last row's context rounded
+    up to a chunk, for every row of the tile."""
+    from jaxserve.pallas_kernels.ragged_paged_attention import chunked
+
+    q_lens, kv_lens = np.asarray(q_lens, np.int64), np.asarray(kv_lens, np.int64)
+    row_chunk = chunked.chunk_pages(chunked.ROW_CHUNK_POSITIONS, page_size, table_width)
+    tile_chunk = chunked.chunk_pages(chunked.TILE_CHUNK_POSITIONS, page_size, table_width)
+    row_chunk, tile_chunk = row_chunk * page_size, tile_chunk * page_size
+    decodes = np.sort(kv_lens[q_lens == 1])[::-1]
+    block_longest = np.repeat(decodes[:: chunked.ROWS_PER_BLOCK], chunked.ROWS_PER_BLOCK)
+    total = int((-(-block_longest[: decodes.size] // row_chunk) * row_chunk).sum())
+    tq = chunked.TILE_ROWS
+    for q, kv in zip(q_lens[q_lens > 1], kv_lens[q_lens > 1], strict=True):
+        for start in range(0, int(q), tq):
+            rows = min(tq, int(q) - start)
+            end = int(kv) - int(q) + start + rows  # context end of the tile's last row
+            total += rows * (-(-end // tile_chunk) * tile_chunk)
+    return total
 
 
 def summarize_steps(records: list[dict], shape: ModelShape) -> dict:
@@ -308,16 +329,13 @@ def _reference_at_width(q, k_pages, v_pages, kv_lens, tables, cu, num_seqs, *, w
 
 
 def attention_microbench(engine, shape: ModelShape, cases, reps: int) -> list[dict]:
-    """One layer's attention op alone on the engine's KV pages, x num_layers: the xla
-    (chunked) backend at several chunk sizes (its default first) and the reference with its
-    width bucket, for T query tokens over R rows at a given context."""
+    """One layer's attention op alone on the engine's KV pages, x num_layers: the xla backend
+    with its default tunables and a few others (smaller/larger row blocks and chunks), and the
+    reference with its width bucket, for T query tokens over R rows at a given context."""
     import jax
     import jax.numpy as jnp
 
-    from jaxserve.pallas_kernels.ragged_paged_attention.chunked import (
-        chunk_pages,
-        ragged_paged_attention_chunked,
-    )
+    from jaxserve.pallas_kernels.ragged_paged_attention import chunked
 
     runner = engine.runner
     k_pages, v_pages = runner.kv_caches[0]
@@ -332,19 +350,22 @@ def attention_microbench(engine, shape: ModelShape, cases, reps: int) -> list[di
         ]
         # The reference's own width bucket: the power of two >= the context's pages.
         width = 1 << (-(-ctx // runner.block_size) - 1).bit_length()
-        default_pages = chunk_pages(t, k_pages.shape, full.block_tables.shape[1])
-        variants = {f"xla pages={default_pages} (default)": (None, default_pages)}
-        for pages in (1, 2, 4):
-            if pages < default_pages:
-                variants[f"xla pages={pages}"] = (None, pages)
-        variants[f"reference B={width}"] = ("reference", width)
+        blocks, pages = chunked.ROWS_PER_BLOCK, chunked.chunk_pages(
+            chunked.ROW_CHUNK_POSITIONS, runner.block_size, full.block_tables.shape[1]
+        )
+        variants = {
+            f"xla rows={blocks} pages={pages} (default)": {},
+            f"xla rows={blocks * 4} pages={pages}": dict(rows_per_block=blocks * 4),
+            f"xla rows={blocks} pages={pages * 4}": dict(pages_per_chunk=pages * 4),
+            f"reference B={width}": None,
+        }
         row = {"T": t, "R": full.block_tables.shape[0], "context": ctx}
-        for label, (kind, n) in variants.items():
-            if kind == "reference":
-                fn = functools.partial(_reference_at_width, width=n, sm_scale=scale)
+        for label, tunables in variants.items():
+            if tunables is None:
+                fn = functools.partial(_reference_at_width, width=width, sm_scale=scale)
             else:
                 fn = functools.partial(
-                    ragged_paged_attention_chunked, sm_scale=scale, pages_per_chunk=n
+                    chunked.ragged_paged_attention_chunked, sm_scale=scale, **tunables
                 )
             fn = jax.jit(fn)
             jax.block_until_ready(fn(q, k_pages, v_pages, *args))

@@ -1,18 +1,25 @@
-"""Ragged paged attention in plain XLA ops, chunked over the context: the fast CPU backend.
+"""Ragged paged attention in plain XLA ops: the fast CPU backend.
 
 Same signature and semantics as reference.py. The reference gathers, for every query row, the
-whole block-table width B * P at once, so the caller must bucket B by the batch's longest
-context and every step pays for the power-of-two rounding. Here a while loop walks the context
-in chunks of C positions, with online softmax (flash attention's running max / sum), and stops
-at the chunk that holds the batch's longest context, a run-time value. So:
+whole block-table width B * P at once. Here every piece of work walks the context in chunks of
+C positions with online softmax (flash attention's running max / sum) and stops at its own
+last needed chunk, a run-time value, so the block table can be passed at full width
+(max_model_len / P pages) and the step compiles once per token bucket.
 
-- the cost follows the longest context of the batch rounded up to C, not to a power of two;
-- the block table can always be passed at full width (max_model_len / P pages): the step
-  compiles once per token bucket instead of once per (token bucket, width bucket);
-- memory per iteration is bounded: the gathered K/V of one chunk is [K, T, C, H].
+The batch splits into two passes, each row handled by exactly one:
 
-Every row still computes up to the batch's longest context (masked past its own): the waste of
-a short request batched with a long one, as in the reference.
+- row pass, for sequences with one query token (decodes). Every row needs its own pages, so
+  rows are gathered together: sorted by context length (longest first) and cut into blocks of
+  `rows_per_block`; each block loops only to its own longest context, and blocks past the last
+  decode row are never run. A short decode batched with a long one costs its own length
+  rounded to a chunk, not the long one's, and padding rows cost nothing.
+- tile pass, for sequences with several query tokens (prefill chunks). Their rows share one
+  block table, so a tile of up to `tile_rows` consecutive rows of one sequence gathers each
+  chunk's K/V once ([K, C, H]) and attends all its rows to it, causally: a 2048-token prompt
+  reads its pages about 2048 / tile_rows times instead of once per query row.
+
+Memory per loop iteration is bounded by the tunables: [K, rows_per_block, C, H] gathered in the
+row pass, [K, C', H] and scores [tile_rows, N, C'] in the tile pass.
 """
 
 from __future__ import annotations
@@ -27,25 +34,168 @@ from jaxserve.pallas_kernels.ragged_paged_attention.reference import token_seq_i
 from jaxserve.pallas_kernels.ragged_paged_attention.validation import validate_inputs
 
 _MASK_VALUE = -1e30
-# Gathered floats per chunk iteration (T * C * K * H); bounds memory and sets C for large T.
-# 2**21 rather than 2**23: at 256 decode rows, 2-page chunks beat 8-page ones 4.5x at context
-# 128 and 1.4x at context 1000 (one layer, K=2, H=64, P=32, side by side on the 2-core CPU).
-_CHUNK_ELEMENTS = 1 << 21
-_MAX_CHUNK_POSITIONS = 256  # over-read past the longest context is at most this
+# Defaults, measured on the 2-core CPU with bench/attention_kernel.py --backend xla (K=2, H=64,
+# P=32): see the README's CPU attention table.
+ROWS_PER_BLOCK = 8
+ROW_CHUNK_POSITIONS = 128
+TILE_ROWS = 128
+TILE_CHUNK_POSITIONS = 256
 
 
-def chunk_pages(num_tokens: int, kv_shape: tuple[int, ...], table_width: int) -> int:
-    """Pages per chunk: the largest power of two keeping one chunk's gather under
-    _CHUNK_ELEMENTS and its positions under _MAX_CHUNK_POSITIONS (at least one page)."""
-    num_kv_heads, _, page_size, head_dim = kv_shape
-    by_memory = _CHUNK_ELEMENTS // max(num_tokens * num_kv_heads * head_dim * page_size, 1)
-    limit = max(1, min(by_memory, _MAX_CHUNK_POSITIONS // page_size, table_width))
-    return 1 << (limit.bit_length() - 1)
+def chunk_pages(positions: int, page_size: int, table_width: int) -> int:
+    """Pages per chunk for about `positions` context positions: a power of two, at least 1,
+    at most the table width."""
+    n = max(1, min(positions // page_size, table_width))
+    return 1 << (n.bit_length() - 1)
+
+
+def _online_softmax_step(carry, s, v, mask, value_spec: str):
+    """One flash-attention update. carry (m, denom, acc) [..., G], [..., G], [..., G, H];
+    s scores [..., G, C] (already masked to _MASK_VALUE); v the chunk's values for value_spec."""
+    m, denom, acc = carry
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+    alpha = jnp.exp(m - m_new)
+    acc = acc * alpha[..., None] + jnp.einsum(value_spec, p, v)
+    return m_new, denom * alpha + p.sum(axis=-1), acc
+
+
+def _init_carry(shape: tuple[int, ...], head_dim: int):
+    return (
+        jnp.full(shape, _MASK_VALUE, jnp.float32),
+        jnp.zeros(shape, jnp.float32),
+        jnp.zeros((*shape, head_dim), jnp.float32),
+    )
+
+
+def _finish(carry) -> jax.Array:
+    _, denom, acc = carry
+    return jnp.where(denom[..., None] > 0, acc / jnp.maximum(denom, 1e-30)[..., None], 0.0)
+
+
+def _scores(q, k, spec: str, sm_scale: float, soft_cap: float | None) -> jax.Array:
+    s = jnp.einsum(spec, q, k.astype(jnp.float32)) * sm_scale
+    return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
+
+
+def _first_chunk(first_pos: jax.Array, width: int, sliding_window: int | None) -> jax.Array:
+    """The first chunk any row starting at first_pos can see (0 without a window)."""
+    if sliding_window is None:
+        return jnp.int32(0)
+    return jnp.maximum(first_pos - sliding_window + 1, 0) // width
+
+
+def _row_pass(
+    qg, k_pages, v_pages, token_table, q_pos, needed, *, pages, rows_per_block, sm_scale,
+    sliding_window, soft_cap,
+):  # fmt: skip
+    """Rows with needed > 0 (their context length), blocked by length. qg [T, K, G, H] f32;
+    token_table [T, W] (W a multiple of pages). Returns f32[T, K, G, H], zero elsewhere."""
+    num_tokens, num_kv_heads, group, head_dim = qg.shape
+    page_size = k_pages.shape[2]
+    width = pages * page_size
+    rb = min(rows_per_block, num_tokens)
+    padded = -(-num_tokens // rb) * rb
+    pad = padded - num_tokens
+    qg = jnp.pad(qg, ((0, pad), (0, 0), (0, 0), (0, 0)))
+    token_table = jnp.pad(token_table, ((0, pad), (0, 0)))
+    q_pos = jnp.pad(q_pos, (0, pad))
+    needed = jnp.pad(needed, (0, pad))
+    order = jnp.argsort(-needed, stable=True).astype(jnp.int32)  # longest first; padding last
+    sorted_needed = needed[order]
+    num_blocks = -(-jnp.sum(needed > 0) // rb)
+
+    def block(b, out):  # out: [padded, K, G, H] in sorted order
+        rows = lax.dynamic_slice_in_dim(order, b * rb, rb)
+        lens = lax.dynamic_slice_in_dim(sorted_needed, b * rb, rb)
+        ok, pos, table = lens > 0, q_pos[rows], token_table[rows]
+        q_blk = qg[rows].transpose(1, 0, 2, 3)  # [K, rb, G, H]
+        lo = _first_chunk(jnp.min(jnp.where(ok, pos, jnp.iinfo(jnp.int32).max)), width,
+                          sliding_window)  # fmt: skip
+        hi = -(-lens[0] // width)
+
+        def chunk(i, carry):
+            ids = lax.dynamic_slice_in_dim(table, i * pages, pages, axis=1)  # [rb, pages]
+            k = k_pages[:, ids].reshape(num_kv_heads, rb, width, head_dim)
+            v = v_pages[:, ids].reshape(num_kv_heads, rb, width, head_dim)
+            s = _scores(q_blk, k, "KRGH,KRCH->KRGC", sm_scale, soft_cap)
+            c_pos = i * width + jnp.arange(width, dtype=jnp.int32)
+            mask = (c_pos[None, :] <= pos[:, None]) & ok[:, None]  # [rb, C]
+            if sliding_window is not None:
+                mask &= c_pos[None, :] > pos[:, None] - sliding_window
+            mask = mask[None, :, None, :]
+            s = jnp.where(mask, s, _MASK_VALUE)
+            return _online_softmax_step(carry, s, v.astype(jnp.float32), mask, "KRGC,KRCH->KRGH")
+
+        carry = lax.fori_loop(lo, hi, chunk, _init_carry((num_kv_heads, rb, group), head_dim))
+        res = _finish(carry).transpose(1, 0, 2, 3)  # [rb, K, G, H]
+        return lax.dynamic_update_slice_in_dim(out, res, b * rb, axis=0)
+
+    out_sorted = lax.fori_loop(0, num_blocks, block, jnp.zeros_like(qg))
+    return jnp.zeros_like(qg).at[order].set(out_sorted)[:num_tokens]
+
+
+def _tile_pass(
+    qg, out, k_pages, v_pages, table, kv_lens, cu_q_lens, multi, *, pages, tile_rows,
+    sm_scale, sliding_window, soft_cap,
+):  # fmt: skip
+    """Sequences with multi[r] (several query tokens), in tiles of consecutive rows of one
+    sequence; writes their rows of out [T, K, G, H] and returns it."""
+    num_tokens, num_kv_heads, group, head_dim = qg.shape
+    page_size = k_pages.shape[2]
+    width = pages * page_size
+    tq = min(tile_rows, num_tokens)
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]  # [R]
+    tiles = jnp.where(multi, -(-q_lens // tq), 0)
+    tile_ends = jnp.cumsum(tiles)
+    # Padded by one tile so a tile's slice never clamps (moving it onto earlier rows).
+    qg = jnp.pad(qg, ((0, tq), (0, 0), (0, 0), (0, 0)))
+    out = jnp.pad(out, ((0, tq), (0, 0), (0, 0), (0, 0)))
+    rows_in_tile = jnp.arange(tq, dtype=jnp.int32)
+
+    def tile(j, out):
+        r = jnp.sum(tile_ends <= j).astype(jnp.int32)  # the sequence of tile j
+        offset = (j - (tile_ends[r] - tiles[r])) * tq  # first row of the tile in the sequence
+        start = cu_q_lens[r] + offset
+        n = jnp.minimum(tq, q_lens[r] - offset)
+        first_pos = kv_lens[r] - q_lens[r] + offset
+        pos = first_pos + rows_in_tile  # [tq]
+        ok = rows_in_tile < n
+        q_tile = lax.dynamic_slice_in_dim(qg, start, tq).transpose(1, 0, 2, 3)
+        q_tile = q_tile.reshape(num_kv_heads, tq * group, head_dim)  # [K, tq * G, H]
+        seq_table = table[r]
+
+        def chunk(i, carry):
+            ids = lax.dynamic_slice_in_dim(seq_table, i * pages, pages)
+            k = k_pages[:, ids].reshape(num_kv_heads, width, head_dim)
+            v = v_pages[:, ids].reshape(num_kv_heads, width, head_dim)
+            s = _scores(q_tile, k, "KMH,KCH->KMC", sm_scale, soft_cap)  # M = tq * G
+            c_pos = i * width + jnp.arange(width, dtype=jnp.int32)
+            mask = (c_pos[None, :] <= pos[:, None]) & ok[:, None]  # [tq, C]
+            if sliding_window is not None:
+                mask &= c_pos[None, :] > pos[:, None] - sliding_window
+            mask = jnp.repeat(mask, group, axis=0)[None]  # [1, tq * G, C]
+            s = jnp.where(mask, s, _MASK_VALUE)
+            return _online_softmax_step(carry, s, v.astype(jnp.float32), mask, "KMC,KCH->KMH")
+
+        hi = -(-(first_pos + n) // width)
+        lo = _first_chunk(first_pos, width, sliding_window)
+        carry = lax.fori_loop(lo, hi, chunk, _init_carry((num_kv_heads, tq * group), head_dim))
+        res = _finish(carry).reshape(num_kv_heads, tq, group, head_dim).transpose(1, 0, 2, 3)
+        old = lax.dynamic_slice_in_dim(out, start, tq)
+        new = jnp.where(ok[:, None, None, None], res, old)
+        return lax.dynamic_update_slice_in_dim(out, new, start, axis=0)
+
+    return lax.fori_loop(0, tile_ends[-1], tile, out)[:num_tokens]
 
 
 @functools.partial(
-    jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "pages_per_chunk")
-)
+    jax.jit,
+    static_argnames=(
+        "sm_scale", "sliding_window", "soft_cap", "pages_per_chunk", "rows_per_block",
+        "tile_rows", "tile_pages_per_chunk",
+    ),
+)  # fmt: skip
 def ragged_paged_attention_chunked(
     q: jax.Array,  # [T, N, H]
     k_pages: jax.Array,  # [K, S, P, H]
@@ -59,8 +209,13 @@ def ragged_paged_attention_chunked(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     pages_per_chunk: int | None = None,
+    rows_per_block: int = ROWS_PER_BLOCK,
+    tile_rows: int = TILE_ROWS,
+    tile_pages_per_chunk: int | None = None,
 ) -> jax.Array:  # [T, N, H]
-    """See the module docstring; pages_per_chunk overrides chunk_pages() (tuning, tests).
+    """See the module docstring. Tunables (static): pages_per_chunk / rows_per_block for the
+    row pass, tile_pages_per_chunk / tile_rows for the tile pass; chunk defaults come from
+    ROW_CHUNK_POSITIONS and TILE_CHUNK_POSITIONS.
 
     Raises:
         ValueError: bad shapes / dtypes / options (validation.py).
@@ -69,51 +224,42 @@ def ragged_paged_attention_chunked(
         q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
     )  # fmt: skip
+    for name, value in (
+        ("pages_per_chunk", pages_per_chunk),
+        ("rows_per_block", rows_per_block),
+        ("tile_rows", tile_rows),
+        ("tile_pages_per_chunk", tile_pages_per_chunk),
+    ):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
-    group = num_q_heads // num_kv_heads
-    pages = pages_per_chunk or chunk_pages(num_tokens, k_pages.shape, block_tables.shape[1])
-    width = pages * page_size  # C: context positions per chunk
-    num_chunks = -(-block_tables.shape[1] // pages)
-    table = jnp.pad(block_tables, ((0, 0), (0, num_chunks * pages - block_tables.shape[1])))
+    table_width = block_tables.shape[1]
+    row_pages = pages_per_chunk or chunk_pages(ROW_CHUNK_POSITIONS, page_size, table_width)
+    tile_pages = tile_pages_per_chunk or chunk_pages(TILE_CHUNK_POSITIONS, page_size, table_width)
+    # Both chunk sizes divide the padded width (powers of two, the larger a multiple).
+    padded_width = -(-table_width // max(row_pages, tile_pages)) * max(row_pages, tile_pages)
+    table = jnp.pad(block_tables, ((0, 0), (0, padded_width - table_width)))
 
+    num_slots = kv_lens.shape[0]
+    real = jnp.arange(num_slots) < num_seqs[0]
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    multi = real & (q_lens > 1)  # tile pass; real single-token sequences: row pass
     seq = token_seq_ids(cu_q_lens, num_tokens)  # i32[T]
     rows = jnp.arange(num_tokens, dtype=jnp.int32)
-    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
-    q_pos = kv_lens[seq] - q_len + (rows - cu_q_lens[seq])  # i32[T]
-    valid = (rows < cu_q_lens[num_seqs[0]]) & (seq < num_seqs[0])
-    real = jnp.arange(kv_lens.shape[0]) < num_seqs[0]
-    longest = jnp.max(jnp.where(real, kv_lens, 0))
-    trips = jnp.minimum(-(-longest // width), num_chunks)
-    token_table = table[seq]  # i32[T, chunks * pages]
-    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32)  # [T, K, G, H]
+    q_pos = kv_lens[seq] - q_lens[seq] + (rows - cu_q_lens[seq])  # i32[T]
+    valid = (rows < cu_q_lens[num_seqs[0]]) & real[seq]
+    needed = jnp.where(valid & ~multi[seq], q_pos + 1, 0)
+    qg = q.reshape(num_tokens, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    qg = qg.astype(jnp.float32)
+    options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
 
-    def body(i, carry):
-        m, denom, acc = carry  # [T, K, G], [T, K, G], [T, K, G, H]
-        ids = lax.dynamic_slice_in_dim(token_table, i * pages, pages, axis=1)  # [T, pages]
-        k = k_pages[:, ids].reshape(num_kv_heads, num_tokens, width, head_dim)  # [K, T, C, H]
-        v = v_pages[:, ids].reshape(num_kv_heads, num_tokens, width, head_dim)
-        s = jnp.einsum("TKGH,KTCH->TKGC", qg, k.astype(jnp.float32)) * sm_scale
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        pos = i * width + jnp.arange(width, dtype=jnp.int32)
-        mask = (pos[None, :] <= q_pos[:, None]) & valid[:, None]  # [T, C] causal, <= kv_len
-        if sliding_window is not None:
-            mask &= pos[None, :] > q_pos[:, None] - sliding_window
-        mask = mask[:, None, None, :]
-        s = jnp.where(mask, s, _MASK_VALUE)
-        m_new = jnp.maximum(m, s.max(axis=-1))
-        p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
-        alpha = jnp.exp(m - m_new)
-        acc = acc * alpha[..., None] + jnp.einsum("TKGC,KTCH->TKGH", p, v.astype(jnp.float32))
-        return m_new, denom * alpha + p.sum(axis=-1), acc
-
-    shape = (num_tokens, num_kv_heads, group)
-    init = (
-        jnp.full(shape, _MASK_VALUE, jnp.float32),
-        jnp.zeros(shape, jnp.float32),
-        jnp.zeros((*shape, head_dim), jnp.float32),
-    )
-    _, denom, acc = lax.fori_loop(0, trips, body, init)
-    out = jnp.where(denom[..., None] > 0, acc / jnp.maximum(denom, 1e-30)[..., None], 0.0)
+    out = _row_pass(
+        qg, k_pages, v_pages, table[seq], q_pos, needed, pages=row_pages,
+        rows_per_block=rows_per_block, **options,
+    )  # fmt: skip
+    out = _tile_pass(
+        qg, out, k_pages, v_pages, table, kv_lens, cu_q_lens, multi, pages=tile_pages,
+        tile_rows=tile_rows, **options,
+    )  # fmt: skip
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
