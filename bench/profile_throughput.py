@@ -350,9 +350,9 @@ def attention_microbench(engine, shape: ModelShape, cases, reps: int) -> list[di
         ]
         # The reference's own width bucket: the power of two >= the context's pages.
         width = 1 << (-(-ctx // runner.block_size) - 1).bit_length()
-        blocks, pages = chunked.ROWS_PER_BLOCK, chunked.chunk_pages(
-            chunked.ROW_CHUNK_POSITIONS, runner.block_size, full.block_tables.shape[1]
-        )
+        blocks = chunked.ROWS_PER_BLOCK
+        table_width = full.block_tables.shape[1]
+        pages = chunked.chunk_pages(chunked.ROW_CHUNK_POSITIONS, runner.block_size, table_width)
         variants = {
             f"xla rows={blocks} pages={pages} (default)": {},
             f"xla rows={blocks * 4} pages={pages}": dict(rows_per_block=blocks * 4),

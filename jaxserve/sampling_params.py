@@ -11,12 +11,16 @@ def _check_int(name: str, value: object, *, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"SamplingParams.{name} must be an int, got {value!r} ({type(value).__name__})")
+        raise TypeError(
+            f"SamplingParams.{name} must be an int, got {value!r} ({type(value).__name__})"
+        )
 
 
 def _check_number(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"SamplingParams.{name} must be a number, got {value!r} ({type(value).__name__})")
+        raise TypeError(
+            f"SamplingParams.{name} must be a number, got {value!r} ({type(value).__name__})"
+        )
 
 
 @dataclass

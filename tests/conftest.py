@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
+# jax 0.10.2 miscompiles a jitted vmapped mat-vec + reduction on CPU (jax-ml/jax#39103). The
+# runner's fix (jaxserve/runner/xla_flags.py) must be in XLA_FLAGS before jax initialises its
+# CPU backend, and a test module may import jax before anything from jaxserve.runner: apply it
+# first.
+from jaxserve.runner.xla_flags import apply_cpu_workarounds  # imports no jax
 
-# jax 0.10.2 miscompiles a jitted vmapped mat-vec + reduction on CPU (jax-ml/jax#39103); this flag
-# turns off the fusion at fault. It must be set before jax initialises its CPU backend. The
-# runner applies the same fix for users (jaxserve/runner/xla_flags.py).
-_FLAG = "--xla_cpu_experimental_ynn_fusion_type="
-if _FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+apply_cpu_workarounds()

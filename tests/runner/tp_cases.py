@@ -41,8 +41,9 @@ FAMILIES: dict[str, dict[str, Any]] = {
 COMMON = dict(num_attention_heads=8, head_dim=16)
 ENGINE = dict(
     dtype="float32",
-    # One page per sequence: one (T, R, B) bucket, so each engine compiles its step once (or
-    # twice, greedy and sampled); the 19 prompt tokens of a batch still take two steps (chunked).
+    # One page per sequence: one table width, so each engine compiles its step once per token
+    # bucket (4, 8, 16), or twice (greedy and sampled); the 19 prompt tokens of a batch still
+    # take two steps (chunked).
     block_size=16,
     num_kv_blocks=8,
     max_num_seqs=4,
