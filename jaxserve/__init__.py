@@ -20,7 +20,14 @@ _LAZY = {
     "Logprob": "jaxserve.outputs",
 }
 
-__all__ = sorted(_LAZY)
+__all__ = [  # spelled out (not sorted(_LAZY)) so linters see the TYPE_CHECKING imports used
+    "CompletionOutput",
+    "LLM",
+    "LLMEngine",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+]
 
 if TYPE_CHECKING:  # pragma: no cover
     from jaxserve.engine.llm import LLM

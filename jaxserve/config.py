@@ -86,7 +86,8 @@ class CacheConfig:
             )
         if not isinstance(self.enable_prefix_caching, bool):
             raise TypeError(
-                f"CacheConfig.enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}"
+                "CacheConfig.enable_prefix_caching must be a bool, got "
+                f"{self.enable_prefix_caching!r}"
             )
         _positive_int("CacheConfig", "cpu_memory_bytes", self.cpu_memory_bytes)
 

@@ -103,7 +103,8 @@ class SamplingParams:
         _check_number("repetition_penalty", self.repetition_penalty)
         if not 0.0 < self.repetition_penalty <= 10.0:
             raise ValueError(
-                f"SamplingParams.repetition_penalty must be in (0, 10], got {self.repetition_penalty}"
+                "SamplingParams.repetition_penalty must be in (0, 10], got "
+                f"{self.repetition_penalty}"
             )
         self.stop_strings = self._normalise_stop(self.stop)
         self.all_stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)

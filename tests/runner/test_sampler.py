@@ -381,7 +381,7 @@ def test_inverse_cdf_draw_edges_never_pick_masked_tokens():
     x[:, 300] = 1.0
     x[:, 550] = 0.5
     u = jnp.array([0.0, 0.999999, np.nextafter(np.float32(1), np.float32(0)), 0.5], jnp.float32)
-    tokens = np.asarray(_inverse_cdf_draw(jnp.asarray(x), u))
+    tokens = np.asarray(_inverse_cdf_draw(jnp.asarray(x), u, jnp.max(x, axis=-1)))
     assert tokens[0] == 10 and tokens[1] == 550 and tokens[2] == 550
     assert set(tokens.tolist()) <= {10, 300, 550}
     # The draw's frequencies follow softmax(x).
@@ -389,7 +389,11 @@ def test_inverse_cdf_draw_edges_never_pick_masked_tokens():
     uniform = (np.arange(n, dtype=np.float64) + 0.5) / n
     rows = np.broadcast_to(x[:1], (n, vocab))
     counts = np.bincount(
-        np.asarray(_inverse_cdf_draw(jnp.asarray(rows), jnp.asarray(uniform, jnp.float32))),
+        np.asarray(
+            _inverse_cdf_draw(
+                jnp.asarray(rows), jnp.asarray(uniform, jnp.float32), jnp.ones(n, jnp.float32)
+            )
+        ),
         minlength=vocab,
     )
     p = np.exp([0.0, 1.0, 0.5]) / np.exp([0.0, 1.0, 0.5]).sum()
