@@ -14,10 +14,11 @@ write into a block with ``ref_cnt > 1`` gets a fresh copy instead (copy-on-write
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from jaxserve.core.block_pool import BlockPool
-from jaxserve.core.kv_cache_utils import KVCacheBlock, extend_block_hashes
+from jaxserve.core.kv_cache_utils import BlockHash, KVCacheBlock, extend_block_hashes
 
 if TYPE_CHECKING:  # pragma: no cover
     from jaxserve.request import Request
@@ -95,6 +96,21 @@ class KVCacheManager:
         if self.enable_caching:
             self.prefix_cache_queries -= len(request.all_token_ids)
             self.prefix_cache_hits -= num_hit_tokens
+
+    def pending_block_hashes(self, requests: Iterable[Request]) -> set[BlockHash]:
+        """Hashes of the full blocks that these (running) requests have scheduled or will
+        schedule but that are not in the prefix cache yet: a waiting request whose next block
+        is among them gets a hit by waiting until they are computed."""
+        pending: set[BlockHash] = set()
+        if not self.enable_caching:
+            return pending
+        num_cached_blocks = self.num_cached_blocks
+        for request in requests:
+            hashes = request.block_hashes
+            num_cached = num_cached_blocks.get(request.request_id, len(hashes))
+            if num_cached < len(hashes):
+                pending.update(hashes[num_cached:])
+        return pending
 
     def allocate_slots(
         self,

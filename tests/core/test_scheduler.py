@@ -149,6 +149,35 @@ def test_prefix_caching_off_computes_everything() -> None:
     assert runner.num_computed_tokens_total == 2 * (12 + 1)
 
 
+# 12: the owner's prompt takes 2 steps, and b is looked up in the second, beside a's last block
+@pytest.mark.parametrize("budget", [64, 12])
+def test_requests_sharing_an_uncached_prefix_wait_for_its_computation(budget: int) -> None:
+    """An offline batch: a, b and c share 4 uncached blocks and arrive together. a computes
+    them; b and c wait (keeping their places) until the blocks are cached, then hit all 4;
+    d, unrelated, is not held up."""
+    sched, runner = make_scheduler(budget=budget)
+    shared = list(range(100, 116))  # 4 full blocks
+    tails = {"a": [1], "b": [2], "c": [3, 3]}
+    reqs = {rid: make_request(rid, shared + tail, max_tokens=2) for rid, tail in tails.items()}
+    reqs["d"] = make_request("d", list(range(200, 206)), max_tokens=2)
+    for req in reqs.values():
+        sched.add_request(req)
+    so = sched.schedule()
+    assert list(so.num_scheduled_tokens) == ["a", "d"][: 1 + (budget > 17)]
+    admitted = []
+    while sched.has_unfinished_requests():
+        admitted += [(r.req_id, r.num_computed_tokens) for r in so.scheduled_new_reqs]
+        sched.update_from_output(so, runner.execute(so))
+        check_invariants(sched)
+        so = sched.schedule()
+    assert [a for a in admitted if a[0] in "bc"] == [("b", 16), ("c", 16)]
+    for req in reqs.values():
+        want, _ = reference_output(req.prompt_token_ids, req.sampling_params)
+        assert req.output_token_ids == want
+    assert sched.get_stats()["prefix_cache_hits"] == 32
+    check_all_free(sched)
+
+
 def _abort_and_drain(sched: Scheduler, runner: FakeRunner, rid: str) -> None:
     outs = sched.abort_requests([rid, "no-such-id"])
     assert [(o.req_id, o.finish_reason, o.new_token_ids) for o in outs] == [(rid, "abort", [])]

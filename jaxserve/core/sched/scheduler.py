@@ -251,10 +251,16 @@ class Scheduler:
         step.preempted_req_ids.add(req.request_id)
 
     def _schedule_waiting(self, step: StepBatch) -> None:
-        """Admit waiting requests in policy order while budget, sequences and blocks last."""
+        """Admit waiting requests in policy order while budget, sequences and blocks last.
+
+        Two kinds are passed over for this step (they keep their place in the queue): a child
+        whose parent's prompt is not computed yet, and, with prefix caching, a request whose
+        next uncached block is one a running request is computing: next step it is a hit,
+        instead of the same block computed twice (offline batches of shared prefixes)."""
         kv = self.kv_cache_manager
         waiting = self.waiting
-        skipped: list[Request] = []  # children whose parent's prompt is not computed yet
+        skipped: list[Request] = []
+        pending = None  # hashes being computed, built on first need
         while len(waiting) and step.budget > 0 and len(self.running) < self.max_num_seqs:
             req = waiting.peek()
             start = self._starting_point(req)
@@ -262,6 +268,14 @@ class Scheduler:
                 skipped.append(waiting.pop())
                 continue
             borrowed, num_borrowed_tokens, is_fork = start
+            if not is_fork and self.enable_caching:
+                if pending is None:
+                    pending = kv.pending_block_hashes(self.running)
+                next_block = num_borrowed_tokens // self.block_size
+                if next_block < len(req.block_hashes) and req.block_hashes[next_block] in pending:
+                    kv.retract_lookup(req, num_borrowed_tokens)
+                    skipped.append(waiting.pop())
+                    continue
             num_new = min(len(req.all_token_ids) - num_borrowed_tokens, step.budget)
             new_blocks = kv.allocate_slots(req, num_new, borrowed or None, num_borrowed_tokens)
             if new_blocks is None:
@@ -272,6 +286,8 @@ class Scheduler:
             if is_fork:
                 req.parent_req_id = None  # from now on it is an ordinary request
             self._admit(req, num_borrowed_tokens, num_new, step)
+            if pending is not None:
+                pending.update(req.block_hashes[num_borrowed_tokens // self.block_size :])
         if skipped:
             waiting.put_back(skipped)
 
