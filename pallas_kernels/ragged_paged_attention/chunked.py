@@ -8,18 +8,23 @@ last needed chunk, a run-time value, so the block table can be passed at full wi
 
 The batch splits into two passes, each row handled by exactly one:
 
-- row pass, for sequences with one query token (decodes). Every row needs its own pages, so
-  rows are gathered together: sorted by context length (longest first) and cut into blocks of
+- row pass, for sequences with one query token (decodes), and for prefill rows too few to
+  fill a quarter of a tile (see below). Every row needs its own pages, so rows are gathered
+  together: sorted by context length (longest first) and cut into blocks of
   `rows_per_block`; each block loops only to its own longest context, and blocks past the last
   decode row are never run. A short decode batched with a long one costs its own length
   rounded to a chunk, not the long one's, and padding rows cost nothing.
 - tile pass, for sequences with several query tokens (prefill chunks). Their rows share one
   block table, so a tile of up to `tile_rows` consecutive rows of one sequence gathers each
   chunk's K/V once ([K, C, H]) and attends all its rows to it, causally: a 2048-token prompt
-  reads its pages about 2048 / tile_rows times instead of once per query row.
+  reads its pages about 2048 / tile_rows times instead of once per query row. A sequence's
+  last, partial tile is only formed when it holds more than a quarter of a tile; otherwise
+  those rows join the row pass (256 chunks of 8 tokens would otherwise cost 256 tiles of 128).
 
 Memory per loop iteration is bounded by the tunables: [K, rows_per_block, C, H] gathered in the
-row pass, [K, C', H] and scores [tile_rows, N, C'] in the tile pass.
+row pass, [K, C', H] and scores [K, tile_rows * G, C'] in the tile pass. Both passes keep the
+KV head as the leading (batch) dimension of their dots, which XLA:CPU runs about twice as fast
+as the token-major layout on prefill tiles.
 """
 
 from __future__ import annotations
@@ -34,8 +39,9 @@ from jaxserve.pallas_kernels.ragged_paged_attention.reference import token_seq_i
 from jaxserve.pallas_kernels.ragged_paged_attention.validation import validate_inputs
 
 _MASK_VALUE = -1e30
-# Defaults, measured on the 2-core CPU with bench/attention_kernel.py --backend xla (K=2, H=64,
-# P=32): see the README's CPU attention table.
+# Defaults, tuned on the 2-core CPU (K=2, G=4, H=64, P=32): small row blocks win (the batched
+# [G, H] x [H, C] dots stay in cache), and 256-position tiles beat 512 for 256-token prompts
+# without losing on 2048-token ones. bench/attention_cpu.py compares them with other values.
 ROWS_PER_BLOCK = 8
 ROW_CHUNK_POSITIONS = 128
 TILE_ROWS = 128
@@ -136,17 +142,15 @@ def _row_pass(
 
 
 def _tile_pass(
-    qg, out, k_pages, v_pages, table, kv_lens, cu_q_lens, multi, *, pages, tile_rows,
+    qg, out, k_pages, v_pages, table, kv_lens, cu_q_lens, tiles, covered, *, pages, tq,
     sm_scale, sliding_window, soft_cap,
 ):  # fmt: skip
-    """Sequences with multi[r] (several query tokens), in tiles of consecutive rows of one
-    sequence; writes their rows of out [T, K, G, H] and returns it."""
+    """The first covered[r] rows of each sequence, in tiles[r] tiles of up to tq consecutive
+    rows; writes their rows of out [T, K, G, H] and returns it."""
     num_tokens, num_kv_heads, group, head_dim = qg.shape
     page_size = k_pages.shape[2]
     width = pages * page_size
-    tq = min(tile_rows, num_tokens)
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]  # [R]
-    tiles = jnp.where(multi, -(-q_lens // tq), 0)
     tile_ends = jnp.cumsum(tiles)
     # Padded by one tile so a tile's slice never clamps (moving it onto earlier rows).
     qg = jnp.pad(qg, ((0, tq), (0, 0), (0, 0), (0, 0)))
@@ -157,7 +161,7 @@ def _tile_pass(
         r = jnp.sum(tile_ends <= j).astype(jnp.int32)  # the sequence of tile j
         offset = (j - (tile_ends[r] - tiles[r])) * tq  # first row of the tile in the sequence
         start = cu_q_lens[r] + offset
-        n = jnp.minimum(tq, q_lens[r] - offset)
+        n = jnp.minimum(tq, covered[r] - offset)
         first_pos = kv_lens[r] - q_lens[r] + offset
         pos = first_pos + rows_in_tile  # [tq]
         ok = rows_in_tile < n
@@ -244,12 +248,19 @@ def ragged_paged_attention_chunked(
     num_slots = kv_lens.shape[0]
     real = jnp.arange(num_slots) < num_seqs[0]
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
-    multi = real & (q_lens > 1)  # tile pass; real single-token sequences: row pass
+    # Tiles take each sequence's full tiles, and its remainder when that fills more than a
+    # quarter of a tile; the rest (decodes, short chunks, small remainders) goes to the row
+    # pass, so a tile never computes more than 4x its real rows.
+    tq = min(tile_rows, num_tokens)
+    remainder = q_lens % tq
+    tiles = jnp.where(real, q_lens // tq + (remainder * 4 > tq), 0)
+    covered = jnp.minimum(tiles * tq, q_lens)  # [R] rows of each sequence in the tile pass
     seq = token_seq_ids(cu_q_lens, num_tokens)  # i32[T]
     rows = jnp.arange(num_tokens, dtype=jnp.int32)
     q_pos = kv_lens[seq] - q_lens[seq] + (rows - cu_q_lens[seq])  # i32[T]
     valid = (rows < cu_q_lens[num_seqs[0]]) & real[seq]
-    needed = jnp.where(valid & ~multi[seq], q_pos + 1, 0)
+    in_tile = rows - cu_q_lens[seq] < covered[seq]
+    needed = jnp.where(valid & ~in_tile, q_pos + 1, 0)
     qg = q.reshape(num_tokens, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
     qg = qg.astype(jnp.float32)
     options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
@@ -259,7 +270,7 @@ def ragged_paged_attention_chunked(
         rows_per_block=rows_per_block, **options,
     )  # fmt: skip
     out = _tile_pass(
-        qg, out, k_pages, v_pages, table, kv_lens, cu_q_lens, multi, pages=tile_pages,
-        tile_rows=tile_rows, **options,
+        qg, out, k_pages, v_pages, table, kv_lens, cu_q_lens, tiles, covered, pages=tile_pages,
+        tq=tq, **options,
     )  # fmt: skip
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
