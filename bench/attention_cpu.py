@@ -37,7 +37,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 VARIANTS = {
     "xla (default)": {},
-    "xla rows=32": dict(rows_per_block=32),
+    "xla rows=8": dict(rows_per_block=8),
     "xla pages=1": dict(pages_per_chunk=1),
     "xla tile=32": dict(tile_rows=32),
 }
@@ -47,6 +47,10 @@ def sharegpt_contexts(rng: np.random.Generator, n: int) -> list[int]:
     return np.clip(np.exp(rng.normal(np.log(300), 0.8, n)), 20, MAX_LEN - 1).astype(int).tolist()
 
 
+def long_contexts(rng: np.random.Generator, n: int) -> list[int]:
+    return np.clip(rng.normal(1400, 400, n), 300, MAX_LEN - 1).astype(int).tolist()
+
+
 def cases(rng: np.random.Generator) -> dict[str, tuple[list[tuple[int, int]], int, int]]:
     """name -> ((q_len, kv_len) per sequence, T, R)."""
     return {
@@ -54,6 +58,9 @@ def cases(rng: np.random.Generator) -> dict[str, tuple[list[tuple[int, int]], in
         "256 decodes, ShareGPT contexts": ([(1, c) for c in sharegpt_contexts(rng, 256)], 256, 256),
         "60 decodes, ShareGPT contexts": ([(1, c) for c in sharegpt_contexts(rng, 60)], 64, 64),
         "5 decodes, ShareGPT contexts": ([(1, c) for c in sharegpt_contexts(rng, 5)], 16, 16),
+        # The tail of an offline run: a few long requests left.
+        "2 decodes at ~1400 (T=4)": ([(1, c) for c in long_contexts(rng, 2)], 4, 4),
+        "11 decodes at ~1400 (T=16)": ([(1, c) for c in long_contexts(rng, 11)], 16, 16),
         "prefill 1 x 2048": ([(2048, 2048)], 2048, 256),
         "prefill 8 x 256": ([(256, 256)] * 8, 2048, 256),
         "256 chunks of 8 at context 128": ([(8, 128)] * 256, 2048, 256),

@@ -39,10 +39,12 @@ from jaxserve.pallas_kernels.ragged_paged_attention.reference import token_seq_i
 from jaxserve.pallas_kernels.ragged_paged_attention.validation import validate_inputs
 
 _MASK_VALUE = -1e30
-# Defaults, tuned on the 2-core CPU (K=2, G=4, H=64, P=32): small row blocks win (the batched
-# [G, H] x [H, C] dots stay in cache), and 256-position tiles beat 512 for 256-token prompts
-# without losing on 2048-token ones. bench/attention_cpu.py compares them with other values.
-ROWS_PER_BLOCK = 8
+# Defaults, tuned on the 2-core CPU (K=2, G=4, H=64, P=32) with bench/attention_cpu.py: row
+# blocks of 2 beat 8 on the decode batches there (a block computes its padding and its shorter
+# rows up to its longest; 2 decodes at ~1400 positions: 0.8 vs 1.7 ms a layer) except many
+# short chunks (69 vs 55 ms for 256 chunks of 8); 256-position tiles beat 512 for 256-token
+# prompts without losing on 2048-token ones.
+ROWS_PER_BLOCK = 2
 ROW_CHUNK_POSITIONS = 128
 TILE_ROWS = 128
 TILE_CHUNK_POSITIONS = 256
