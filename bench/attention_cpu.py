@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import jaxserve.runner  # noqa: F401  applies the XLA CPU workaround before jax computes
@@ -28,6 +27,7 @@ from jaxserve.pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention_chunked,
     ragged_paged_attention_reference,
 )
+from jaxserve.pallas_kernels.ragged_paged_attention.testing import random_batch
 
 NUM_KV_HEADS, NUM_Q_HEADS, HEAD_DIM, PAGE = 2, 8, 64, 32
 MAX_LEN = 2048
@@ -73,22 +73,17 @@ def cases(rng: np.random.Generator) -> dict[str, tuple[list[tuple[int, int]], in
 
 
 def make_batch(rng: np.random.Generator, seqs: list[tuple[int, int]], t: int, r: int) -> tuple:
-    num_pages = 1 + sum(-(-kv // PAGE) for _, kv in seqs)
-    shape = (NUM_KV_HEADS, num_pages, PAGE, HEAD_DIM)
-    q = rng.standard_normal((t, NUM_Q_HEADS, HEAD_DIM), np.float32)
-    k_pages = rng.standard_normal(shape, np.float32)
-    v_pages = rng.standard_normal(shape, np.float32)
-    kv_lens = np.zeros(r, np.int32)
-    tables = np.zeros((r, WIDTH), np.int32)
-    cu = np.zeros(r + 1, np.int32)
-    pages = iter(rng.permutation(np.arange(1, num_pages)))
-    for i, (q_len, kv_len) in enumerate(seqs):
-        n = -(-kv_len // PAGE)
-        tables[i, :n] = [next(pages) for _ in range(n)]
-        kv_lens[i], cu[i + 1] = kv_len, cu[i] + q_len
-    cu[len(seqs) + 1 :] = cu[len(seqs)]
-    arrays = (q, k_pages, v_pages, kv_lens, tables, cu, np.array([len(seqs)], np.int32))
-    return tuple(jnp.asarray(a) for a in arrays)
+    return random_batch(
+        seqs,
+        num_tokens=t,
+        num_slots=r,
+        table_width=WIDTH,
+        num_q_heads=NUM_Q_HEADS,
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        page_size=PAGE,
+        rng=rng,
+    )
 
 
 def time_call(fn, args: tuple, reps: int) -> tuple[float, np.ndarray]:

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.pallas_kernels.ragged_paged_attention.testing import random_batch
+
 NUM_TOKENS = 32  # T, padded: every batch below leaves padding rows
 NUM_SLOTS = 8  # R, padded: every batch below has fewer sequences
 TABLE_WIDTH = 4  # B
@@ -77,32 +79,19 @@ def make_inputs(
 ) -> tuple[jax.Array, ...]:
     """(q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs) for the batch `seqs`,
     each sequence on distinct random pages; padding slots and table entries are 0."""
-    rng = np.random.default_rng(seed)
-    num_kv_heads = NUM_Q_HEADS // shape.group
-    pool = (num_kv_heads, NUM_PAGES, shape.page_size, shape.head_dim)
-    q = rng.standard_normal((num_tokens, NUM_Q_HEADS, shape.head_dim), np.float32)
-    k_pages = rng.standard_normal(pool, np.float32)
-    v_pages = rng.standard_normal(pool, np.float32)
-    kv_lens = np.zeros(NUM_SLOTS, np.int32)
-    block_tables = np.zeros((NUM_SLOTS, TABLE_WIDTH), np.int32)
-    cu_q_lens = np.zeros(NUM_SLOTS + 1, np.int32)
-    free_pages = iter(rng.permutation(np.arange(1, NUM_PAGES)))
-    for i, (q_len, kv_len) in enumerate(seqs):
-        num_pages = -(-kv_len // shape.page_size)
-        assert q_len <= kv_len and num_pages <= TABLE_WIDTH
-        kv_lens[i] = kv_len
-        block_tables[i, :num_pages] = [next(free_pages) for _ in range(num_pages)]
-        cu_q_lens[i + 1] = cu_q_lens[i] + q_len
-    cu_q_lens[len(seqs) + 1 :] = cu_q_lens[len(seqs)]
-    assert cu_q_lens[-1] < num_tokens and len(seqs) < NUM_SLOTS
-    return (
-        jnp.asarray(q, dtype),
-        jnp.asarray(k_pages, dtype),
-        jnp.asarray(v_pages, dtype),
-        jnp.asarray(kv_lens),
-        jnp.asarray(block_tables),
-        jnp.asarray(cu_q_lens),
-        jnp.asarray([len(seqs)], jnp.int32),
+    assert sum(q for q, _ in seqs) < num_tokens and len(seqs) < NUM_SLOTS  # padding left
+    return random_batch(
+        seqs,
+        num_tokens=num_tokens,
+        num_slots=NUM_SLOTS,
+        table_width=TABLE_WIDTH,
+        num_q_heads=NUM_Q_HEADS,
+        num_kv_heads=NUM_Q_HEADS // shape.group,
+        head_dim=shape.head_dim,
+        page_size=shape.page_size,
+        num_pages=NUM_PAGES,
+        dtype=dtype,
+        rng=np.random.default_rng(seed),
     )
 
 

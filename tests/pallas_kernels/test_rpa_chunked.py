@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -16,6 +15,7 @@ from jaxserve.pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention_chunked,
     ragged_paged_attention_reference,
 )
+from jaxserve.pallas_kernels.ragged_paged_attention.testing import random_batch
 
 T, R, B, P, K, G, H = 48, 8, 6, 4, 2, 2, 16  # tokens, slots, table width, page, kv heads, group
 S = R * B + 1  # pages; page 0 is the null page
@@ -51,21 +51,18 @@ def _reference(sliding_window: int | None):
 
 
 def _inputs(seqs: list[tuple[int, int]], seed: int):
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((T, K * G, H), np.float32)
-    k_pages = rng.standard_normal((K, S, P, H), np.float32)
-    v_pages = rng.standard_normal((K, S, P, H), np.float32)
-    kv_lens = np.zeros(R, np.int32)
-    tables = np.zeros((R, B), np.int32)
-    cu = np.zeros(R + 1, np.int32)
-    pages = iter(rng.permutation(np.arange(1, S)))
-    for i, (q_len, kv_len) in enumerate(seqs):
-        kv_lens[i] = kv_len
-        tables[i, : -(-kv_len // P)] = [next(pages) for _ in range(-(-kv_len // P))]
-        cu[i + 1] = cu[i] + q_len
-    cu[len(seqs) + 1 :] = cu[len(seqs)]
-    arrays = (q, k_pages, v_pages, kv_lens, tables, cu, np.array([len(seqs)], np.int32))
-    return tuple(jnp.asarray(a) for a in arrays)
+    return random_batch(
+        seqs,
+        num_tokens=T,
+        num_slots=R,
+        table_width=B,
+        num_q_heads=K * G,
+        num_kv_heads=K,
+        head_dim=H,
+        page_size=P,
+        num_pages=S,
+        rng=np.random.default_rng(seed),
+    )
 
 
 @st.composite
