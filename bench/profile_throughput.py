@@ -129,18 +129,19 @@ class StepProbe:
 
     def _attention_reads(self, num_tokens: int, md, longest: int) -> int:
         """Context positions the step's attention backend scores, summed over query rows:
-        reference: every row, the whole bucketed width B x P; xla: see xla_scored_positions;
-        others: as needed (reported as the needed count, via a negative marker resolved by
-        the caller)."""
+        reference: every row, the whole bucketed width B x P; xla and cpu: see
+        xla_scored_positions; others: as needed (reported as the needed count, via a negative
+        marker resolved by the caller)."""
         backend = self.engine.info.attention_backend
         width = int(md.block_tables.shape[1])
         bs = self.engine.runner.block_size
         if backend == "reference":
             return num_tokens * width * bs
-        if backend == "xla":
+        if backend in ("xla", "cpu"):
             n = int(md.num_seqs[0])
             q = np.diff(np.asarray(md.query_start_loc)[: n + 1])
-            return xla_scored_positions(q, np.asarray(md.seq_lens[:n]), bs, width)
+            kv = np.asarray(md.seq_lens[:n])
+            return xla_scored_positions(q, kv, bs, width, cpu_rows=backend == "cpu")
         return -1
 
     def step(self) -> list:
@@ -153,11 +154,14 @@ class StepProbe:
         return outs
 
 
-def xla_scored_positions(q_lens, kv_lens, page_size: int, table_width: int) -> int:
+def xla_scored_positions(
+    q_lens, kv_lens, page_size: int, table_width: int, cpu_rows: bool = False
+) -> int:
     """Context positions the xla backend scores (default tunables), summed over query rows:
     decode rows, sorted by context and blocked, score up to their block's longest context
-    rounded up to a chunk; a tile of prefill rows scores up to its last row's context rounded
-    up to a chunk, for every row of the tile."""
+    rounded up to a chunk (with cpu_rows, the C++ kernel: their own context rounded up to a
+    page); a tile of prefill rows scores up to its last row's context rounded up to a chunk,
+    for every row of the tile."""
     from jaxserve.pallas_kernels.ragged_paged_attention import chunked
 
     q_lens, kv_lens = np.asarray(q_lens, np.int64), np.asarray(kv_lens, np.int64)
@@ -165,8 +169,13 @@ def xla_scored_positions(q_lens, kv_lens, page_size: int, table_width: int) -> i
     tile_chunk = chunked.chunk_pages(chunked.TILE_CHUNK_POSITIONS, page_size, table_width)
     row_chunk, tile_chunk = row_chunk * page_size, tile_chunk * page_size
     decodes = np.sort(kv_lens[q_lens == 1])[::-1]
+    if cpu_rows:
+        total = int((-(-decodes // page_size) * page_size).sum())
+        decodes = decodes[:0]
+    else:
+        total = 0
     block_longest = np.repeat(decodes[:: chunked.ROWS_PER_BLOCK], chunked.ROWS_PER_BLOCK)
-    total = int((-(-block_longest[: decodes.size] // row_chunk) * row_chunk).sum())
+    total += int((-(-block_longest[: decodes.size] // row_chunk) * row_chunk).sum())
     tq = chunked.TILE_ROWS
     for q, kv in zip(q_lens[q_lens > 1], kv_lens[q_lens > 1], strict=True):
         for start in range(0, int(q), tq):
@@ -329,9 +338,10 @@ def _reference_at_width(q, k_pages, v_pages, kv_lens, tables, cu, num_seqs, *, w
 
 
 def attention_microbench(engine, shape: ModelShape, cases, reps: int) -> list[dict]:
-    """One layer's attention op alone on the engine's KV pages, x num_layers: the xla backend
-    with its default tunables and a few others (smaller/larger row blocks and chunks), and the
-    reference with its width bucket, for T query tokens over R rows at a given context."""
+    """One layer's attention op alone on the engine's KV pages, x num_layers: the cpu backend
+    (C++ rows), the xla backend with its default tunables and a few others (larger row blocks
+    and chunks), and the reference with its width bucket, for T query tokens over R rows at a
+    given context."""
     import jax
     import jax.numpy as jnp
 
@@ -354,7 +364,8 @@ def attention_microbench(engine, shape: ModelShape, cases, reps: int) -> list[di
         table_width = full.block_tables.shape[1]
         pages = chunked.chunk_pages(chunked.ROW_CHUNK_POSITIONS, runner.block_size, table_width)
         variants = {
-            f"xla rows={blocks} pages={pages} (default)": {},
+            "cpu rows": dict(row_kernel="cpu"),
+            f"xla rows={blocks} pages={pages}": {},
             f"xla rows={blocks * 4} pages={pages}": dict(rows_per_block=blocks * 4),
             f"xla rows={blocks} pages={pages * 4}": dict(pages_per_chunk=pages * 4),
             f"reference B={width}": None,
@@ -376,7 +387,9 @@ def attention_microbench(engine, shape: ModelShape, cases, reps: int) -> list[di
                 times.append(time.perf_counter() - t0)
             row[label] = float(np.median(times)) * 1e3 * shape.num_layers
         out.append(row)
-        cells = "  ".join(f"{k} {v:7.1f}" for k, v in row.items() if k.startswith(("xla", "ref")))
+        cells = "  ".join(
+            f"{k} {v:7.1f}" for k, v in row.items() if k.startswith(("cpu", "xla", "ref"))
+        )
         print(
             f"  T={t:5d} R={row['R']:4d} ctx={ctx:5d}  ms per step ({shape.num_layers} layers): "
             f"{cells}",

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Must list jaxserve.pallas_kernels.ragged_paged_attention.BACKENDS (a test checks) plus "auto";
 # this module stays free of jax, so it cannot import them.
-ATTENTION_BACKENDS = ("auto", "reference", "xla", "pallas", "pallas_gpu", "pallas_tpu")
+ATTENTION_BACKENDS = ("auto", "reference", "xla", "cpu", "pallas", "pallas_gpu", "pallas_tpu")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 

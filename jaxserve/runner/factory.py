@@ -13,7 +13,12 @@ from jaxserve.checkpoints_tools import LoadedCheckpoint, TokenizerInfo, load_che
 from jaxserve.checkpoints_tools.load import load_arch
 from jaxserve.config import EngineConfig
 from jaxserve.models import CausalLM, get_model
-from jaxserve.pallas_kernels.ragged_paged_attention import BACKENDS, default_attention_backend
+from jaxserve.pallas_kernels.ragged_paged_attention import (
+    BACKENDS,
+    cpu_rows,
+    default_attention_backend,
+    resolve_backend,
+)
 from jaxserve.runner.kv_cache import device_memory_bytes, num_blocks_for_budget
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.sharding import ShardingPlan, make_mesh, per_device_bytes, plan_sharding
@@ -33,8 +38,8 @@ class RunnerInfo:
 
 
 def resolve_attention_backend(name: str, platform: str, tensor_parallel_size: int = 1) -> str:
-    """ "auto" -> the Pallas kernel on GPU/TPU, the chunked XLA backend on CPU, the jnp
-    reference under tensor parallelism.
+    """ "auto" -> the Pallas kernel on GPU/TPU, the C++ row kernel + chunked XLA backend on CPU
+    ("cpu", or "xla" where it cannot be built), the jnp reference under tensor parallelism.
 
     A Pallas kernel is a custom call GSPMD cannot partition (XLA refuses to compile it over
     sharded operands, "Mosaic kernels cannot be automatically partitioned"); running it under
@@ -43,16 +48,24 @@ def resolve_attention_backend(name: str, platform: str, tensor_parallel_size: in
     an explicit Pallas backend is refused rather than left to fail at compile time.
 
     Raises:
-        ValueError: an unknown name, or a Pallas backend with tensor_parallel_size > 1.
+        ValueError: an unknown name, a Pallas backend with tensor_parallel_size > 1, or "cpu"
+            on another platform or where its kernel cannot be built (with the reason).
     """
     if name == "auto":
         return "reference" if tensor_parallel_size > 1 else default_attention_backend(platform)
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of ('auto', *{BACKENDS}), got {name!r}")
+    if name == "cpu":
+        resolve_backend(name, platform)  # raises off the cpu platform
+        if not cpu_rows.available():
+            raise ValueError(
+                f"attention_backend='cpu': the C++ kernel cannot be built here "
+                f"({cpu_rows.unavailable_reason()}); use 'xla' or 'auto'"
+            )
     if name != "reference" and tensor_parallel_size > 1:
         raise ValueError(
             f"attention_backend={name!r} with tensor_parallel_size={tensor_parallel_size}: the "
-            "Pallas kernels do not run sharded yet; use 'reference' or 'auto'"
+            "kernels do not run sharded yet; use 'reference' or 'auto'"
         )
     return name
 

@@ -2,8 +2,11 @@
 
 Backends:
     "reference"   pure jnp (reference.py): the ground truth.
-    "xla"         plain XLA ops chunked over the context (chunked.py): the CPU default; its
-                  cost follows the batch's longest context, so callers need no width buckets.
+    "xla"         plain XLA ops chunked over the context (chunked.py); its cost follows the
+                  batch's longest context, so callers need no width buckets.
+    "cpu"         "xla" with its row pass (decodes, short chunks) in this project's C++ kernel
+                  (cpu_rows.cc, an XLA FFI call built on first use): the CPU default when it
+                  builds. Calls with non-f32 q or pages run "xla" (same results).
     "pallas"      this project's Pallas kernel for the platform jax runs on: the Triton-lowered
                   GPU kernel on GPU, the Mosaic kernel on TPU, and the GPU kernel in interpret
                   mode on CPU (slow; for tests).
@@ -17,7 +20,9 @@ updates the pages in place, and it must complete before attention reads the new 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
+from jaxserve.pallas_kernels.ragged_paged_attention import cpu_rows
 from jaxserve.pallas_kernels.ragged_paged_attention.chunked import ragged_paged_attention_chunked
 from jaxserve.pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
 from jaxserve.pallas_kernels.ragged_paged_attention.reference import (
@@ -25,26 +30,29 @@ from jaxserve.pallas_kernels.ragged_paged_attention.reference import (
 )
 from jaxserve.pallas_kernels.ragged_paged_attention.tpu import ragged_paged_attention_tpu
 
-BACKENDS = ("reference", "xla", "pallas", "pallas_gpu", "pallas_tpu")
+BACKENDS = ("reference", "xla", "cpu", "pallas", "pallas_gpu", "pallas_tpu")
 # Backends whose cost stops at the batch's longest context: callers may pass full-width tables.
-LENGTH_BOUNDED_BACKENDS = ("xla", "pallas", "pallas_gpu", "pallas_tpu")
+LENGTH_BOUNDED_BACKENDS = ("xla", "cpu", "pallas", "pallas_gpu", "pallas_tpu")
 
 
 def default_attention_backend(platform: str | None = None) -> str:
-    """The backend attention_backend="auto" resolves to: "pallas" on gpu/tpu, "xla" on cpu
-    (interpret mode is far slower than plain XLA ops there).
+    """The backend attention_backend="auto" resolves to: "pallas" on gpu/tpu; on cpu "cpu"
+    when its C++ kernel builds here (cpu_rows.available()), else "xla" (interpret mode is far
+    slower than plain XLA ops there).
 
     Args:
         platform: a jax platform name ("cpu", "gpu", "cuda", "rocm", "tpu"); default: the
             platform of jax.default_backend().
     """
     platform = jax.default_backend() if platform is None else platform
-    return "pallas" if platform in ("gpu", "cuda", "rocm", "tpu") else "xla"
+    if platform in ("gpu", "cuda", "rocm", "tpu"):
+        return "pallas"
+    return "cpu" if cpu_rows.available() else "xla"
 
 
 def resolve_backend(backend: str, platform: str | None = None) -> tuple[str, bool]:
     """Map a backend name to (kernel, interpret) for a platform: kernel is "reference", "xla",
-    "gpu" or "tpu"; interpret is True when the kernel cannot run natively there.
+    "cpu", "gpu" or "tpu"; interpret is True when the kernel cannot run natively there.
 
     Raises:
         ValueError: an unknown backend name.
@@ -53,7 +61,9 @@ def resolve_backend(backend: str, platform: str | None = None) -> tuple[str, boo
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
     platform = jax.default_backend() if platform is None else platform
     on_gpu = platform in ("gpu", "cuda", "rocm")
-    if backend in ("reference", "xla"):
+    if backend == "cpu" and platform != "cpu":
+        raise ValueError(f'attention backend "cpu" runs on the cpu platform only, not {platform!r}')
+    if backend in ("reference", "xla", "cpu"):
         return backend, False
     if backend == "pallas":
         return ("tpu", False) if platform == "tpu" else ("gpu", not on_gpu)
@@ -89,6 +99,9 @@ def ragged_paged_attention(
         return ragged_paged_attention_reference(*args, **options)
     if kernel == "xla":
         return ragged_paged_attention_chunked(*args, **options)
+    if kernel == "cpu":
+        f32 = q.dtype == jnp.float32 and k_pages.dtype == jnp.float32
+        return ragged_paged_attention_chunked(*args, **options, row_kernel="cpu" if f32 else "xla")
     if kernel == "gpu":
         return ragged_paged_attention_gpu(*args, **options, interpret=interpret)
     return ragged_paged_attention_tpu(*args, **options, interpret=interpret)

@@ -1,5 +1,6 @@
-"""The xla backend's two passes (row blocks sorted by context, tiles of prefill rows) against the
-reference on random ragged batches: any mix of decodes and multi-token chunks, any tunables."""
+"""The xla backend's two passes (row blocks sorted by context, or the C++ row kernel; tiles of
+prefill rows) against the reference on random ragged batches: any mix of decodes and
+multi-token chunks, any tunables."""
 
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ TUNABLES = [
     dict(rows_per_block=3, tile_rows=5, pages_per_chunk=2, tile_pages_per_chunk=1),
     dict(rows_per_block=4, tile_rows=8, pages_per_chunk=1, tile_pages_per_chunk=4),
     dict(),
+    # The C++ row kernel in place of the XLA row pass, beside small and default tiles.
+    dict(row_kernel="cpu", tile_rows=5, tile_pages_per_chunk=1),
+    dict(row_kernel="cpu"),
 ]
 
 

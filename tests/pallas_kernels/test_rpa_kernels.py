@@ -21,8 +21,10 @@ KERNELS = {
     # Default tuning: on the grid's P=32 shapes this already splits the KV range in two.
     "gpu": functools.partial(ragged_paged_attention_gpu, interpret=True),
     "tpu": functools.partial(ragged_paged_attention_tpu, interpret=True),
-    # Not a Pallas kernel: the chunked XLA backend (CPU default) shares the grid.
+    # Not Pallas kernels: the chunked XLA backend, and with its row pass in C++ (the CPU
+    # default; f32 only) share the grid.
     "xla": ragged_paged_attention_chunked,
+    "cpu": functools.partial(ragged_paged_attention_chunked, row_kernel="cpu"),
 }
 # Small tiles: many query blocks and KV tiles per sequence (GPU: three flash-decoding splits,
 # one page per tile; TPU: one page per DMA step, so double buffering alternates within a
@@ -32,6 +34,10 @@ SMALL_TILE_KERNELS = {
         ragged_paged_attention_gpu, interpret=True, kv_tile=shape.page_size, num_kv_splits=3
     ),
     "xla-small": lambda shape: functools.partial(ragged_paged_attention_chunked, pages_per_chunk=1),
+    # Tiles of 2 rows: most prefill rows go to tiles, remainders of 1 to the C++ rows.
+    "cpu-small": lambda shape: functools.partial(
+        ragged_paged_attention_chunked, row_kernel="cpu", tile_rows=2, tile_pages_per_chunk=1
+    ),
     "tpu-small": lambda shape: functools.partial(
         ragged_paged_attention_tpu, interpret=True, pages_per_tile=1, block_q=16 // shape.group
     ),
@@ -61,6 +67,8 @@ _GRID = cases.grid_cases()
     ("shape", "kind", "options"), [c[1:] for c in _GRID], ids=[c[0] for c in _GRID]
 )
 def test_kernel_matches_reference(kernel_name: str, shape, kind: str, options: dict) -> None:
+    if kernel_name == "cpu" and options.get("dtype", jnp.float32) != jnp.float32:
+        pytest.skip("the C++ row kernel takes f32 only (the cpu backend runs xla otherwise)")
     _check(KERNELS[kernel_name], shape, kind, options)
 
 

@@ -8,6 +8,7 @@ import rpa_cases as cases
 
 from jaxserve.pallas_kernels.ragged_paged_attention import (
     BACKENDS,
+    cpu_rows,
     default_attention_backend,
     ragged_paged_attention,
     ragged_paged_attention_reference,
@@ -16,21 +17,27 @@ from jaxserve.pallas_kernels.ragged_paged_attention import (
 
 
 @pytest.mark.parametrize(
-    ("platform", "backend"),
-    [("cpu", "xla"), ("gpu", "pallas"), ("cuda", "pallas"), ("tpu", "pallas")],
+    ("platform", "backend"), [("gpu", "pallas"), ("cuda", "pallas"), ("tpu", "pallas")]
 )
 def test_default_backend_per_platform(platform: str, backend: str) -> None:
     assert default_attention_backend(platform) == backend
 
 
-def test_default_backend_here_is_xla_on_cpu() -> None:
-    assert default_attention_backend() == "xla"
+def test_default_backend_here_is_the_cpu_kernel_where_it_builds() -> None:
+    want = "cpu" if cpu_rows.available() else "xla"
+    assert default_attention_backend() == default_attention_backend("cpu") == want
+
+
+def test_cpu_backend_refuses_other_platforms() -> None:
+    with pytest.raises(ValueError, match="runs on the cpu platform only, not 'gpu'"):
+        resolve_backend("cpu", "gpu")
 
 
 @pytest.mark.parametrize(
     ("backend", "platform", "resolved"),
     [
         ("reference", "gpu", ("reference", False)),
+        ("cpu", "cpu", ("cpu", False)),
         ("pallas", "gpu", ("gpu", False)),
         ("pallas", "tpu", ("tpu", False)),
         ("pallas", "cpu", ("gpu", True)),
