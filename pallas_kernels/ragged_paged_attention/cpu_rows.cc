@@ -58,6 +58,24 @@ inline float Dot(const float* __restrict a, const float* __restrict b, int64_t n
   return s;
 }
 
+// x[i] = exp(x[i]) for x[i] <= 0, in a loop the compiler vectorises (std::exp is a scalar
+// libm call, which dominated the page loop). Range reduction x = k ln2 + r, |r| <= ln2 / 2,
+// then a degree-6 Taylor polynomial (relative error < 2e-7) scaled by 2^k through the
+// exponent bits; below -87 (exp < 2^-125) the result is 0.
+inline void ExpNonPositive(float* __restrict x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = std::max(x[i], -87.f);
+    const float k = std::floor(v * 1.44269504f + 0.5f);
+    const float r = (v - k * 0.693145751953125f) - k * 1.428606765330187e-6f;
+    const float p =
+        1.f + r * (1.f + r * (0.5f + r * (1.f / 6 + r * (1.f / 24 + r * (1.f / 120 + r / 720)))));
+    const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, sizeof(scale));
+    x[i] = x[i] < -87.f ? 0.f : p * scale;
+  }
+}
+
 // One item: rows [row_begin, row_end) of one sequence (positions first_pos + i), one kv head,
 // its `group` query heads. Scratch holds m, l, acc and the page's scores.
 void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
@@ -110,9 +128,11 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
           for (int64_t h = 0; h < H; ++h) a[h] *= alpha;
           m[j] = m_new;
         }
+        for (int64_t c = begin; c < end; ++c) s[c] -= m_new;
+        ExpNonPositive(s + begin, end - begin);
         float sum = 0.f;
         for (int64_t c = begin; c < end; ++c) {
-          const float e = std::exp(s[c] - m_new);
+          const float e = s[c];
           sum += e;
           const float* vr = vp + c * H;
           for (int64_t h = 0; h < H; ++h) a[h] += e * vr[h];
