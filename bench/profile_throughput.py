@@ -300,7 +300,7 @@ def step_microbench(engine, shape: ModelShape, limits: dict, cases, reps: int) -
                     runner.params,
                     runner.kv_caches,
                     batch.input_ids,
-                    _attention_metadata(batch),
+                    _attention_metadata(batch, runner.rope_tables),
                     batch.logits_indices,
                     smd,
                     batch.input_ids,

@@ -25,6 +25,7 @@ from jaxserve.models.arch_config import ModelArchConfig
 from jaxserve.models.attention_metadata import AttentionMetadata
 from jaxserve.models.decoder import Decoder
 from jaxserve.models.layers import KVCache
+from jaxserve.models.rope import rope_inv_freq, rope_tables
 
 PARAM_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 TP_AXIS = "tp"
@@ -81,6 +82,12 @@ class CausalLM:
             f"CausalLM({self.arch.architecture}, dtype={self.dtype.name}, "
             f"attention_backend={self.attention_backend!r})"
         )
+
+    def rope_tables(self, length: int) -> tuple[np.ndarray, np.ndarray]:
+        """Host f32[length, H // 2] cos / sin tables for positions < length: a runner gathers a
+        step's rows into AttentionMetadata.rope_cos / rope_sin (see rope.rope_tables)."""
+        a = self.arch
+        return rope_tables(rope_inv_freq(a.head_dim, a.rope_theta, a.rope_scaling), length)
 
     def init_params(self, rng: jax.Array) -> dict[str, Any]:
         """Random params, deterministic in `rng`: matrices ~ normal(0, arch.initializer_range),

@@ -48,7 +48,10 @@ class Decoder(nn.Module):
                 f"kv_caches must hold one (k, v) pair per layer ({self.arch.num_layers}), "
                 f"got {len(kv_caches)}"
             )
-        cos, sin = rope_cos_sin(md.positions, self.inv_freq)  # f32[T, H // 2] each
+        if md.rope_cos is not None and md.rope_sin is not None:
+            cos, sin = md.rope_cos, md.rope_sin  # f32[T, H // 2] each, from the host
+        else:
+            cos, sin = rope_cos_sin(md.positions, self.inv_freq)
         x = jnp.take(self.embed, input_ids, axis=0)  # [T, D]
         new_caches = []
         # A Python loop, not a scan: each layer's pages stay separate donated buffers, updated

@@ -63,6 +63,7 @@ class ModelRunner:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.vocab_size = model.arch.vocab_size
+        self.rope_tables = model.rope_tables(max_model_len)  # host f32[max_model_len, H // 2] x 2
         self.input_batch = InputBatch(max_num_seqs, max_model_len, block_size)
         self.sampling = SamplingInputs(
             max_num_seqs, self.vocab_size, max_model_len, eos_token_ids=sorted(eos_token_ids)
@@ -143,7 +144,7 @@ class ModelRunner:
                     self.params,
                     self.kv_caches,
                     batch.input_ids,
-                    _attention_metadata(batch),
+                    _attention_metadata(batch, self.rope_tables),
                     batch.logits_indices,
                     md,
                     batch.input_ids,
@@ -180,7 +181,7 @@ class ModelRunner:
             self.params,
             self.kv_caches,
             batch.input_ids,
-            _attention_metadata(batch),
+            _attention_metadata(batch, self.rope_tables),
             batch.logits_indices,
             sampling_md,
             targets,
@@ -295,7 +296,12 @@ class _PromptLogprobsState:
     done: bool = False
 
 
-def _attention_metadata(batch: PreparedBatch) -> AttentionMetadata:
+def _attention_metadata(
+    batch: PreparedBatch, rope_tables: tuple[np.ndarray, np.ndarray]
+) -> AttentionMetadata:
+    """The step's AttentionMetadata, with each token's RoPE cos / sin rows gathered from the
+    model's host tables (positions past them clip; real tokens stay below max_model_len)."""
+    cos, sin = rope_tables
     return AttentionMetadata(
         positions=batch.positions,
         slot_mapping=batch.slot_mapping,
@@ -303,6 +309,8 @@ def _attention_metadata(batch: PreparedBatch) -> AttentionMetadata:
         seq_lens=batch.seq_lens,
         query_start_loc=batch.query_start_loc,
         num_seqs=batch.num_seqs,
+        rope_cos=np.take(cos, batch.positions, axis=0, mode="clip"),
+        rope_sin=np.take(sin, batch.positions, axis=0, mode="clip"),
     )
 
 

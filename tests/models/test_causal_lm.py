@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -221,3 +222,40 @@ def test_partition_specs_run_sharded_on_two_cpu_devices() -> None:
         [sys.executable, "-c", _TP_SCRIPT], env=env, capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0 and "TP_OK" in result.stdout, result.stderr[-3000:]
+
+
+def test_host_rope_tables_match_the_in_step_angles() -> None:
+    """The runner's host cos / sin tables (llama3 scaling, positions up to 8k) equal what the
+    step computes from positions, and a forward given them equals one without."""
+    from jaxserve.models.rope import rope_cos_sin, rope_inv_freq, rope_tables
+
+    scaling = dict(type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=1024)  # fmt: skip
+    inv_freq = rope_inv_freq(64, 500000.0, scaling)
+    cos, sin = rope_tables(inv_freq, 8192)
+    positions = jnp.asarray([0, 1, 5, 1023, 4097, 8191], jnp.int32)
+    want_cos, want_sin = jax.jit(lambda p: rope_cos_sin(p, inv_freq))(positions)
+    np.testing.assert_allclose(cos[np.asarray(positions)], want_cos, atol=2e-6)
+    np.testing.assert_allclose(sin[np.asarray(positions)], want_sin, atol=2e-6)
+
+    model = get_model(TINY)
+    params = model.init_params(jax.random.key(0))
+    shape = model.kv_cache_shape(4, 4)
+    kv = [(jnp.zeros(shape), jnp.zeros(shape))] * 2
+    pos = jnp.array([0, 1, 2, 3, 4, 0, 0, 0], jnp.int32)
+    md = AttentionMetadata(
+        positions=pos,
+        slot_mapping=jnp.array([12, 13, 14, 15, 4, 0, 0, 0], jnp.int32),
+        block_tables=jnp.array([[3, 1], [0, 0]], jnp.int32),
+        seq_lens=jnp.array([5, 0], jnp.int32),
+        query_start_loc=jnp.array([0, 5, 5], jnp.int32),
+        num_seqs=jnp.array([1], jnp.int32),
+    )
+    cos_t, sin_t = model.rope_tables(16)
+    md_host = dataclasses.replace(
+        md, rope_cos=cos_t[np.asarray(pos)], rope_sin=sin_t[np.asarray(pos)]
+    )
+    ids = jnp.array([1, 20, 30, 40, 50, 0, 0, 0], jnp.int32)
+    _, hidden = jax.jit(model.forward)(params, kv, ids, md)
+    _, hidden_host = jax.jit(model.forward)(params, kv, ids, md_host)
+    np.testing.assert_allclose(hidden_host, hidden, atol=1e-5)
