@@ -96,3 +96,20 @@ def test_a_failing_build_reports_the_compiler_error(monkeypatch, tmp_path) -> No
     with pytest.raises(RuntimeError, match="failed:\n.*error"):
         cpu_rows._build()
     assert not list((tmp_path / "cache").glob("*.so")), "no partial library is left behind"
+
+
+def test_explicit_cpu_backend_is_refused_where_it_cannot_run(monkeypatch) -> None:
+    """attention_backend="cpu" fails up front (before a model is built) off the CPU platform,
+    under tensor parallelism, and where the kernel cannot be built (with the reason); "auto"
+    then takes the xla backend."""
+    from jaxserve.runner.factory import resolve_attention_backend
+
+    with pytest.raises(ValueError, match="runs on the cpu platform only"):
+        resolve_attention_backend("cpu", "gpu", 1)
+    if cpu_rows.available():
+        with pytest.raises(ValueError, match="attention_backend='cpu' with tensor_parallel_size=2"):
+            resolve_attention_backend("cpu", "cpu", 2)
+    monkeypatch.setattr(cpu_rows, "_load", lambda: "no compiler in this test")
+    with pytest.raises(ValueError, match="cannot be built here \\(no compiler in this test\\)"):
+        resolve_attention_backend("cpu", "cpu", 1)
+    assert resolve_attention_backend("auto", "cpu", 1) == "xla"
