@@ -97,9 +97,7 @@ class LLM:
         num_in = num_out = 0
         try:
             while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if not out.finished:
-                        continue
+                for out in self.engine.step(finished_only=True):
                     finished[out.request_id] = out
                     num_in += len(out.prompt_token_ids)
                     num_out += sum(len(c.token_ids) for c in out.outputs)

@@ -186,8 +186,11 @@ class LLMEngine:
                 self._child_of.pop(child, None)
 
     # ---- the loop ---------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Run one engine step; return the outputs of the user requests that progressed."""
+    def step(self, *, finished_only: bool = False) -> list[RequestOutput]:
+        """Run one engine step; return the outputs of the user requests that progressed, or
+        with finished_only=True only of those that finished (what an offline batch reads: it
+        skips building a RequestOutput, with a copy of every token list, per running request
+        per step; 3.75 ms a step at 256 running in bench/profile_throughput.py)."""
         progressed: dict[str, RequestState] = {}
         for out in self.core.step():
             owner = self._child_of.get(out.req_id)
@@ -203,8 +206,10 @@ class LLMEngine:
             progressed[request_id] = state
         results = []
         for request_id, state in progressed.items():
-            results.append(state.output())
-            if state.finished:
+            finished = state.finished
+            if finished or not finished_only:
+                results.append(state.output())
+            if finished:
                 del self._states[request_id]
         return results
 

@@ -224,3 +224,25 @@ def test_get_stats_keys(llm):
         "peak_kv_slot_utilization",
     }
     assert keys <= set(llm.get_stats())
+
+
+def test_finished_only_steps_return_the_same_final_outputs():
+    """step(finished_only=True) (what LLM.generate uses) returns each request once, when it
+    finishes, equal to the final output of a step() run with the same seeds."""
+    prompts = _random_prompts(6, seed=11)
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=3 + 2 * i) for i in range(6)]
+    finals = []
+    for finished_only in (False, True):
+        engine = LLMEngine("tiny-random-llama", num_kv_blocks=64, **SMALL)
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            engine.add_request(str(i), {"prompt_token_ids": prompt}, p)
+        seen = []
+        while engine.has_unfinished_requests():
+            outs = engine.step(finished_only=finished_only)
+            if finished_only:
+                assert all(o.finished for o in outs)
+            seen += [o for o in outs if o.finished]
+        assert sorted(o.request_id for o in seen) == [str(i) for i in range(6)]
+        finals.append({o.request_id: o.outputs[0].token_ids for o in seen})
+        assert_nothing_held(engine)
+    assert finals[0] == finals[1]
