@@ -171,30 +171,36 @@ def _sample_random(x: jax.Array, md: SamplingMetadata, fast_top_k: int) -> jax.A
 
     Passes over [R, V] are the cost (a 2-core CPU: ~6 ms for a max, ~17 ms for an exp-sum at
     R=256, V=32000), so the row max is taken once and shared by min-p and the draw, and min-p
-    is skipped at run time when no row sets it."""
+    is skipped at run time when no row sets it. Nothing of size [R, V] is written besides the
+    draw's exp: for t > 0 every mask is monotone in the logits, so min-p, top-k and top-p come
+    down to one threshold per row on the unscaled x, applied (with the temperature) inside the
+    draw's exp pass (x / t and a masked copy of x each cost a full pass: 8 ms at R=256)."""
     temperature = jnp.where(md.temperature > 0.0, md.temperature, 1.0)  # greedy rows: unused
-    x = x / temperature[:, None]
+    inv_t = 1.0 / temperature
     row_max = jnp.max(x, axis=-1)
-    # min-p: p_i >= min_p * p_max  <=>  x_i >= x_max + log(min_p); log(0) = -inf keeps all.
-    x = lax.cond(
-        jnp.any(md.min_p > 0.0),
-        lambda x: jnp.where(x >= (row_max + jnp.log(md.min_p))[:, None], x, -jnp.inf),
-        lambda x: x,
-        x,
-    )
-    x = _top_k_top_p(x, md.top_k, md.top_p, fast_top_k)
+    # min-p: p_i >= min_p * p_max  <=>  x_i / t >= x_max / t + log(min_p)
+    #        <=>  x_i >= x_max + t * log(min_p); min_p = 0 gives -inf: keeps all.
+    min_p_floor = row_max + temperature * jnp.log(md.min_p)
+    threshold = _top_k_top_p_threshold(x, min_p_floor, md.top_k, md.top_p, fast_top_k, inv_t)
     keys = jax.random.wrap_key_data(md.seeds, impl="threefry2x32")  # key[R]
     keys = jax.vmap(jax.random.fold_in)(keys, md.output_pos)
     uniform = jax.vmap(jax.random.uniform)(keys)  # f32[R] in [0, 1)
     # min-p, top-k and top-p keep every row's maximum, so row_max is still the max.
-    return _inverse_cdf_draw(x, uniform, row_max)
+    return _inverse_cdf_draw(x, uniform, row_max, inv_t, jnp.maximum(min_p_floor, threshold))
 
 
 _DRAW_CHUNK = 256  # vocabulary entries per chunk of the two-level inverse-CDF draw
 
 
-def _inverse_cdf_draw(x: jax.Array, uniform: jax.Array, row_max: jax.Array) -> jax.Array:
-    """Draw one token per row from softmax(x) by inverting its CDF at `uniform`.
+def _inverse_cdf_draw(
+    x: jax.Array,
+    uniform: jax.Array,
+    row_max: jax.Array,
+    inv_t: jax.Array | None = None,
+    threshold: jax.Array | None = None,
+) -> jax.Array:
+    """Draw one token per row from softmax(x * inv_t) (inv_t f32[R], default 1) restricted to
+    x >= threshold (f32[R], default: all) by inverting its CDF at `uniform`.
 
     One uniform per row instead of V Gumbel variates: threefry noise for [256, 32000] costs
     ~300 ms on a 2-core CPU, this ~35 ms. Two levels keep the cumulative sums short (and so
@@ -210,7 +216,12 @@ def _inverse_cdf_draw(x: jax.Array, uniform: jax.Array, row_max: jax.Array) -> j
     num_chunks = -(-vocab // c)
     if num_chunks * c != vocab:
         x = jnp.pad(x, ((0, 0), (0, num_chunks * c - vocab)), constant_values=-jnp.inf)
-    p = jnp.exp(x - row_max[:, None]).reshape(num_rows, num_chunks, c)
+    z = x - row_max[:, None]
+    if inv_t is not None:
+        z = z * inv_t[:, None]
+    if threshold is not None:  # masked before the exp: one fused pass writes p
+        z = jnp.where(x >= threshold[:, None], z, -jnp.inf)
+    p = jnp.exp(z).reshape(num_rows, num_chunks, c)
     chunk_mass = p.sum(-1)  # f32[R, C']
     cum = jnp.cumsum(chunk_mass, axis=-1)
     target = uniform * cum[:, -1]
@@ -229,29 +240,41 @@ def _first_above(cum: jax.Array, target: jax.Array, positive: jax.Array) -> jax.
     return jnp.minimum(first, last_positive)
 
 
-def _top_k_top_p(x: jax.Array, top_k: jax.Array, top_p: jax.Array, fast_top_k: int) -> jax.Array:
-    """Mask to -inf every logit below its row's top-k / top-p threshold. f32[R, V] -> same."""
+def _top_k_top_p_threshold(
+    x: jax.Array,
+    min_p_floor: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    fast_top_k: int,
+    inv_t: jax.Array,
+) -> jax.Array:
+    """Per-row top-k / top-p threshold f32[R] on the unscaled logits x f32[R, V] after the
+    min-p mask (x < min_p_floor dropped; top-p reads softmax(x * inv_t) of what is left);
+    -inf for rows without them, and for every row without computing anything when no row
+    sets them (a run-time test)."""
     vocab = x.shape[1]
     k = min(fast_top_k, vocab)
 
-    def masked(x: jax.Array) -> jax.Array:
-        threshold, settled = _thresholds(x, top_k, top_p, k)
+    def compute() -> jax.Array:
+        masked = jnp.where(x >= min_p_floor[:, None], x, -jnp.inf)
+        threshold, settled = _thresholds(masked, top_k, top_p, k, inv_t)
         if k < vocab:
             threshold = lax.cond(
                 jnp.all(settled),
                 lambda: threshold,
-                lambda: _thresholds(x, top_k, top_p, vocab)[0],
+                lambda: _thresholds(masked, top_k, top_p, vocab, inv_t)[0],
             )
-        return jnp.where(x >= threshold[:, None], x, -jnp.inf)
+        return threshold
 
     needed = jnp.any((top_k < vocab) | (top_p < 1.0))
-    return lax.cond(needed, masked, lambda x: x, x)
+    return lax.cond(needed, compute, lambda: jnp.full(x.shape[:1], -jnp.inf, x.dtype))
 
 
 def _thresholds(
-    x: jax.Array, top_k: jax.Array, top_p: jax.Array, k: int
+    x: jax.Array, top_k: jax.Array, top_p: jax.Array, k: int, inv_t: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-    """Per-row logit threshold of top-k then top-p, read from the k largest logits of each row.
+    """Per-row logit threshold of top-k then top-p, read from the k largest logits of each row
+    (x unscaled; top-p's probabilities are those of x * inv_t).
 
     Returns:
         threshold f32[R]: tokens with x >= threshold survive (-inf: no mask).
@@ -266,8 +289,9 @@ def _thresholds(
     k_floor = jnp.where(top_k < vocab, kth, -jnp.inf)  # wrong when top_k > k: not settled
     in_top_k = jnp.arange(k)[None, :] < top_k[:, None]  # bool[R, k]
     # top-p sees the distribution renormalised after min-p and top-k (vLLM's order).
-    lse = jax.nn.logsumexp(jnp.where(x >= k_floor[:, None], x, -jnp.inf), axis=-1)
-    probs = jnp.where(in_top_k, jnp.exp(vals - lse[:, None]), 0.0)
+    scale = inv_t[:, None]
+    lse = jax.nn.logsumexp(jnp.where(x >= k_floor[:, None], x * scale, -jnp.inf), axis=-1)
+    probs = jnp.where(in_top_k, jnp.exp(vals * scale - lse[:, None]), 0.0)
     cum = jnp.cumsum(probs, axis=-1)
     # Keep the smallest prefix whose mass reaches top_p: tokens whose exclusive cumsum < top_p.
     num_kept = jnp.sum(((cum - probs) < top_p[:, None]) & in_top_k, axis=-1)  # >= 1
