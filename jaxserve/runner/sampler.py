@@ -170,11 +170,11 @@ def _sample_random(x: jax.Array, md: SamplingMetadata, fast_top_k: int) -> jax.A
     """Temperature, min-p, top-k, top-p, then an inverse-CDF draw per row. f32[R, V] -> i32[R].
 
     Passes over [R, V] are the cost (a 2-core CPU: ~6 ms for a max, ~17 ms for an exp-sum at
-    R=256, V=32000), so the row max is taken once and shared by min-p and the draw, and min-p
-    is skipped at run time when no row sets it. Nothing of size [R, V] is written besides the
-    draw's exp: for t > 0 every mask is monotone in the logits, so min-p, top-k and top-p come
-    down to one threshold per row on the unscaled x, applied (with the temperature) inside the
-    draw's exp pass (x / t and a masked copy of x each cost a full pass: 8 ms at R=256)."""
+    R=256, V=32000), so the row max is taken once and shared by min-p and the draw, and
+    nothing of size [R, V] is written besides the draw's exp: for t > 0 every mask is monotone
+    in the logits, so min-p, top-k and top-p come down to one threshold per row on the unscaled
+    x, applied (with the temperature) inside the draw's exp pass (x / t and a masked copy of x
+    each cost a full pass: 8 ms at R=256)."""
     temperature = jnp.where(md.temperature > 0.0, md.temperature, 1.0)  # greedy rows: unused
     inv_t = 1.0 / temperature
     row_max = jnp.max(x, axis=-1)
