@@ -171,11 +171,9 @@ def xla_scored_positions(
     decodes = np.sort(kv_lens[q_lens == 1])[::-1]
     if cpu_rows:
         total = int((-(-decodes // page_size) * page_size).sum())
-        decodes = decodes[:0]
     else:
-        total = 0
-    block_longest = np.repeat(decodes[:: chunked.ROWS_PER_BLOCK], chunked.ROWS_PER_BLOCK)
-    total += int((-(-block_longest[: decodes.size] // row_chunk) * row_chunk).sum())
+        block_longest = np.repeat(decodes[:: chunked.ROWS_PER_BLOCK], chunked.ROWS_PER_BLOCK)
+        total = int((-(-block_longest[: decodes.size] // row_chunk) * row_chunk).sum())
     tq = chunked.TILE_ROWS
     for q, kv in zip(q_lens[q_lens > 1], kv_lens[q_lens > 1], strict=True):
         for start in range(0, int(q), tq):
