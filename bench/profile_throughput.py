@@ -561,7 +561,8 @@ def main(argv: list[str] | None = None) -> dict:
         shapes = [(decode_t, c) for c in contexts]  # decode at high concurrency
         shapes += [(t_max, c) for c in contexts[:2]]  # a full prefill budget
         # A small batch (the tail of an offline run): few tokens, short and long contexts.
-        shapes += [(t, c) for t in buckets.token_buckets[:3] for c in (contexts[1], max_ctx)]
+        small = sorted({buckets.padded_tokens(min(t, t_max)) for t in (4, 8, 16)})
+        shapes += [(t, c) for t in small for c in (contexts[1], max_ctx)]
         shapes = list(dict.fromkeys(shapes))  # each once, in order
         report["steps"] = step_microbench(engine, shape, limits, shapes, args.reps)
     if "attention" in parts:
@@ -571,7 +572,8 @@ def main(argv: list[str] | None = None) -> dict:
         contexts = [c for c in (32, 128, 512, 2048) if c <= settings.max_model_len]
         cases = [(decode_t, c) for c in contexts]
         # The tail of an offline run: few tokens, long contexts.
-        cases += [(t, c) for t in buckets.token_buckets[:3:2] for c in contexts[-2:]]
+        small = sorted({buckets.padded_tokens(min(t, t_max)) for t in (4, 16)})
+        cases += [(t, c) for t in small for c in contexts[-2:]]
         cases += [(t_max, c) for c in contexts[1:3]]
         report["attention"] = attention_microbench(engine, shape, cases, args.reps)
     if "sharegpt" in parts:

@@ -75,6 +75,7 @@ class ModelRunner:
             # A backend whose cost stops at the batch's longest context gets full-width
             # tables: one compiled shape per token bucket, no width buckets.
             bucket_width=model.attention_backend not in LENGTH_BOUNDED_BACKENDS,
+            mid_token_buckets=_platform(params) == "cpu",
         )
         self.kv_caches = allocate_kv_caches(
             model.arch.num_layers,
@@ -334,3 +335,9 @@ def _jit_shardings(
 def _copy_blocks(kv_caches, src: jax.Array, dst: jax.Array):
     """Copy-on-write: pages src[i] -> dst[i] in every layer (K and V). In place (donated)."""
     return [(k.at[:, dst].set(k[:, src]), v.at[:, dst].set(v[:, src])) for k, v in kv_caches]
+
+
+def _platform(params: Any) -> str:
+    """The platform the parameters live on ("cpu", "gpu", "tpu")."""
+    leaf = jax.tree.leaves(params)[0]
+    return next(iter(leaf.devices())).platform

@@ -7,7 +7,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jaxserve.runner.buckets import MIN_TOKEN_BUCKET, BucketSpec, pow2_buckets, round_up
+from jaxserve.runner.buckets import (
+    MID_BUCKET_LIMIT,
+    MIN_TOKEN_BUCKET,
+    BucketSpec,
+    pow2_buckets,
+    round_up,
+    token_bucket_sizes,
+)
 
 
 def test_pow2_buckets() -> None:
@@ -16,6 +23,19 @@ def test_pow2_buckets() -> None:
     assert pow2_buckets(1, 1) == (1,)
     with pytest.raises(ValueError, match="bucket bounds must be >= 1, got lo=0"):
         pow2_buckets(0, 8)
+
+
+def test_token_bucket_sizes() -> None:
+    assert token_bucket_sizes(4, 2048) == (
+        4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024, 2048
+    )  # fmt: skip
+    assert token_bucket_sizes(4, 2048, midpoints=False) == pow2_buckets(4, 2048)
+    assert token_bucket_sizes(1, 100) == (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 100)
+    assert token_bucket_sizes(3, 7) == (4, 6, 7)
+    assert token_bucket_sizes(4, 5) == (4, 5)
+    assert max(token_bucket_sizes(4, 1 << 20)) == 1 << 20
+    assert MID_BUCKET_LIMIT in token_bucket_sizes(4, 4096)
+    assert MID_BUCKET_LIMIT * 3 // 2 not in token_bucket_sizes(4, 4096)
 
 
 def test_round_up_past_the_largest_raises() -> None:
@@ -29,16 +49,18 @@ def test_round_up_past_the_largest_raises() -> None:
     max_num_seqs=st.integers(1, 1024),
     max_blocks=st.integers(1, 512),
     bucket_width=st.booleans(),
+    mid_token_buckets=st.booleans(),
     data=st.data(),
 )
 def test_every_batch_lands_in_a_compiled_shape(
-    budget: int, max_num_seqs: int, max_blocks: int, bucket_width: bool, data
+    budget: int, max_num_seqs: int, max_blocks: int, bucket_width: bool, mid_token_buckets, data
 ) -> None:
     spec = BucketSpec.create(
         max_num_batched_tokens=budget,
         max_num_seqs=max_num_seqs,
         max_blocks_per_seq=max_blocks,
         bucket_width=bucket_width,
+        mid_token_buckets=mid_token_buckets,
     )
     assert spec.token_buckets[0] == min(MIN_TOKEN_BUCKET, budget)
     assert spec.token_buckets[-1] == budget
@@ -50,6 +72,8 @@ def test_every_batch_lands_in_a_compiled_shape(
     b = spec.padded_width(blocks)
     assert (t, r, b) in spec.all_shapes()
     assert tokens <= t < 2 * tokens or t == spec.token_buckets[0]  # pow2: under 2x padding
+    if mid_token_buckets and t <= MID_BUCKET_LIMIT and t != spec.token_buckets[0]:
+        assert t < 1.5 * tokens  # with the midpoints: under 1.5x
     assert rows <= r <= t and blocks <= b <= max_blocks
     if not bucket_width:
         assert b == max_blocks
