@@ -33,6 +33,7 @@ import numpy as np
 from jax import lax
 
 from jaxserve.outputs import TokenLogprobs
+from jaxserve.pallas_kernels.sampling import cpu_draw
 from jaxserve.runner.sampling_metadata import SamplingMetadata
 
 DEFAULT_FAST_TOP_K = 64
@@ -170,23 +171,44 @@ def _sample_random(x: jax.Array, md: SamplingMetadata, fast_top_k: int) -> jax.A
     """Temperature, min-p, top-k, top-p, then an inverse-CDF draw per row. f32[R, V] -> i32[R].
 
     Passes over [R, V] are the cost (a 2-core CPU: ~6 ms for a max, ~17 ms for an exp-sum at
-    R=256, V=32000), so the row max is taken once and shared by min-p and the draw, and
-    nothing of size [R, V] is written besides the draw's exp: for t > 0 every mask is monotone
-    in the logits, so min-p, top-k and top-p come down to one threshold per row on the unscaled
-    x, applied (with the temperature) inside the draw's exp pass (x / t and a masked copy of x
-    each cost a full pass: 8 ms at R=256)."""
+    R=256, V=32000), so nothing of size [R, V] is written besides the draw's exp: for t > 0
+    every mask is monotone in the logits, so min-p, top-k and top-p come down to one threshold
+    per row on the unscaled x, applied (with the temperature) inside the draw's exp pass (x / t
+    and a masked copy of x each cost a full pass: 8 ms at R=256)."""
     temperature = jnp.where(md.temperature > 0.0, md.temperature, 1.0)  # greedy rows: unused
     inv_t = 1.0 / temperature
-    row_max = jnp.max(x, axis=-1)
     # min-p: p_i >= min_p * p_max  <=>  x_i / t >= x_max / t + log(min_p)
     #        <=>  x_i >= x_max + t * log(min_p); min_p = 0 gives -inf: keeps all.
-    min_p_floor = row_max + temperature * jnp.log(md.min_p)
-    threshold = _top_k_top_p_threshold(x, min_p_floor, md.top_k, md.top_p, fast_top_k, inv_t)
+    min_p_offset = temperature * jnp.log(md.min_p)
+    threshold = _top_k_top_p_threshold(x, min_p_offset, md.top_k, md.top_p, fast_top_k, inv_t)
     keys = jax.random.wrap_key_data(md.seeds, impl="threefry2x32")  # key[R]
     keys = jax.vmap(jax.random.fold_in)(keys, md.output_pos)
     uniform = jax.vmap(jax.random.uniform)(keys)  # f32[R] in [0, 1)
+    return _draw(x, uniform, inv_t, min_p_offset, threshold)
+
+
+def _draw(
+    x: jax.Array,
+    uniform: jax.Array,
+    inv_t: jax.Array,
+    floor_offset: jax.Array,
+    threshold: jax.Array,
+) -> jax.Array:
+    """One token per row from softmax(x * inv_t) over x >= max(max(x) + floor_offset,
+    threshold), by inverting its CDF at `uniform`. On the CPU the C++ kernel
+    (pallas_kernels/sampling/cpu_draw.py: one pass from memory instead of XLA's four) when it
+    builds, elsewhere XLA ops; the same draw either way, up to f32 rounding of the exps."""
+    args = (x, uniform, inv_t, floor_offset, threshold)
+    if jax.default_backend() == "cpu" and cpu_draw.available():
+        return lax.platform_dependent(*args, cpu=cpu_draw.cpu_draw, default=_xla_draw)
+    return _xla_draw(*args)
+
+
+def _xla_draw(x, uniform, inv_t, floor_offset, threshold) -> jax.Array:
+    row_max = jnp.max(x, axis=-1)
     # min-p, top-k and top-p keep every row's maximum, so row_max is still the max.
-    return _inverse_cdf_draw(x, uniform, row_max, inv_t, jnp.maximum(min_p_floor, threshold))
+    floor = jnp.maximum(row_max + floor_offset, threshold)
+    return _inverse_cdf_draw(x, uniform, row_max, inv_t, floor)
 
 
 _DRAW_CHUNK = 256  # vocabulary entries per chunk of the two-level inverse-CDF draw
@@ -242,20 +264,22 @@ def _first_above(cum: jax.Array, target: jax.Array, positive: jax.Array) -> jax.
 
 def _top_k_top_p_threshold(
     x: jax.Array,
-    min_p_floor: jax.Array,
+    min_p_offset: jax.Array,
     top_k: jax.Array,
     top_p: jax.Array,
     fast_top_k: int,
     inv_t: jax.Array,
 ) -> jax.Array:
     """Per-row top-k / top-p threshold f32[R] on the unscaled logits x f32[R, V] after the
-    min-p mask (x < min_p_floor dropped; top-p reads softmax(x * inv_t) of what is left);
+    min-p mask (x < max(x) + min_p_offset dropped; top-p reads softmax(x * inv_t) of what is
+    left);
     -inf for rows without them, and for every row without computing anything when no row
     sets them (a run-time test)."""
     vocab = x.shape[1]
     k = min(fast_top_k, vocab)
 
     def compute() -> jax.Array:
+        min_p_floor = jnp.max(x, axis=-1) + min_p_offset
         masked = jnp.where(x >= min_p_floor[:, None], x, -jnp.inf)
         threshold, settled = _thresholds(masked, top_k, top_p, k, inv_t)
         if k < vocab:

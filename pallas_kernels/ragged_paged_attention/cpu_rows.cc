@@ -16,15 +16,12 @@
 // for that row, never an out-of-bounds read.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <mutex>
 #include <vector>
 
+#include "cpu_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -56,24 +53,6 @@ inline float Dot(const float* __restrict a, const float* __restrict b, int64_t n
   float s = 0.f;
   for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
   return s;
-}
-
-// x[i] = exp(x[i]) for x[i] <= 0, in a loop the compiler vectorises (std::exp is a scalar
-// libm call, which dominated the page loop). Range reduction x = k ln2 + r, |r| <= ln2 / 2,
-// then a degree-6 Taylor polynomial (relative error < 2e-7) scaled by 2^k through the
-// exponent bits; below -87 (exp < 2^-125) the result is 0.
-inline void ExpNonPositive(float* __restrict x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = std::max(x[i], -87.f);
-    const float k = std::floor(v * 1.44269504f + 0.5f);
-    const float r = (v - k * 0.693145751953125f) - k * 1.428606765330187e-6f;
-    const float p =
-        1.f + r * (1.f + r * (0.5f + r * (1.f / 6 + r * (1.f / 24 + r * (1.f / 120 + r / 720)))));
-    const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-    float scale;
-    std::memcpy(&scale, &bits, sizeof(scale));
-    x[i] = x[i] < -87.f ? 0.f : p * scale;
-  }
 }
 
 // One item: rows [row_begin, row_end) of one sequence (positions first_pos + i), one kv head,
@@ -129,7 +108,7 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
           m[j] = m_new;
         }
         for (int64_t c = begin; c < end; ++c) s[c] -= m_new;
-        ExpNonPositive(s + begin, end - begin);
+        jaxserve::ExpNonPositive(s + begin, end - begin);
         float sum = 0.f;
         for (int64_t c = begin; c < end; ++c) {
           const float e = s[c];
@@ -151,29 +130,6 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
   }
 }
 
-// Items are handed out by `next`; `done` counts finished ones. Helpers hold a shared_ptr, so
-// one that starts after the caller returned finds no work and touches nothing else.
-struct Work {
-  Problem problem;
-  std::vector<Item> items;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  std::mutex mu;
-  std::condition_variable cv;
-
-  void Drain() {
-    std::vector<float> scratch;
-    int64_t n = static_cast<int64_t>(items.size());
-    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
-      RunItem(problem, items[i], scratch);
-      if (done.fetch_add(1) + 1 == n) {
-        std::lock_guard<std::mutex> lock(mu);
-        cv.notify_all();
-      }
-    }
-  }
-};
-
 ffi::Error CpuRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                        ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> kv_lens,
                        ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> cu_q_lens,
@@ -194,10 +150,10 @@ ffi::Error CpuRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
       kv_lens.element_count() != R || skip_rows.element_count() != R) {
     return ffi::Error::InvalidArgument("cpu_rows: inconsistent shapes");
   }
-  auto work = std::make_shared<Work>();
-  work->problem = Problem{q.typed_data(), k.typed_data(), v.typed_data(), kv_lens.typed_data(),
-                          tables.typed_data(), out->typed_data(), N, H, K, S, P, B * P,
-                          sm_scale, sliding_window, soft_cap};
+  const Problem problem{q.typed_data(), k.typed_data(), v.typed_data(), kv_lens.typed_data(),
+                        tables.typed_data(), out->typed_data(), N, H, K, S, P, B * P,
+                        sm_scale, sliding_window, soft_cap};
+  std::vector<Item> items;
   std::memset(out->typed_data(), 0, sizeof(float) * T * N * H);
 
   const int32_t* cu = cu_q_lens.typed_data();
@@ -212,20 +168,18 @@ ffi::Error CpuRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
          row += kRowsPerItem) {
       const int64_t row_end = std::min(row + kRowsPerItem, end);
       for (int64_t h = 0; h < K; ++h) {
-        work->items.push_back(Item{r, row, row_end, first_pos + (row - begin), h});
+        items.push_back(Item{r, row, row_end, first_pos + (row - begin), h});
       }
     }
   }
   // Longest items first, so the last ones to finish are short.
-  std::sort(work->items.begin(), work->items.end(), [](const Item& a, const Item& b) {
+  std::sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
     return a.first_pos + (a.row_end - a.row_begin) > b.first_pos + (b.row_end - b.row_begin);
   });
-  const int64_t n = static_cast<int64_t>(work->items.size());
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Drain(); });
-  work->Drain();
-  std::unique_lock<std::mutex> lock(work->mu);
-  work->cv.wait(lock, [&] { return work->done.load() == n; });
+  jaxserve::ParallelFor(pool, static_cast<int64_t>(items.size()), [&](int64_t i) {
+    thread_local std::vector<float> scratch;
+    RunItem(problem, items[i], scratch);
+  });
   return ffi::Error::Success();
 }
 

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxserve.pallas_kernels import cpu_ffi
 from jaxserve.pallas_kernels.ragged_paged_attention import cpu_rows
 from jaxserve.pallas_kernels.ragged_paged_attention.reference import (
     ragged_paged_attention_reference,
@@ -81,20 +82,19 @@ def test_switch_off_falls_back_to_xla() -> None:
 
 
 def test_a_missing_compiler_is_reported(monkeypatch) -> None:
-    monkeypatch.setattr(cpu_rows, "_compiler", lambda: None)
+    monkeypatch.setattr(cpu_ffi, "compiler", lambda: None)
     with pytest.raises(RuntimeError, match="no C.. compiler found"):
-        cpu_rows._build()
+        cpu_ffi.build(cpu_rows.KERNEL.source)
 
 
 def test_a_failing_build_reports_the_compiler_error(monkeypatch, tmp_path) -> None:
     bad = tmp_path / "bad.cc"
     bad.write_text("this is not C++;\n")
-    monkeypatch.setattr(cpu_rows, "_SOURCE", bad)
     monkeypatch.setenv("JAXSERVE_CACHE_DIR", str(tmp_path / "cache"))
     if not HAS_COMPILER:
         pytest.skip("no C++ compiler on this machine")
     with pytest.raises(RuntimeError, match="failed:\n.*error"):
-        cpu_rows._build()
+        cpu_ffi.build(bad)
     assert not list((tmp_path / "cache").glob("*.so")), "no partial library is left behind"
 
 
@@ -109,7 +109,7 @@ def test_explicit_cpu_backend_is_refused_where_it_cannot_run(monkeypatch) -> Non
     if cpu_rows.available():
         with pytest.raises(ValueError, match="attention_backend='cpu' with tensor_parallel_size=2"):
             resolve_attention_backend("cpu", "cpu", 2)
-    monkeypatch.setattr(cpu_rows, "_load", lambda: "no compiler in this test")
+    monkeypatch.setattr(cpu_rows.KERNEL, "load", lambda: "no compiler in this test")
     with pytest.raises(ValueError, match="cannot be built here \\(no compiler in this test\\)"):
         resolve_attention_backend("cpu", "cpu", 1)
     assert resolve_attention_backend("auto", "cpu", 1) == "xla"

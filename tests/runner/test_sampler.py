@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from jaxserve.outputs import TokenLogprobs
+from jaxserve.pallas_kernels.sampling import cpu_draw
 from jaxserve.runner.sampler import (
     LogprobsArrays,
     SamplerOutput,
@@ -28,7 +29,25 @@ NUM_SAMPLES = 20_000
 # A fixed logit row whose top-p boundaries sit far from the top_p values used below.
 LOGITS = np.array([2.0, 1.4, 1.1, 0.6, 0.3, 0.0, -0.2, -0.5, -0.9, -1.4, -2.0, -3.0], np.float32)
 
-sample_jit = jax.jit(sample, static_argnames=("max_num_logprobs", "all_greedy", "fast_top_k"))
+STATIC = ("max_num_logprobs", "all_greedy", "fast_top_k")
+sample_jit = jax.jit(sample, static_argnames=STATIC)
+
+
+def _sample_with_xla_draw(*args, **kwargs):  # its own function: its own jit cache
+    return sample(*args, **kwargs)
+
+
+xla_draw_sample_jit = jax.jit(_sample_with_xla_draw, static_argnames=STATIC)
+
+
+@pytest.fixture(params=["default_draw", "xla_draw"])
+def sampler(request, monkeypatch):
+    """The sampler as the engine runs it here (on the CPU: the C++ draw when it builds), and
+    with the XLA draw (what GPU / TPU run) traced with the C++ kernel hidden."""
+    if request.param == "xla_draw":
+        monkeypatch.setattr(cpu_draw, "available", lambda: False)
+        return xla_draw_sample_jit
+    return sample_jit
 
 
 def reference_probs(
@@ -92,6 +111,7 @@ def draw(
     seed: int = 1234,
     fast_top_k: int = 64,
     eos: tuple[int, ...] = (),
+    sampler=sample_jit,
 ) -> np.ndarray:
     """NUM_SAMPLES draws of one request in one call: rows differ only in output_pos."""
     inputs = SamplingInputs(1, len(logits), 64, eos_token_ids=eos)
@@ -100,7 +120,7 @@ def draw(
     md = inputs.build(slots, NUM_SAMPLES, np.arange(NUM_SAMPLES, dtype=np.int32))
     flags = inputs.flags(slots)
     batch = np.broadcast_to(logits, (NUM_SAMPLES, len(logits)))
-    out = sample_jit(batch, md, **flags._asdict(), fast_top_k=fast_top_k)
+    out = sampler(batch, md, **flags._asdict(), fast_top_k=fast_top_k)
     return np.asarray(out.token_ids)
 
 
@@ -117,9 +137,9 @@ SETTINGS = {
 
 @pytest.mark.parametrize("fast_top_k", [2, 64])
 @pytest.mark.parametrize("name", list(SETTINGS))
-def test_sampled_distribution_is_exact(name: str, fast_top_k: int) -> None:
+def test_sampled_distribution_is_exact(name: str, fast_top_k: int, sampler) -> None:
     params = SETTINGS[name]
-    tokens = draw(params, fast_top_k=fast_top_k)
+    tokens = draw(params, fast_top_k=fast_top_k, sampler=sampler)
     assert_distribution(tokens, reference_probs(LOGITS, params))
 
 

@@ -1,0 +1,1 @@
+"""Kernels for the sampler (jaxserve/runner/sampler.py)."""
