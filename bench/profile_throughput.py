@@ -18,6 +18,9 @@ Four parts, one warmed-up engine (the benchmark's preset and checkpoint):
                them decode, `--decode-steps` steps are timed the same way and profiled with
                cProfile (host functions by own time)
 
+The engine steps as LLM.generate steps it (step(finished_only=True): no RequestOutput per
+running request per step); `--every-step-outputs` times what a streaming caller pays instead.
+
 Instrumentation wraps methods of this engine instance (nothing in jaxserve is edited): the
 step wrapper waits for the step's sampled ids, so "device" is dispatch-to-ready time and every
 other millisecond of an engine step is host time. On this CPU the host and XLA share the same
@@ -57,10 +60,13 @@ class StepProbe:
     """Times the parts of every LLMEngine.step of one engine and records the step's buckets.
 
     Install after each reset_scheduler (the scheduler is a new object each run).
+    finished_only: step(finished_only=True), as LLM.generate runs it (no RequestOutput per
+    running request per step); False: every step's outputs, as a streaming caller gets them.
     """
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, finished_only: bool = True) -> None:
         self.engine = engine
+        self.finished_only = finished_only
         self.records: list[dict] = []
         self._cur: dict = {}
         runner = engine.runner
@@ -147,7 +153,7 @@ class StepProbe:
     def step(self) -> list:
         self._cur = {}
         t0 = time.perf_counter()
-        outs = self.engine.step()
+        outs = self.engine.step(finished_only=self.finished_only)
         self._cur["total"] = time.perf_counter() - t0
         if "T" in self._cur:
             self.records.append(self._cur)
@@ -405,12 +411,13 @@ def profile_run(
     max_steps=None,
     skip_until_all_decode: bool = False,
     profile_host: bool = False,
+    finished_only: bool = True,
 ) -> dict:
     """Offline run of `requests` with every step instrumented (optionally a window only)."""
     from jaxserve import SamplingParams
 
     _jaxserve_runs.reset_scheduler(engine, True)
-    probe = StepProbe(engine)
+    probe = StepProbe(engine, finished_only)
     for i, req in enumerate(requests):
         params = SamplingParams(max_tokens=req.output_len, temperature=1.0, ignore_eos=True, seed=i)
         engine.add_request(f"{name}-{i}", req.prompt_token_ids, params)
@@ -528,6 +535,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--num-requests", type=int, default=None, help="sharegpt part")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--parts", default="steps,attention,sharegpt,decode")
+    p.add_argument(
+        "--every-step-outputs",
+        action="store_true",
+        help="engine.step() returns every running request's output each step (a streaming "
+        "caller's host cost); default: finished ones only, as LLM.generate runs",
+    )
     p.add_argument("--cache", default=str(throughput.CACHE))
     p.add_argument("--output", default=str(throughput.RESULTS / "throughput_profile.json"))
     args = p.parse_args(argv)
@@ -539,6 +552,7 @@ def main(argv: list[str] | None = None) -> dict:
     settings = _jaxserve_runs.EngineSettings(model=str(model_dir), **preset.engine)
     report: dict = {
         "preset": args.preset,
+        "step_outputs": "every step" if args.every_step_outputs else "finished only",
         "loadavg_start": os.getloadavg(),
         "model": {"name": preset.model_name, "num_params": shape.num_params},
     }
@@ -581,7 +595,13 @@ def main(argv: list[str] | None = None) -> dict:
         ds = _datasets.build(
             "sharegpt", n, shape.vocab, bs, **preset.dataset_kw.get("sharegpt", {})
         )
-        s = profile_run(engine, ds.requests, name="profile-sharegpt", shape=shape)
+        s = profile_run(
+            engine,
+            ds.requests,
+            name="profile-sharegpt",
+            shape=shape,
+            finished_only=not args.every_step_outputs,
+        )
         report["sharegpt"] = s
         print_summary(f"sharegpt ({n} requests, offline)", s)
     if "decode" in parts:
@@ -603,6 +623,7 @@ def main(argv: list[str] | None = None) -> dict:
             max_steps=args.decode_steps,
             skip_until_all_decode=True,
             profile_host=True,
+            finished_only=not args.every_step_outputs,
         )
         report["decode"] = s
         print_summary(f"decode at {c} running requests", s)
