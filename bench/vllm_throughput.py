@@ -6,13 +6,13 @@ never imports jaxserve:
     PYTHON bench/vllm_throughput.py SPEC.json OUT.json
 
 SPEC.json: {"model", "engine": {block_size, num_kv_blocks, bytes_per_block, max_num_seqs,
-max_num_batched_tokens, max_model_len}, "temperature", "seed", "datasets": {name: [[prompt
-token ids, output len], ...]}}. One vLLM engine serves every dataset in turn (its prefix cache
-reset in between); each dataset gets an untimed warm-up of 4 short requests, then all its
-requests are added at once and LLMEngine.step() is called until they finish, with DELTA
-outputs so that each request's first token is timed when it reaches this process, as on the
-jaxserve side. OUT.json: {"info": {...}, "datasets": {name: {"elapsed_s", "timings",
-"extra"}}}.
+max_num_batched_tokens, max_model_len}, "temperature", "seed", "enable_prefix_caching" (default
+true), "datasets": {name: [[prompt token ids, output len], ...]}}. One vLLM engine serves every
+dataset in turn (its prefix cache reset in between); each dataset gets an untimed warm-up of 4
+short requests, then all its requests are added at once and LLMEngine.step() is called until
+they finish, with DELTA outputs so that each request's first token is timed when it reaches
+this process, as on the jaxserve side. OUT.json: {"info": {...}, "datasets": {name:
+{"elapsed_s", "timings", "extra"}}}.
 
 The KV pool is the same size as jaxserve's (num_kv_blocks x bytes_per_block, passed as
 kv_cache_memory_bytes); vLLM's CPU attention needs block_size a multiple of 32.
@@ -39,7 +39,7 @@ def _engine(spec: dict):
         max_num_batched_tokens=e["max_num_batched_tokens"],
         max_model_len=e["max_model_len"],
         kv_cache_memory_bytes=e["num_kv_blocks"] * e["bytes_per_block"],
-        enable_prefix_caching=True,
+        enable_prefix_caching=spec.get("enable_prefix_caching", True),
         seed=spec["seed"],
     )
 

@@ -62,6 +62,15 @@ def test_smoke_preset_end_to_end(tmp_path, cache):
     assert js["prefix_cache_hits"] > 0
     assert js["prefix_hit_rate"] <= js["ideal_prefix_hit_rate"] + 1e-9
     assert px["engines"]["jaxserve-nocache"]["prefix_cache_hits"] == 0
+    on_off = px["cache_on_off"]
+    nocache = px["engines"]["jaxserve-nocache"]
+    assert on_off["jaxserve"] == pytest.approx(
+        js["output_tokens_per_s"] / nocache["output_tokens_per_s"]
+    )
+    # Cached prompt tokens skip their prefill: less work with caching on.
+    assert on_off["work_ratio"] == pytest.approx(nocache["model_flops"] / js["model_flops"])
+    assert on_off["work_ratio"] > 1
+    assert "cache_on_off" in sg and "work_ratio" not in sg["cache_on_off"]
     assert px["engines"]["static"]["prefix_cache_hits"] == 0
     assert 0 < js["peak_kv_slot_utilization"] <= 1
     assert js["mfu_vs_matmul"] > 0 and js["bandwidth_vs_copy"] > 0
