@@ -19,6 +19,7 @@ Cost beyond the [R, V] elementwise passes and two row reductions (argmax, logsum
   whose nucleus lies inside those; only a batch with some other row falls back to a full sort of
   R x V (a second lax.cond). Ties at a threshold keep every tied token (as vLLM);
 - the draw: R uniforms, an R x V exp and two short cumulative sums (two-level inverse CDF);
+  on the CPU one C++ kernel (pallas_kernels/sampling/cpu_draw.cc) instead of XLA's passes;
 - logprobs (when asked): log_softmax, one R x V count for the sampled token's rank, and
   lax.top_k(N) for the top-N.
 """
@@ -272,9 +273,8 @@ def _top_k_top_p_threshold(
 ) -> jax.Array:
     """Per-row top-k / top-p threshold f32[R] on the unscaled logits x f32[R, V] after the
     min-p mask (x < max(x) + min_p_offset dropped; top-p reads softmax(x * inv_t) of what is
-    left);
-    -inf for rows without them, and for every row without computing anything when no row
-    sets them (a run-time test)."""
+    left); -inf for rows without them, and for every row without computing anything when no
+    row sets them (a run-time test)."""
     vocab = x.shape[1]
     k = min(fast_top_k, vocab)
 
