@@ -9,9 +9,13 @@
 // block_tables i32[R, B]; cu_q_lens i32[R + 1]; num_seqs i32[1]; skip_rows i32[R].
 //
 // Work items are (sequence, run of rows, kv head); the caller and XLA's intra-op thread pool
-// take them from a shared counter. One item walks the row run's pages once, and for each page
-// updates every (row, query head of the group) it serves with an online softmax, so a K/V
-// page is read from memory once per item and reused from L1 by the group's query heads.
+// take them from a shared counter. One item walks the row run's pages once (prefetching the
+// next page while it computes on this one), and for each page updates every (row, query head
+// of the group) it serves with an online softmax, so a K/V page is read from memory once per
+// item and reused from L1 by the group's query heads. Head dims that are a multiple of 16 (up
+// to 256) take the vector path: up to four query heads at a time, their query vectors and
+// accumulators in registers across the page, each K / V row loaded once for all of them.
+// Other head dims take the same walk with plain loops.
 // Every index read from the arrays is clamped: bad lengths or block ids give wrong numbers
 // for that row, never an out-of-bounds read.
 
@@ -49,20 +53,185 @@ struct Item {
   int64_t seq, row_begin, row_end, first_pos, kv_head;
 };
 
-inline float Dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+// 16 floats: one AVX-512 register, two AVX2 ones (GCC / Clang vector extension).
+typedef float Vec __attribute__((vector_size(64)));
+constexpr int64_t kLanes = sizeof(Vec) / sizeof(float);
+
+inline Vec Load(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void Store(float* p, Vec v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline float HSum(Vec v) {
   float s = 0.f;
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  for (int64_t l = 0; l < kLanes; ++l) s += v[l];
   return s;
 }
 
+// out[i] = HSum(d[i]) for i < 8. With __builtin_shufflevector the eight reductions share
+// their shuffles (halves added pairwise, level by level: two shuffles per vector instead of
+// four, and one 8-float store).
+inline void HSum8(const Vec* d, float* out) {
+#if defined(__has_builtin) && __has_builtin(__builtin_shufflevector)
+#define JAXSERVE_HALVES(a, b)                                                                  \
+  (__builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +      \
+   __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31))
+#define JAXSERVE_QUARTERS(a, b)                                                                \
+  (__builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +    \
+   __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31))
+  // Eight partial sums of d[0] then of d[1] (and so on), then four of each of four.
+  const Vec v01 = JAXSERVE_HALVES(d[0], d[1]), v23 = JAXSERVE_HALVES(d[2], d[3]);
+  const Vec v45 = JAXSERVE_HALVES(d[4], d[5]), v67 = JAXSERVE_HALVES(d[6], d[7]);
+  const Vec w0 = JAXSERVE_QUARTERS(v01, v23), w1 = JAXSERVE_QUARTERS(v45, v67);
+#undef JAXSERVE_HALVES
+#undef JAXSERVE_QUARTERS
+  // Two of each of eight, then the eight sums.
+  const Vec z =
+      __builtin_shufflevector(w0, w1, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+      __builtin_shufflevector(w0, w1, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  const Vec sums =
+      __builtin_shufflevector(z, z, 0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14) +
+      __builtin_shufflevector(z, z, 1, 3, 5, 7, 9, 11, 13, 15, 1, 3, 5, 7, 9, 11, 13, 15);
+  std::memcpy(out, &sums, 8 * sizeof(float));
+#else
+  for (int64_t i = 0; i < 8; ++i) out[i] = HSum(d[i]);
+#endif
+}
+
+// Where the row kernel streams the next page from (nullptr: no next page).
+struct NextPage {
+  const float* k;
+  const float* v;
+};
+
+// Positions [begin, end) of one page for kHeads query heads of one row: their scores, then the
+// online-softmax update of m, l (kHeads each) and acc (kHeads x H). kNv > 0: head dim
+// kNv * 16 in vector registers; kNv == 0: head dim p.head_dim, plain loops. Scores are kept
+// position-major, s[c * kHeads + g]; with four heads two positions are reduced together.
+template <int64_t kNv, int64_t kHeads>
+void UpdateHeads(const Problem& p, const float* q, const float* kp, const float* vp,
+                 int64_t begin, int64_t end, NextPage next, float* m, float* l, float* acc,
+                 float* s) {
+  const int64_t H = kNv > 0 ? kNv * kLanes : p.head_dim;
+  auto prefetch = [&](int64_t c) {
+    if (next.k == nullptr) return;
+    for (int64_t i = 0; i < H; i += 16) {
+      __builtin_prefetch(next.k + c * H + i, 0, 3);
+      __builtin_prefetch(next.v + c * H + i, 0, 3);
+    }
+  };
+
+  // Scores.
+  if constexpr (kNv > 0) {
+    Vec qr[kHeads][kNv];
+    for (int64_t g = 0; g < kHeads; ++g)
+      for (int64_t i = 0; i < kNv; ++i) qr[g][i] = Load(q + g * H + i * kLanes) * p.scale;
+    int64_t c = begin;
+    if constexpr (kHeads == 4) {
+      for (; c + 1 < end; c += 2) {
+        prefetch(c);
+        prefetch(c + 1);
+        const float* kr = kp + c * H;
+        Vec d[8];  // position c: d[0..3], c + 1: d[4..7]
+        for (int64_t g = 0; g < 4; ++g) {
+          d[g] = qr[g][0] * Load(kr);
+          d[4 + g] = qr[g][0] * Load(kr + H);
+        }
+        for (int64_t i = 1; i < kNv; ++i) {
+          const Vec k0 = Load(kr + i * kLanes), k1 = Load(kr + H + i * kLanes);
+          for (int64_t g = 0; g < 4; ++g) {
+            d[g] += qr[g][i] * k0;
+            d[4 + g] += qr[g][i] * k1;
+          }
+        }
+        HSum8(d, s + c * 4);
+      }
+    }
+    for (; c < end; ++c) {
+      prefetch(c);
+      const float* kr = kp + c * H;
+      for (int64_t g = 0; g < kHeads; ++g) {
+        Vec d = qr[g][0] * Load(kr);
+        for (int64_t i = 1; i < kNv; ++i) d += qr[g][i] * Load(kr + i * kLanes);
+        s[c * kHeads + g] = HSum(d);
+      }
+    }
+  } else {
+    for (int64_t c = begin; c < end; ++c) {
+      prefetch(c);
+      for (int64_t g = 0; g < kHeads; ++g) {
+        float x = 0.f;
+        for (int64_t h = 0; h < H; ++h) x += q[g * H + h] * kp[c * H + h];
+        s[c * kHeads + g] = x * p.scale;
+      }
+    }
+  }
+
+  // Online softmax over the page's scores.
+  float* sb = s + begin * kHeads;
+  const int64_t n = (end - begin) * kHeads;
+  if (p.cap > 0.f)
+    for (int64_t i = 0; i < n; ++i) sb[i] = p.cap * std::tanh(sb[i] / p.cap);
+  float mx[kHeads], rescale[kHeads], sum[kHeads];
+  for (int64_t g = 0; g < kHeads; ++g) mx[g] = kMask;
+  for (int64_t i = 0; i < n; i += kHeads)
+    for (int64_t g = 0; g < kHeads; ++g) mx[g] = std::max(mx[g], sb[i + g]);
+  for (int64_t g = 0; g < kHeads; ++g) {
+    const float m_new = std::max(m[g], mx[g]);
+    rescale[g] = m_new > m[g] ? std::exp(m[g] - m_new) : 1.f;
+    m[g] = m_new;
+    sum[g] = 0.f;
+  }
+  for (int64_t i = 0; i < n; i += kHeads)
+    for (int64_t g = 0; g < kHeads; ++g) sb[i + g] -= m[g];
+  jaxserve::ExpNonPositive(sb, n);
+  for (int64_t i = 0; i < n; i += kHeads)
+    for (int64_t g = 0; g < kHeads; ++g) sum[g] += sb[i + g];
+  for (int64_t g = 0; g < kHeads; ++g) l[g] = l[g] * rescale[g] + sum[g];
+
+  // acc = acc * rescale + probabilities x V.
+  if constexpr (kNv > 0) {
+    Vec a[kHeads][kNv];
+    for (int64_t g = 0; g < kHeads; ++g)
+      for (int64_t i = 0; i < kNv; ++i) a[g][i] = Load(acc + g * H + i * kLanes) * rescale[g];
+    for (int64_t c = begin; c < end; ++c) {
+      const float* vr = vp + c * H;
+      for (int64_t i = 0; i < kNv; ++i) {
+        const Vec v = Load(vr + i * kLanes);
+        for (int64_t g = 0; g < kHeads; ++g) a[g][i] += s[c * kHeads + g] * v;
+      }
+    }
+    for (int64_t g = 0; g < kHeads; ++g)
+      for (int64_t i = 0; i < kNv; ++i) Store(acc + g * H + i * kLanes, a[g][i]);
+  } else {
+    for (int64_t g = 0; g < kHeads; ++g) {
+      float* a = acc + g * H;
+      for (int64_t h = 0; h < H; ++h) a[h] *= rescale[g];
+      for (int64_t c = begin; c < end; ++c) {
+        const float e = s[c * kHeads + g];
+        const float* vr = vp + c * H;
+        for (int64_t h = 0; h < H; ++h) a[h] += e * vr[h];
+      }
+    }
+  }
+}
+
 // One item: rows [row_begin, row_end) of one sequence (positions first_pos + i), one kv head,
-// its `group` query heads. Scratch holds m, l, acc and the page's scores.
+// its `group` query heads, in blocks of kBlock heads. Scratch holds m, l, acc and the page's
+// scores.
+template <int64_t kNv>
 void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
-  const int64_t H = p.head_dim, P = p.page_size;
+  // Four heads' queries and accumulators fit the registers up to head dim 64.
+  constexpr int64_t kBlock = kNv == 0 ? 1 : kNv <= 4 ? 4 : 2;
+  const int64_t H = kNv > 0 ? kNv * kLanes : p.head_dim;
+  const int64_t P = p.page_size;
   const int64_t group = p.num_q_heads / p.num_kv_heads;
   const int64_t rows = it.row_end - it.row_begin;
   const int64_t nq = rows * group;
-  scratch.resize(nq * (H + 2) + P);
+  scratch.resize(nq * (H + 2) + kBlock * P);
   float* m = scratch.data();
   float* l = m + nq;
   float* acc = l + nq;
@@ -76,12 +245,20 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
   if (p.window > 0) lo = std::max<int64_t>(0, it.first_pos - p.window + 1);
   const int32_t* table = p.tables + it.seq * (p.width / P);
   const float* q_base = p.q + it.row_begin * p.num_q_heads * H + it.kv_head * group * H;
+  auto page_offset = [&](int64_t page) {
+    const int64_t id = std::clamp<int64_t>(table[page], 0, p.num_pages - 1);
+    return ((it.kv_head * p.num_pages) + id) * P * H;
+  };
 
   for (int64_t page = lo / P; page * P <= last_pos; ++page) {
-    const int64_t id = std::clamp<int64_t>(table[page], 0, p.num_pages - 1);
-    const int64_t offset = ((it.kv_head * p.num_pages) + id) * P * H;
+    const int64_t offset = page_offset(page);
     const float* kp = p.k + offset;
     const float* vp = p.v + offset;
+    NextPage next{nullptr, nullptr};  // prefetched by the page's first update
+    if ((page + 1) * P <= last_pos) {
+      const int64_t next_offset = page_offset(page + 1);
+      next = NextPage{p.k + next_offset, p.v + next_offset};
+    }
     const int64_t c0 = page * P;
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t pos = std::min(it.first_pos + r, p.width - 1);
@@ -89,34 +266,19 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
       const int64_t begin = std::max<int64_t>(c0, p.window > 0 ? pos - p.window + 1 : 0) - c0;
       const int64_t end = std::min<int64_t>(c0 + P - 1, pos) - c0 + 1;  // exclusive
       if (begin >= end) continue;
-      for (int64_t g = 0; g < group; ++g) {
+      const float* q_row = q_base + r * p.num_q_heads * H;
+      for (int64_t g = 0; g < group;) {
         const int64_t j = r * group + g;
-        const float* qv = q_base + (r * p.num_q_heads + g) * H;
-        float mx = kMask;
-        for (int64_t c = begin; c < end; ++c) {
-          float x = Dot(qv, kp + c * H, H) * p.scale;
-          if (p.cap > 0.f) x = p.cap * std::tanh(x / p.cap);
-          s[c] = x;
-          mx = std::max(mx, x);
+        if (g + kBlock <= group) {
+          UpdateHeads<kNv, kBlock>(p, q_row + g * H, kp, vp, begin, end, next, m + j, l + j,
+                                   acc + j * H, s);
+          g += kBlock;
+        } else {
+          UpdateHeads<kNv, 1>(p, q_row + g * H, kp, vp, begin, end, next, m + j, l + j,
+                              acc + j * H, s);
+          g += 1;
         }
-        const float m_new = std::max(m[j], mx);
-        float* a = acc + j * H;
-        if (m_new > m[j]) {
-          const float alpha = std::exp(m[j] - m_new);
-          l[j] *= alpha;
-          for (int64_t h = 0; h < H; ++h) a[h] *= alpha;
-          m[j] = m_new;
-        }
-        for (int64_t c = begin; c < end; ++c) s[c] -= m_new;
-        jaxserve::ExpNonPositive(s + begin, end - begin);
-        float sum = 0.f;
-        for (int64_t c = begin; c < end; ++c) {
-          const float e = s[c];
-          sum += e;
-          const float* vr = vp + c * H;
-          for (int64_t h = 0; h < H; ++h) a[h] += e * vr[h];
-        }
-        l[j] += sum;
+        next = NextPage{nullptr, nullptr};
       }
     }
   }
@@ -127,6 +289,17 @@ void RunItem(const Problem& p, const Item& it, std::vector<float>& scratch) {
       const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
       for (int64_t h = 0; h < H; ++h) o[g * H + h] = acc[j * H + h] * inv;
     }
+  }
+}
+
+void Run(const Problem& p, const Item& it, std::vector<float>& scratch) {
+  switch (p.head_dim) {
+    case 16: return RunItem<1>(p, it, scratch);
+    case 32: return RunItem<2>(p, it, scratch);
+    case 64: return RunItem<4>(p, it, scratch);
+    case 128: return RunItem<8>(p, it, scratch);
+    case 256: return RunItem<16>(p, it, scratch);
+    default: return RunItem<0>(p, it, scratch);
   }
 }
 
@@ -178,7 +351,7 @@ ffi::Error CpuRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
   });
   jaxserve::ParallelFor(pool, static_cast<int64_t>(items.size()), [&](int64_t i) {
     thread_local std::vector<float> scratch;
-    RunItem(problem, items[i], scratch);
+    Run(problem, items[i], scratch);
   });
   return ffi::Error::Success();
 }

@@ -53,6 +53,32 @@ def test_skipped_rows_and_padding_are_zero_the_rest_match_the_reference() -> Non
 
 
 @needs_kernel
+@pytest.mark.parametrize("head_dim", [8, 16, 24, 64, 128])
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+def test_every_head_dim_and_group_matches_the_reference(head_dim: int, group: int) -> None:
+    """Head dims that are a multiple of 16 take the vector path (query heads in blocks of
+    four, or two from 128 up, then single heads for the rest of the group), others plain
+    loops; decodes and multi-row chunks (past one work item's 8 rows) over partial pages,
+    with and without a sliding window and a soft cap."""
+    seqs = [(1, 37), (12, 40), (3, 3), (1, 1), (9, 20)]
+    args = random_batch(
+        seqs, num_tokens=32, num_slots=6, table_width=6, num_q_heads=2 * group,
+        num_kv_heads=2, head_dim=head_dim, page_size=8, rng=np.random.default_rng(head_dim),
+    )  # fmt: skip
+    skip = jnp.zeros((6,), jnp.int32)
+    rows = int(args[5][len(seqs)])
+    scale = head_dim**-0.5
+    for window, cap in [(None, None), (7, None), (None, 5.0)]:
+        got = np.asarray(cpu_rows.cpu_rows_attention(
+            *args, skip, sm_scale=scale, sliding_window=window, soft_cap=cap))  # fmt: skip
+        want = np.asarray(ragged_paged_attention_reference(
+            *args, sm_scale=scale, sliding_window=window, soft_cap=cap))  # fmt: skip
+        np.testing.assert_allclose(got[:rows], want[:rows], atol=2e-5, rtol=2e-5,
+                                   err_msg=f"window={window} cap={cap}")  # fmt: skip
+        assert not got[rows:].any()
+
+
+@needs_kernel
 def test_out_of_range_indices_never_read_outside_the_pages() -> None:
     """Block ids past S or negative, kv_lens past the table's width or below q_len, cu_q_lens
     past T, num_seqs past R: the call returns finite numbers (values of such rows are
