@@ -32,6 +32,13 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using jaxserve::HSum;
+using jaxserve::HSum8;
+using jaxserve::kLanes;
+using jaxserve::Load;
+using jaxserve::Store;
+using jaxserve::Vec;
+
 constexpr float kMask = -1e30f;
 // Query rows of one sequence per work item: a short prefill chunk's rows share its pages.
 constexpr int64_t kRowsPerItem = 8;
@@ -52,54 +59,6 @@ struct Problem {
 struct Item {
   int64_t seq, row_begin, row_end, first_pos, kv_head;
 };
-
-// 16 floats: one AVX-512 register, two AVX2 ones (GCC / Clang vector extension).
-typedef float Vec __attribute__((vector_size(64)));
-constexpr int64_t kLanes = sizeof(Vec) / sizeof(float);
-
-inline Vec Load(const float* p) {
-  Vec v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void Store(float* p, Vec v) { std::memcpy(p, &v, sizeof(v)); }
-
-inline float HSum(Vec v) {
-  float s = 0.f;
-  for (int64_t l = 0; l < kLanes; ++l) s += v[l];
-  return s;
-}
-
-// out[i] = HSum(d[i]) for i < 8. With __builtin_shufflevector the eight reductions share
-// their shuffles (halves added pairwise, level by level: two shuffles per vector instead of
-// four, and one 8-float store).
-inline void HSum8(const Vec* d, float* out) {
-#if defined(__has_builtin) && __has_builtin(__builtin_shufflevector)
-#define JAXSERVE_HALVES(a, b)                                                                  \
-  (__builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +      \
-   __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31))
-#define JAXSERVE_QUARTERS(a, b)                                                                \
-  (__builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +    \
-   __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31))
-  // Eight partial sums of d[0] then of d[1] (and so on), then four of each of four.
-  const Vec v01 = JAXSERVE_HALVES(d[0], d[1]), v23 = JAXSERVE_HALVES(d[2], d[3]);
-  const Vec v45 = JAXSERVE_HALVES(d[4], d[5]), v67 = JAXSERVE_HALVES(d[6], d[7]);
-  const Vec w0 = JAXSERVE_QUARTERS(v01, v23), w1 = JAXSERVE_QUARTERS(v45, v67);
-#undef JAXSERVE_HALVES
-#undef JAXSERVE_QUARTERS
-  // Two of each of eight, then the eight sums.
-  const Vec z =
-      __builtin_shufflevector(w0, w1, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-      __builtin_shufflevector(w0, w1, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-  const Vec sums =
-      __builtin_shufflevector(z, z, 0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14) +
-      __builtin_shufflevector(z, z, 1, 3, 5, 7, 9, 11, 13, 15, 1, 3, 5, 7, 9, 11, 13, 15);
-  std::memcpy(out, &sums, 8 * sizeof(float));
-#else
-  for (int64_t i = 0; i < 8; ++i) out[i] = HSum(d[i]);
-#endif
-}
 
 // Where the row kernel streams the next page from (nullptr: no next page).
 struct NextPage {

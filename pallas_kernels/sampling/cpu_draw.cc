@@ -42,15 +42,13 @@ inline float ChunkProbs(const float* __restrict x, int64_t n, float max, float i
 // Row maximum over 16-float vectors (GCC / Clang vector extension; a running std::max is one
 // scalar dependency chain, which the compiler does not vectorise). NaNs are skipped.
 inline float RowMax(const float* __restrict x, int64_t n) {
-  typedef float Vec __attribute__((vector_size(64)));
-  constexpr int64_t kLanes = sizeof(Vec) / sizeof(float);
+  using jaxserve::kLanes;
   constexpr float kInf = std::numeric_limits<float>::infinity();
-  Vec m;
+  jaxserve::Vec m;
   for (int64_t l = 0; l < kLanes; ++l) m[l] = -kInf;
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
-    Vec v;
-    std::memcpy(&v, x + i, sizeof(v));
+    const jaxserve::Vec v = jaxserve::Load(x + i);
     m = v > m ? v : m;
   }
   float best = -kInf;
