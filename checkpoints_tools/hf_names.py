@@ -98,7 +98,7 @@ def hf_tensor_specs(a: ModelArchConfig) -> dict[str, TensorSpec]:
     }
     if not a.tie_word_embeddings:
         specs["lm_head.weight"] = TensorSpec(
-            ("lm_head",), (a.vocab_size, a.hidden_size), _transpose
+            ("lm_head",), (a.vocab_size, a.hidden_size), _identity
         )
     for i in range(a.num_layers):
         specs.update(_layer_specs(a, i))

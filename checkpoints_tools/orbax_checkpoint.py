@@ -33,7 +33,8 @@ from jaxserve.models import arch_config_from_hf, get_model
 MARKER_FILE = "jaxserve_orbax.json"
 PARAMS_DIR = "params"
 FORMAT_NAME = "jaxserve-orbax"
-FORMAT_VERSION = 1
+# 2: lm_head stored [V, D] (version 1 stored it [D, V]); reconvert older checkpoints.
+FORMAT_VERSION = 2
 
 
 def is_orbax_checkpoint(folder: str | pathlib.Path) -> bool:
@@ -61,7 +62,8 @@ def read_marker(folder: str | pathlib.Path) -> dict[str, Any]:
     if marker.get("format") != FORMAT_NAME or marker.get("version") != FORMAT_VERSION:
         raise ValueError(
             f"{marker_file}: expected format {FORMAT_NAME!r} version {FORMAT_VERSION}, got "
-            f"{marker.get('format')!r} version {marker.get('version')!r}"
+            f"{marker.get('format')!r} version {marker.get('version')!r}; convert the source "
+            "checkpoint again with `jaxserve convert`"
         )
     return marker
 

@@ -47,7 +47,7 @@ _TP_SPECS = {
     "up_proj": PartitionSpec(None, TP_AXIS),  # [D, F]
     "down_proj": PartitionSpec(TP_AXIS, None),  # [F, D]  row-parallel
     "embed": PartitionSpec(TP_AXIS, None),  # [V, D]  vocab-sharded
-    "lm_head": PartitionSpec(None, TP_AXIS),  # [D, V]  vocab-sharded logits
+    "lm_head": PartitionSpec(TP_AXIS, None),  # [V, D]  vocab-sharded logits
 }
 
 
@@ -64,7 +64,7 @@ class CausalLM:
                   [q_norm f[H], k_norm f[H]]                        if arch.qk_norm}
             mlp {gate_proj f[D, F], up_proj f[D, F], down_proj f[F, D]}
         final_norm {scale f[D]}
-        lm_head f[D, V]   absent when arch.tie_word_embeddings (logits use embed)
+        lm_head f[V, D]   absent when arch.tie_word_embeddings (logits use embed)
     """
 
     def __init__(self, arch: ModelArchConfig, dtype: Any, attention_backend: str) -> None:

@@ -16,7 +16,9 @@ class Decoder(nn.Module):
     """embed -> L decoder layers -> final norm; `logits` applies the (tied or own) LM head.
 
     Params: embed f[V, D]; layers_{i} (see DecoderLayer) for i < L; final_norm {scale f[D]};
-    lm_head f[D, V] unless tie_word_embeddings.
+    lm_head f[V, D] unless tie_word_embeddings: HF's layout and the embedding's, so the logits
+    are one einsum either way; XLA:CPU's GEMM for a decode step's few rows is also faster with
+    it (4 rows of a 32000 x 512 head: 6.35 -> 4.73 ms against [D, V], on the 2-core CPU).
     """
 
     arch: ModelArchConfig
@@ -33,7 +35,7 @@ class Decoder(nn.Module):
         ]
         self.final_norm = RMSNorm(a.rms_norm_eps, self.dtype)
         if not a.tie_word_embeddings:
-            self.lm_head = self.param("lm_head", init, (a.hidden_size, a.vocab_size), self.dtype)
+            self.lm_head = self.param("lm_head", init, (a.vocab_size, a.hidden_size), self.dtype)
         # A host constant: baked into the compiled step, never a parameter.
         self.inv_freq = rope_inv_freq(a.head_dim, a.rope_theta, a.rope_scaling)
 
@@ -62,6 +64,5 @@ class Decoder(nn.Module):
         return new_caches, self.final_norm(x)
 
     def logits(self, hidden: jax.Array) -> jax.Array:  # f[R, D] -> f32[R, V]
-        if self.arch.tie_word_embeddings:
-            return jnp.einsum("RD,VD->RV", hidden, self.embed, preferred_element_type=jnp.float32)
-        return jnp.einsum("RD,DV->RV", hidden, self.lm_head, preferred_element_type=jnp.float32)
+        head = self.embed if self.arch.tie_word_embeddings else self.lm_head  # [V, D]
+        return jnp.einsum("RD,VD->RV", hidden, head, preferred_element_type=jnp.float32)

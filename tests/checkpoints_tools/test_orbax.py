@@ -65,6 +65,17 @@ def test_conversion_round_trip(hf_dir, orbax_dir):
     assert [p.name for p in orbax_dir.parent.iterdir()] == ["orbax"]
 
 
+def test_a_checkpoint_of_an_older_format_version_is_refused(orbax_dir, tmp_path):
+    """Version 1 stored lm_head as [D, V]: loading it would mis-shape (or, when D == V,
+    silently transpose) the logits, so the marker's version is checked first."""
+    old = tmp_path / "v1"
+    shutil.copytree(orbax_dir, old)
+    marker = json.loads((old / MARKER_FILE).read_text())
+    (old / MARKER_FILE).write_text(json.dumps({**marker, "version": 1}))
+    with pytest.raises(ValueError, match=r"version 2, got 'jaxserve-orbax' version 1; convert"):
+        load_checkpoint(old)
+
+
 def test_orbax_gives_the_same_tokens_as_safetensors(hf_dir, orbax_dir):
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     outs = [
