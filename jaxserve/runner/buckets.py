@@ -1,8 +1,9 @@
 """Padding buckets: the finite set of shapes the jitted step is compiled for.
 
 A step's shapes are (T, R, B): tokens, request rows and block-table width. Each is rounded up
-to a power of two (capped at its maximum), small T also to the midpoints 3 * 2^k between them
-(6, 12, ..., 192), so steady-state serving reuses a small, known set of compiled executables.
+to a power of two (capped at its maximum), on the CPU small T also to the midpoints 3 * 2^k
+between them (6, 12, ..., 192) and a single token to T=1, so steady-state serving reuses a
+small, known set of compiled executables.
 R is tied to T (R = min(T, padded max_num_seqs)): every scheduled request has at least one
 token, so R <= T always holds, and tying them removes one bucket dimension (the extra logits
 rows cost ~R x D x V flops, small next to the T-token forward).
@@ -12,10 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# The smallest T. A step's dense layers cost about the same from 1 to a few tokens (they read
-# every weight once), but not up to 16: on the 2-core CPU the 57M benchmark model's linear
-# layers take 8.9 ms at T=4, 14.0 at T=8 and 17.8 at T=16, and the tail of an offline run
-# (a few long requests left) runs hundreds of steps with ~5 real tokens.
+# The smallest T (but for the CPU's T=1, below). A step's dense layers cost about the same from
+# 2 to a few tokens (they read every weight once), but not up to 16: on the 2-core CPU the 57M
+# benchmark model's linear layers take 8.9 ms at T=4, 14.0 at T=8 and 17.8 at T=16, and the
+# tail of an offline run (a few long requests left) runs hundreds of steps with ~5 real tokens.
 MIN_TOKEN_BUCKET = 4
 
 # On the CPU, T buckets up to here also come at 3 * 2^k, between the powers of two: padding is
@@ -26,6 +27,13 @@ MIN_TOKEN_BUCKET = 4
 # buckets to compile at warm-up. On GPU / TPU such small steps are bound by reading the
 # weights, whatever T is: no midpoints there.
 MID_BUCKET_LIMIT = 256
+
+# On the CPU, T=1 below MIN_TOKEN_BUCKET: a step of one token (a single request decoding, as in
+# an interactive session or an offline run's last request) skips the dense layers' GEMMs of
+# padding rows. The 57M benchmark model's jitted step at context 1500 with one real token:
+# 10.7-11.5 ms at T=1 against 12.5-13.8 at T=4. Two or three tokens stay in T=4: XLA:CPU's
+# GEMMs of 2-3 rows are no faster than of 4 (the step at T=2 with two real tokens: 15.8-19.5
+# ms against 13.2-14.4 at T=4).
 
 
 def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
@@ -65,7 +73,8 @@ def round_up(value: int, buckets: tuple[int, ...]) -> int:
 class BucketSpec:
     """The bucket lists of one engine.
 
-    token_buckets: T choices, MIN_TOKEN_BUCKET .. max_num_batched_tokens (token_bucket_sizes).
+    token_buckets: T choices, MIN_TOKEN_BUCKET .. max_num_batched_tokens (token_bucket_sizes),
+        with 1 first where single_token_bucket.
     max_rows: padded R cap (max_num_seqs rounded up to a power of two, >= 8).
     width_buckets: B choices (pages per sequence attention reads), 1 .. max_blocks_per_seq.
     """
@@ -83,15 +92,19 @@ class BucketSpec:
         max_blocks_per_seq: int,
         bucket_width: bool = True,
         mid_token_buckets: bool = False,
+        single_token_bucket: bool = False,
     ) -> BucketSpec:
         """bucket_width=False: one width, the whole table (for attention backends whose cost
         follows the actual context lengths, see LENGTH_BOUNDED_BACKENDS).
-        mid_token_buckets: also the 3 * 2^k token buckets (token_bucket_sizes; the CPU's)."""
+        mid_token_buckets: also the 3 * 2^k token buckets (token_bucket_sizes; the CPU's).
+        single_token_bucket: also T=1 below the smallest (the CPU's)."""
         tokens = token_bucket_sizes(
             min(MIN_TOKEN_BUCKET, max_num_batched_tokens),
             max_num_batched_tokens,
             midpoints=mid_token_buckets,
         )
+        if single_token_bucket and tokens[0] > 1:
+            tokens = (1, *tokens)
         max_rows = max(8, 1 << (max_num_seqs - 1).bit_length())
         if bucket_width:
             width_buckets = pow2_buckets(1, max_blocks_per_seq)

@@ -68,6 +68,7 @@ class ModelRunner:
         self.sampling = SamplingInputs(
             max_num_seqs, self.vocab_size, max_model_len, eos_token_ids=sorted(eos_token_ids)
         )
+        on_cpu = _platform(params) == "cpu"  # the CPU's extra token buckets (buckets.py)
         self.buckets = BucketSpec.create(
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
@@ -75,7 +76,8 @@ class ModelRunner:
             # A backend whose cost stops at the batch's longest context gets full-width
             # tables: one compiled shape per token bucket, no width buckets.
             bucket_width=model.attention_backend not in LENGTH_BOUNDED_BACKENDS,
-            mid_token_buckets=_platform(params) == "cpu",
+            mid_token_buckets=on_cpu,
+            single_token_bucket=on_cpu,
         )
         self.kv_caches = allocate_kv_caches(
             model.arch.num_layers,

@@ -103,8 +103,8 @@ def test_nothing_compiles_after_warmup():
     )
     compiled = engine.get_stats()["num_compilations"]
     assert compiled > 0
-    # The CPU's token buckets, midpoints included: all of them are warmed up.
-    assert engine.runner.buckets.token_buckets == (4, 6, 8, 12, 16, 24, 32)
+    # The CPU's token buckets, T=1 and the midpoints included: all of them are warmed up.
+    assert engine.runner.buckets.token_buckets == (1, 4, 6, 8, 12, 16, 24, 32)
     rng = random.Random(0)
     next_id = 0
     while engine.get_stats()["num_steps"] < 55:

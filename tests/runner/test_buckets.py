@@ -50,10 +50,17 @@ def test_round_up_past_the_largest_raises() -> None:
     max_blocks=st.integers(1, 512),
     bucket_width=st.booleans(),
     mid_token_buckets=st.booleans(),
+    single_token_bucket=st.booleans(),
     data=st.data(),
 )
 def test_every_batch_lands_in_a_compiled_shape(
-    budget: int, max_num_seqs: int, max_blocks: int, bucket_width: bool, mid_token_buckets, data
+    budget: int,
+    max_num_seqs: int,
+    max_blocks: int,
+    bucket_width: bool,
+    mid_token_buckets: bool,
+    single_token_bucket: bool,
+    data,
 ) -> None:
     spec = BucketSpec.create(
         max_num_batched_tokens=budget,
@@ -61,8 +68,11 @@ def test_every_batch_lands_in_a_compiled_shape(
         max_blocks_per_seq=max_blocks,
         bucket_width=bucket_width,
         mid_token_buckets=mid_token_buckets,
+        single_token_bucket=single_token_bucket,
     )
-    assert spec.token_buckets[0] == min(MIN_TOKEN_BUCKET, budget)
+    smallest = min(MIN_TOKEN_BUCKET, budget)  # the smallest power-of-two bucket
+    assert spec.token_buckets[0] == (1 if single_token_bucket else smallest)
+    assert spec.padded_tokens(1) == (1 if single_token_bucket else smallest)
     assert spec.token_buckets[-1] == budget
     tokens = data.draw(st.integers(1, budget))
     rows = data.draw(st.integers(1, min(tokens, max_num_seqs)))  # every row has a token
@@ -71,8 +81,8 @@ def test_every_batch_lands_in_a_compiled_shape(
     r = spec.padded_rows(t)
     b = spec.padded_width(blocks)
     assert (t, r, b) in spec.all_shapes()
-    assert tokens <= t < 2 * tokens or t == spec.token_buckets[0]  # pow2: under 2x padding
-    if mid_token_buckets and t <= MID_BUCKET_LIMIT and t != spec.token_buckets[0]:
+    assert tokens <= t and (t < 2 * tokens or t == smallest)  # pow2: under 2x padding
+    if mid_token_buckets and smallest < t <= MID_BUCKET_LIMIT:
         assert t < 1.5 * tokens  # with the midpoints: under 1.5x
     assert rows <= r <= t and blocks <= b <= max_blocks
     if not bucket_width:
