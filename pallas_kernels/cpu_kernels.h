@@ -15,6 +15,15 @@
 
 #include "xla/ffi/api/ffi.h"
 
+#ifdef __has_builtin
+#if __has_builtin(__builtin_shufflevector)
+#define JAXSERVE_HAS_SHUFFLEVECTOR 1  // GCC >= 12, Clang
+#endif
+#endif
+#ifndef JAXSERVE_HAS_SHUFFLEVECTOR
+#define JAXSERVE_HAS_SHUFFLEVECTOR 0
+#endif
+
 namespace jaxserve {
 
 // 16 floats: one AVX-512 register, two AVX2 ones (GCC / Clang vector extension).
@@ -39,7 +48,7 @@ inline float HSum(Vec v) {
 // their shuffles (halves added pairwise, level by level: two shuffles per vector instead of
 // four, and one 8-float store).
 inline void HSum8(const Vec* d, float* out) {
-#if defined(__has_builtin) && __has_builtin(__builtin_shufflevector)
+#if JAXSERVE_HAS_SHUFFLEVECTOR
 #define JAXSERVE_HALVES(a, b)                                                                  \
   (__builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +      \
    __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31))
