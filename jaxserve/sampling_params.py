@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 _MAX_LOGPROBS = 20  # top-N logprobs cap, as in vLLM's default max_logprobs
 
@@ -108,8 +108,30 @@ class SamplingParams:
             )
         self.stop_strings = self._normalise_stop(self.stop)
         self.all_stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
-        if not isinstance(self.ignore_eos, bool):
-            raise TypeError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"SamplingParams.{name} must be a bool, got {value!r}")
+
+    def clone(self) -> SamplingParams:
+        """A validated copy of the current field values, sharing no list with this one.
+
+        SamplingParams stays mutable, as vLLM's is; the engine clones the params of every
+        request it queues, so a field set after construction is checked (and honoured) then,
+        and changing the object later never reaches a request already queued.
+
+        Raises:
+            ValueError / TypeError: a field set after construction is invalid (named).
+        """
+        return replace(
+            self,
+            stop=list(self.stop) if isinstance(self.stop, (list, tuple)) else self.stop,
+            stop_token_ids=(
+                list(self.stop_token_ids)
+                if isinstance(self.stop_token_ids, (list, tuple, set, frozenset))
+                else self.stop_token_ids
+            ),
+        )
 
     @staticmethod
     def _normalise_stop(stop: object) -> tuple[str, ...]:

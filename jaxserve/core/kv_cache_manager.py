@@ -216,6 +216,21 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
 
+    def free_all(self) -> bool:
+        """Release every block table and drop queued copies: the recovery of a step that
+        failed part-way. Returns whether the pool then accounts for every block (all free, no
+        reference left); False means a half-done update lost track of some, and the caller
+        must rebuild the pool."""
+        for table in self.req_to_blocks.values():
+            self.block_pool.free_blocks(reversed(table))
+        self.req_to_blocks.clear()
+        self.num_cached_blocks.clear()
+        self.pending_block_copies.clear()
+        pool = self.block_pool
+        return pool.get_num_free_blocks() == pool.num_usable_blocks and all(
+            block.ref_cnt == 0 for block in pool.blocks[1:]
+        )
+
     def _shared_write_indices(
         self,
         table: list[KVCacheBlock] | None,

@@ -57,22 +57,34 @@ class LLM:
         """Generate for every prompt; outputs in input order.
 
         Every prompt and every SamplingParams is validated before any request is queued, so a
-        bad one raises without side effects.
+        bad one raises without side effects; the message starts with the prompt's index.
+
+        Calls from several threads run one after another (the engine's lock is held for the
+        whole call). If the call raises, Ctrl-C included, its requests are aborted and their
+        blocks freed: the LLM stays usable.
+
+        Raises:
+            TypeError / ValueError: a bad prompt or SamplingParams ("prompts[i]: ...").
         """
         prompt_list = _as_prompt_list(prompts)
         params_list = self._params_list(sampling_params, len(prompt_list))
-        for prompt in prompt_list:
-            self.engine.process_prompt(prompt)  # validate all before queueing any
-        request_ids = [str(next(self._counter)) for _ in prompt_list]
-        added: list[str] = []
-        try:
-            for rid, prompt, params in zip(request_ids, prompt_list, params_list, strict=True):
-                self.engine.add_request(rid, prompt, params)
-                added.append(rid)
-        except Exception:
-            self.engine.abort_request(added)
-            raise
-        return self._run(request_ids, use_tqdm)
+        engine = self.engine
+        checked = []
+        for i, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True)):
+            try:
+                text, token_ids, params = engine.check_request(prompt, params)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"prompts[{i}]: {e}") from None
+            checked.append(({"prompt": text, "prompt_token_ids": token_ids}, params))
+        with engine.exclusive():
+            request_ids = [str(next(self._counter)) for _ in checked]
+            try:
+                for rid, (prompt, params) in zip(request_ids, checked, strict=True):
+                    engine.add_request(rid, prompt, params)
+                return self._run(request_ids, use_tqdm)
+            except BaseException:
+                engine.abort_request(request_ids)
+                raise
 
     @staticmethod
     def _params_list(
@@ -91,13 +103,18 @@ class LLM:
         return params
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Step the engine until every request of ``request_ids`` has finished."""
         finished: dict[str, RequestOutput] = {}
+        pending = set(request_ids)
         bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
         start = time.perf_counter()
         num_in = num_out = 0
         try:
-            while self.engine.has_unfinished_requests():
+            while pending:
                 for out in self.engine.step(finished_only=True):
+                    if out.request_id not in pending:
+                        continue  # a request added to the engine directly, not by this call
+                    pending.discard(out.request_id)
                     finished[out.request_id] = out
                     num_in += len(out.prompt_token_ids)
                     num_out += sum(len(c.token_ids) for c in out.outputs)
@@ -151,16 +168,25 @@ class LLM:
         """Total log-probability of each continuation given its prompt (batch scoring).
 
         Each pair is run as one prompt (prompt tokens + continuation tokens) with
-        prompt_logprobs; the continuation's token logprobs are summed.
+        prompt_logprobs; the continuation's token logprobs are summed. A text continuation is
+        tokenized without special tokens (no BOS of its own: it continues the prompt).
+
+        Raises:
+            TypeError / ValueError: a bad prompt or continuation, or a pair longer than
+                max_model_len ("pairs[i]: ...").
         """
         if len(prompts) != len(continuations):
             raise ValueError(
                 f"score: {len(prompts)} prompts but {len(continuations)} continuations"
             )
         joined, spans = [], []
-        for prompt, cont in zip(prompts, continuations, strict=True):
-            _, p_ids = self.engine.process_prompt(prompt)
-            _, c_ids = self.engine.process_prompt(cont)
+        for i, (prompt, cont) in enumerate(zip(prompts, continuations, strict=True)):
+            try:
+                _, p_ids = self.engine.process_prompt(prompt)
+                _, c_ids = self.engine.process_prompt(cont, add_special_tokens=False)
+                self.engine.scheduler.check_prompt_length(len(p_ids) + len(c_ids))
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"score: pairs[{i}] (prompt + continuation): {e}") from None
             joined.append(p_ids + c_ids)
             spans.append((len(p_ids), len(c_ids)))
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)

@@ -2,14 +2,28 @@
 
 Owns what the core does not: prompt validation and tokenization, seeds, the fan-out of n > 1
 into child requests, incremental detokenization and stop strings, and assembling RequestOutputs.
+
+Failure and concurrency contract:
+
+- Every public method holds the engine's lock (a re-entrant one), so calls from several threads
+  are serialised, never interleaved inside a step; ``exclusive()`` holds it across several calls
+  (``LLM.generate`` runs its whole batch under it).
+- Ctrl-C inside ``step()`` is held until the step ends (interrupts.defer_sigint).
+- A ``step()`` that raises, for any reason (an error, or Ctrl-C), first aborts every unfinished
+  request and frees all their blocks, then lets the exception through: the engine is left empty
+  and ready, never half-updated. KV pages that the failed step left unusable are reallocated
+  (and the prefix cache, which described them, dropped).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import gc
+import itertools
+import logging
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -17,7 +31,8 @@ import numpy as np
 from jaxserve.config import EngineConfig
 from jaxserve.core.sched.scheduler import Scheduler
 from jaxserve.engine.core import EngineCore
-from jaxserve.engine.request_state import RequestState, child_request_id
+from jaxserve.engine.interrupts import defer_sigint
+from jaxserve.engine.request_state import RequestState
 from jaxserve.outputs import RequestOutput
 from jaxserve.request import Request, RequestStatus
 from jaxserve.runner.factory import build_runner
@@ -25,6 +40,7 @@ from jaxserve.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
 _MASK63 = (1 << 63) - 1
+logger = logging.getLogger("jaxserve")
 
 
 def _mix_seed(seed: int, index: int) -> int:
@@ -49,19 +65,33 @@ class LLMEngine:
         self._states: dict[str, RequestState] = {}  # user request id -> state
         self._child_of: dict[str, tuple[str, int]] = {}  # scheduler id -> (user id, index)
         self._seed_rng = np.random.default_rng(self.config.model.seed)
-        # Start-up made many long-lived objects (blocks, buffers, jit caches); freezing them
-        # keeps the cyclic GC from rescanning them during serving (as vLLM's EngineCore does:
-        # ~0.4 ms a step at 1024 running requests, measured by bench/scheduler_overhead.py).
-        gc.collect()
-        gc.freeze()
+        self._num_added = itertools.count()  # makes scheduler ids unique (_engine_ids)
+        self._lock = threading.RLock()
+        # No gc.freeze() here: frozen objects are never collected, and a notebook that builds
+        # a second LLM must get the first one's memory back. A process that owns its engine
+        # for good (the CLI) may freeze after building it.
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold the engine's lock across several calls: other threads' calls wait."""
+        with self._lock:
+            yield
 
     # ---- inputs -----------------------------------------------------------------------------
-    def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def process_prompt(
+        self, prompt: PromptType, *, add_special_tokens: bool = True
+    ) -> tuple[str | None, list[int]]:
         """Validate a prompt and tokenize it: (text or None, token ids). Allocates nothing.
 
+        Args:
+            add_special_tokens: let the tokenizer add its special tokens (BOS) to text; False
+                for text that continues another (a chat rendering, a scored continuation).
+
         Raises:
-            TypeError: not a str, a list of int, or a dict with "prompt" / "prompt_token_ids".
-            ValueError: empty, a token id outside [0, vocab_size), text without a tokenizer.
+            TypeError: not a str, a list of int, or a dict with "prompt" / "prompt_token_ids";
+                token ids not in a list, tuple or numpy array.
+            ValueError: empty, a token id outside [0, vocab_size), text that is not valid
+                Unicode, text without a tokenizer.
         """
         text: str | None = None
         if isinstance(prompt, dict):
@@ -87,16 +117,31 @@ class LLMEngine:
                 raise TypeError(f"prompt text must be a str, got {type(text).__name__}")
             if not text:
                 raise ValueError("prompt is empty (0 characters); need at least 1 token")
+            _check_unicode(text)
             if self.tokenizer is None:
                 raise ValueError(
                     f"model {self.config.model.model!r} has no tokenizer: pass prompt_token_ids"
                 )
-            token_ids = self.tokenizer.encode(text).ids
+            token_ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         return text, self._check_token_ids(token_ids)
 
     def _check_token_ids(self, token_ids: Any) -> list[int]:
-        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in token_ids):
-            raise TypeError("prompt_token_ids must be a list of int")
+        # A sequence, not any iterable: a generator would be consumed by the checks below.
+        if not isinstance(token_ids, (list, tuple, np.ndarray)):
+            raise TypeError(
+                f"prompt_token_ids must be a list of int, got {type(token_ids).__name__}"
+            )
+        if isinstance(token_ids, np.ndarray) and token_ids.ndim != 1:
+            raise TypeError(f"prompt_token_ids must be 1-D, got shape {token_ids.shape}")
+        bad_type = next(
+            (t for t in token_ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))),
+            None,
+        )
+        if bad_type is not None:
+            raise TypeError(
+                f"prompt_token_ids must be a list of int, got an element {bad_type!r} "
+                f"({type(bad_type).__name__})"
+            )
         ids = [int(t) for t in token_ids]
         if not ids:
             raise ValueError("prompt is empty (0 tokens); need at least 1 token")
@@ -108,6 +153,25 @@ class LLMEngine:
             )
         return ids
 
+    def check_request(
+        self, prompt: PromptType, params: SamplingParams | None = None, *, priority: int = 0
+    ) -> tuple[str | None, list[int], SamplingParams]:
+        """Everything ``add_request`` checks, without queueing: (text, token ids, the validated
+        copy of the params). Lets a caller refuse a whole batch before queueing any of it.
+
+        Raises:
+            TypeError / ValueError: naming the field, the value and the limit.
+        """
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params = params.clone()
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"priority must be an int, got {priority!r} ({type(priority).__name__})")
+        text, token_ids = self.process_prompt(prompt)
+        self.scheduler.check_prompt_length(len(token_ids))
+        return text, token_ids, params
+
     def add_request(
         self,
         request_id: str,
@@ -118,43 +182,52 @@ class LLMEngine:
     ) -> None:
         """Validate, tokenize and queue one request (n > 1: n scheduler requests).
 
+        The engine keeps a validated copy of ``params`` (SamplingParams.clone): changing the
+        object afterwards does not reach the queued request.
+
         Raises:
             TypeError / ValueError before anything is queued or allocated.
         """
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
-        if request_id in self._states:
-            raise ValueError(
-                f"request_id {request_id!r} is already in use by an unfinished request"
-            )
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        text, token_ids = self.process_prompt(prompt)
-        state = RequestState(request_id, text, token_ids, params, self.tokenizer)
-        requests = self._make_requests(request_id, token_ids, params, priority)
-        added: list[str] = []
-        try:
-            for i, req in enumerate(requests):
-                parent = requests[0].request_id if i else None
-                self.scheduler.add_request(req, parent_req_id=parent)
-                added.append(req.request_id)
-        except Exception:
-            self.scheduler.abort_requests(added)
-            raise
-        self._states[request_id] = state
-        for i, req in enumerate(requests):
-            self._child_of[req.request_id] = (request_id, i)
+        with self._lock:
+            if request_id in self._states:
+                raise ValueError(
+                    f"request_id {request_id!r} is already in use by an unfinished request"
+                )
+            text, token_ids, params = self.check_request(prompt, params, priority=priority)
+            engine_ids = self._engine_ids(request_id, params.n)
+            state = RequestState(request_id, engine_ids, text, token_ids, params, self.tokenizer)
+            requests = self._make_requests(engine_ids, token_ids, params, priority)
+            added: list[str] = []
+            try:
+                for i, req in enumerate(requests):
+                    parent = requests[0].request_id if i else None
+                    self.scheduler.add_request(req, parent_req_id=parent)
+                    added.append(req.request_id)
+            except BaseException:
+                self.scheduler.abort_requests(added)
+                raise
+            self._states[request_id] = state
+            for i, engine_id in enumerate(engine_ids):
+                self._child_of[engine_id] = (request_id, i)
+
+    def _engine_ids(self, request_id: str, n: int) -> list[str]:
+        """The scheduler ids of a request's n samples: unique by construction (a counter), so
+        no user id can collide with another request's sample; the user id rides along for
+        logs."""
+        k = next(self._num_added)
+        return [f"{request_id}#{k}.{i}" for i in range(n)]
 
     def _make_requests(
-        self, request_id: str, token_ids: list[int], params: SamplingParams, priority: int
+        self, engine_ids: list[str], token_ids: list[int], params: SamplingParams, priority: int
     ) -> list[Request]:
         base = params.seed
         if base is None:
             base = int(self._seed_rng.integers(0, _MASK63, dtype=np.int64))
         now = time.monotonic()
         requests = []
-        for i in range(params.n):
+        for i, engine_id in enumerate(engine_ids):
             child = params
             if params.n > 1:
                 child = dataclasses.replace(
@@ -162,7 +235,7 @@ class LLMEngine:
                 )
             requests.append(
                 Request(
-                    child_request_id(request_id, i),
+                    engine_id,
                     token_ids,
                     child,
                     eos_token_ids=self.info.eos_token_ids,
@@ -176,21 +249,45 @@ class LLMEngine:
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Abort user requests (all their samples); unknown ids are ignored."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        for rid in ids:
-            state = self._states.pop(rid, None)
-            if state is None:
-                continue
-            children = state.child_ids()
-            self.scheduler.abort_requests(children)
-            for child in children:
-                self._child_of.pop(child, None)
+        with self._lock, defer_sigint():
+            for rid in ids:
+                state = self._states.pop(rid, None)
+                if state is None:
+                    continue
+                self.scheduler.abort_requests(state.engine_ids)
+                for engine_id in state.engine_ids:
+                    self._child_of.pop(engine_id, None)
 
     # ---- the loop ---------------------------------------------------------------------------
     def step(self, *, finished_only: bool = False) -> list[RequestOutput]:
         """Run one engine step; return the outputs of the user requests that progressed, or
         with finished_only=True only of those that finished (what an offline batch reads: it
         skips building a RequestOutput, with a copy of every token list, per running request
-        per step; 3.75 ms a step at 256 running in bench/profile_throughput.py)."""
+        per step).
+
+        Raises:
+            Whatever the step raised (KeyboardInterrupt included), after aborting every
+            unfinished request: see the module docstring.
+        """
+        with self._lock:
+            try:
+                with defer_sigint():
+                    return self._step(finished_only)
+            except BaseException:
+                with defer_sigint():
+                    self._recover()
+                raise
+
+    def _recover(self) -> None:
+        """Abort everything and make the scheduler, the runner and the KV pages agree again."""
+        aborted = self.scheduler.abort_all_requests()
+        if self.runner.reset():
+            self.scheduler.reset_prefix_cache()
+        self._states.clear()
+        self._child_of.clear()
+        logger.warning("engine step failed: aborted %d unfinished requests", len(aborted))
+
+    def _step(self, finished_only: bool) -> list[RequestOutput]:
         progressed: dict[str, RequestState] = {}
         for out in self.core.step():
             owner = self._child_of.get(out.req_id)
@@ -220,6 +317,18 @@ class LLMEngine:
         return len(self._states)
 
     def get_stats(self) -> dict[str, int | float]:
-        stats = dict(self.scheduler.get_stats())
-        stats["num_compilations"] = self.runner.num_compilations
+        with self._lock:
+            stats = dict(self.scheduler.get_stats())
+            stats["num_compilations"] = self.runner.num_compilations
         return stats
+
+
+def _check_unicode(text: str) -> None:
+    """Text must be encodable as UTF-8 (a lone surrogate, e.g. from a bad decode, is not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"prompt text is not valid Unicode: {e.reason} {text[e.start : e.end]!r} at "
+            f"character {e.start}"
+        ) from None

@@ -1,7 +1,7 @@
 """Per-request output state of the LLMEngine: text, tokens, logprobs of each completion.
 
-One _RequestState per user request; it owns one _CompletionState per sample (n > 1 fans out
-into n scheduler requests, "<index>_<request_id>" for index >= 1, the request_id itself for 0).
+One RequestState per user request; it owns one _CompletionState per sample (n > 1 fans out
+into n scheduler requests, whose ids the engine makes: see LLMEngine._engine_ids).
 """
 
 from __future__ import annotations
@@ -19,10 +19,6 @@ from jaxserve.outputs import (
     TokenLogprobs,
 )
 from jaxserve.sampling_params import SamplingParams
-
-
-def child_request_id(request_id: str, index: int) -> str:
-    return request_id if index == 0 else f"{index}_{request_id}"
 
 
 def to_logprob_dict(entry: TokenLogprobs, tokenizer) -> dict[int, Logprob]:
@@ -64,12 +60,14 @@ class RequestState:
     def __init__(
         self,
         request_id: str,
+        engine_ids: list[str],
         prompt: str | None,
         prompt_token_ids: list[int],
         params: SamplingParams,
         tokenizer,
     ) -> None:
-        self.request_id = request_id
+        self.request_id = request_id  # the user's id
+        self.engine_ids = engine_ids  # the scheduler's id of each sample, by index
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
@@ -92,9 +90,6 @@ class RequestState:
     @property
     def finished(self) -> bool:
         return all(c.finish_reason is not None for c in self.completions)
-
-    def child_ids(self) -> list[str]:
-        return [child_request_id(self.request_id, i) for i in range(self.params.n)]
 
     def apply(self, index: int, out: EngineCoreOutput) -> str | None:
         """Fold one EngineCoreOutput into completion `index`; return a stop string that the

@@ -65,7 +65,9 @@ class InputBatch:
     def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int) -> None:
         self.block_size = block_size
         self.max_blocks_per_seq = -(-max_model_len // block_size)
-        self.token_ids = np.zeros((max_num_seqs, max_model_len), np.int32)  # [slots, tokens]
+        # [slots, tokens]: one past max_model_len, because a prompt of exactly max_model_len
+        # tokens still samples one token (which is never computed, so needs no KV slot).
+        self.token_ids = np.zeros((max_num_seqs, max_model_len + 1), np.int32)
         self.block_table = np.zeros((max_num_seqs, self.max_blocks_per_seq), np.int32)
         self.num_blocks = np.zeros(max_num_seqs, np.int32)  # valid entries of block_table
         self.num_tokens = np.zeros(max_num_seqs, np.int32)  # prompt + outputs known so far

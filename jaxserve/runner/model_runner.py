@@ -13,6 +13,7 @@ compile every (T, R, B) of the greedy variant, and `num_compilations` counts eve
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,13 +62,13 @@ class ModelRunner:
         self.params = params
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.vocab_size = model.arch.vocab_size
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.sharding = sharding
         self.rope_tables = model.rope_tables(max_model_len)  # host f32[max_model_len, H // 2] x 2
-        self.input_batch = InputBatch(max_num_seqs, max_model_len, block_size)
-        self.sampling = SamplingInputs(
-            max_num_seqs, self.vocab_size, max_model_len, eos_token_ids=sorted(eos_token_ids)
-        )
+        self._init_host_state()
         on_cpu = _platform(params) == "cpu"  # the CPU's extra token buckets (buckets.py)
         self.buckets = BucketSpec.create(
             max_num_batched_tokens=max_num_batched_tokens,
@@ -79,19 +80,14 @@ class ModelRunner:
             mid_token_buckets=on_cpu,
             single_token_bucket=on_cpu,
         )
-        self.kv_caches = allocate_kv_caches(
-            model.arch.num_layers,
-            model.kv_cache_shape(num_kv_blocks, block_size),
-            model.dtype,
-            None if sharding is None else sharding.kv_sharding,
-        )
-        # req_id -> prompt-logprobs progress; kept across preemption, dropped when finished.
-        self._prompt_logprobs: dict[str, _PromptLogprobsState] = {}
-        self._num_logprobs: dict[str, int] = {}  # req_id -> top-N logprobs asked
-        self._num_traces = 0
+        self.kv_caches = self._allocate_kv_caches()
+        # The jitted functions hold the model and a trace counter, never the runner: nothing
+        # of the runner is in a reference cycle, so dropping the last LLM frees its device
+        # memory at once, without waiting for the cyclic garbage collector.
+        self._traces = _TraceCounter()
         step_shardings, copy_shardings = _jit_shardings(sharding, model.arch.num_layers)
         step = jax.jit(
-            self._step_fn,
+            functools.partial(_step_fn, model, self._traces),
             donate_argnums=(1,),
             static_argnums=(7, 8, 9),  # all_greedy, max_num_logprobs, num_prompt_logprobs
             **step_shardings,
@@ -102,35 +98,49 @@ class ModelRunner:
         )
         self._copy = jax.jit(_copy_blocks, donate_argnums=(0,), **copy_shardings)
 
+    def _init_host_state(self) -> None:
+        """Empty host mirrors: batch rows, sampling settings, logprob bookkeeping."""
+        self.input_batch = InputBatch(self.max_num_seqs, self.max_model_len, self.block_size)
+        self.sampling = SamplingInputs(
+            self.max_num_seqs, self.vocab_size, self.max_model_len, eos_token_ids=self.eos_token_ids
+        )
+        # req_id -> prompt-logprobs progress; kept across preemption, dropped when finished.
+        self._prompt_logprobs: dict[str, _PromptLogprobsState] = {}
+        self._num_logprobs: dict[str, int] = {}  # req_id -> top-N logprobs asked
+
+    def _allocate_kv_caches(self) -> list[tuple[jax.Array, jax.Array]]:
+        model = self.model
+        return allocate_kv_caches(
+            model.arch.num_layers,
+            model.kv_cache_shape(self.num_kv_blocks, self.block_size),
+            model.dtype,
+            None if self.sharding is None else self.sharding.kv_sharding,
+        )
+
     @property
     def num_compilations(self) -> int:
         """Traces (hence XLA compilations) of the step function so far."""
-        return self._num_traces
+        return self._traces.count
 
-    # ---- the jitted step ------------------------------------------------------------------
-    def _step_fn(
-        self,
-        params: Any,
-        kv_caches: list[tuple[jax.Array, jax.Array]],
-        input_ids: jax.Array,  # i32[T]
-        md: AttentionMetadata,
-        logits_indices: jax.Array,  # i32[R]
-        sampling_md: SamplingMetadata,
-        prompt_targets: jax.Array,  # i32[T] next prompt token per row (prompt logprobs only)
-        all_greedy: bool,
-        max_num_logprobs: int | None,
-        num_prompt_logprobs: int | None,
-    ):
-        self._num_traces += 1  # runs once per trace: counts compilations
-        kv_caches, hidden = self.model.forward(params, kv_caches, input_ids, md)  # [T, D]
-        logits = self.model.compute_logits(params, hidden[logits_indices])  # f32[R, V]
-        out = sample(logits, sampling_md, max_num_logprobs=max_num_logprobs, all_greedy=all_greedy)
-        plp = None
-        if num_prompt_logprobs is not None:
-            all_logits = self.model.compute_logits(params, hidden)  # f32[T, V]
-            plp = prompt_logprobs(all_logits, prompt_targets, num=num_prompt_logprobs)
-        return kv_caches, out, plp
+    def reset(self) -> bool:
+        """Forget every request: the recovery of an engine step that raised part-way.
 
+        The host buffers are rebuilt empty. The KV pages survive unless the failed step left
+        them unusable (donated to a jitted call whose result was never stored, or poisoned by
+        a failed computation); then they are reallocated, zeroed.
+
+        Returns:
+            True when the KV pages were reallocated: every cached prefix is gone, and the
+            scheduler must drop its prefix cache.
+        """
+        self._init_host_state()
+        if _all_ready(self.kv_caches):
+            return False
+        self.kv_caches = None  # release the dead buffers before allocating new ones
+        self.kv_caches = self._allocate_kv_caches()
+        return True
+
+    # ---- compilation ------------------------------------------------------------------------
     def warmup(self, shapes: list[tuple[int, int, int]] | None = None) -> int:
         """Compile the step for every (T, R, B) bucket (default: all of them) in its plain
         variant (greedy or sampled rows without penalties, bans or logprobs), by running it on an
@@ -138,7 +148,7 @@ class ModelRunner:
 
         Returns the number of compilations this caused.
         """
-        before = self._num_traces
+        before = self.num_compilations
         for padded_tokens, padded_rows, width in shapes or self.buckets.all_shapes():
             batch = PreparedBatch.padding(padded_tokens, padded_rows, width)
             md = SamplingMetadata.neutral(padded_rows, self.vocab_size)
@@ -156,7 +166,7 @@ class ModelRunner:
                     num_prompt_logprobs=None,
                 )
         jax.block_until_ready(out.token_ids)
-        return self._num_traces - before
+        return self.num_compilations - before
 
     # ---- per step -------------------------------------------------------------------------
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -290,6 +300,51 @@ class ModelRunner:
                 state.next_pos = hi
             if state.next_pos >= num_prompt - 1:
                 state.done = True
+
+
+class _TraceCounter:
+    """Traces of the step function (each one is an XLA compilation)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
+def _step_fn(
+    model: CausalLM,
+    traces: _TraceCounter,
+    params: Any,
+    kv_caches: list[tuple[jax.Array, jax.Array]],
+    input_ids: jax.Array,  # i32[T]
+    md: AttentionMetadata,
+    logits_indices: jax.Array,  # i32[R]
+    sampling_md: SamplingMetadata,
+    prompt_targets: jax.Array,  # i32[T] next prompt token per row (prompt logprobs only)
+    all_greedy: bool,
+    max_num_logprobs: int | None,
+    num_prompt_logprobs: int | None,
+):
+    """The jitted step: forward, logits at the R sampling rows, sample (and prompt logprobs)."""
+    traces.count += 1  # runs once per trace: counts compilations
+    kv_caches, hidden = model.forward(params, kv_caches, input_ids, md)  # [T, D]
+    logits = model.compute_logits(params, hidden[logits_indices])  # f32[R, V]
+    out = sample(logits, sampling_md, max_num_logprobs=max_num_logprobs, all_greedy=all_greedy)
+    plp = None
+    if num_prompt_logprobs is not None:
+        all_logits = model.compute_logits(params, hidden)  # f32[T, V]
+        plp = prompt_logprobs(all_logits, prompt_targets, num=num_prompt_logprobs)
+    return kv_caches, out, plp
+
+
+def _all_ready(arrays: Any) -> bool:
+    """Whether every array is alive and its computation succeeded."""
+    leaves = jax.tree.leaves(arrays)
+    if any(x.is_deleted() for x in leaves):
+        return False
+    try:
+        jax.block_until_ready(leaves)
+    except Exception:  # an asynchronous failure of the computation that produced them
+        return False
+    return True
 
 
 @dataclass

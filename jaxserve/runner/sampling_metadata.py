@@ -190,7 +190,7 @@ class SamplingInputs:
     stop token ids; ``build`` emits them only for rows with ``output_pos < min_tokens``.
 
     Compiled variants: W is 0 or a power of two in [MIN_PENALTY_WIDTH, capacity] (capacity =
-    min(max_model_len, V)), B is 0 or a power of two >= MIN_BAN_WIDTH (in practice 8). A batch
+    min(max_model_len + 1, V)), B is 0 or a power of two >= MIN_BAN_WIDTH (in practice 8). A batch
     with no penalty row and no banned row uses W = B = 0.
 
     Row ``max_num_seqs`` is a hidden neutral slot: padding rows gather from it.
@@ -212,7 +212,9 @@ class SamplingInputs:
                 raise ValueError(f"SamplingInputs.{name} must be an int >= 1, got {value!r}")
         self.max_num_seqs = max_num_seqs
         self.vocab_size = vocab_size
-        self.penalty_capacity = min(max_model_len, vocab_size)
+        # Prompt + outputs hold at most max_model_len + 1 tokens (a prompt of max_model_len
+        # tokens samples one more), hence at most that many distinct ones.
+        self.penalty_capacity = min(max_model_len + 1, vocab_size)
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         n = max_num_seqs + 1  # + the neutral slot
         self._temperature = np.zeros(n, np.float32)

@@ -94,12 +94,12 @@ def test_penalty_width_is_zero_without_penalty_rows_and_bucketed_otherwise() -> 
     inputs.set_request(3, PENALISED, 0, list(range(1500)))
     assert _build(inputs, [0], 8).penalty_token_ids.shape == (8, 0)  # row 1 is not sampling
     assert _build(inputs, [0, 1], 8).penalty_token_ids.shape == (8, 512)
-    # 1500 distinct ids: the bucket 2048 is capped at the capacity min(max_model_len, V).
-    assert _build(inputs, [3, 1], 8).penalty_output_counts.shape == (8, 2000)
+    # 1500 distinct ids: the bucket 2048 is capped at the capacity min(max_model_len + 1, V).
+    assert _build(inputs, [3, 1], 8).penalty_output_counts.shape == (8, 2001)
     inputs.append_output_token(1, 4000)
     assert _lists(_build(inputs, [1], 1), 0)[4000] == 1
-    with pytest.raises(ValueError, match="penalty_capacity=2000"):
-        inputs.set_request(1, SamplingParams(presence_penalty=1.0), 9, list(range(2001)))
+    with pytest.raises(ValueError, match="penalty_capacity=2001"):
+        inputs.set_request(1, SamplingParams(presence_penalty=1.0), 9, list(range(2002)))
     before = _build(inputs, [1], 1)  # the failed call changed nothing
     assert before.presence_penalty[0] == 0.0 and before.seeds[0, 1] == 0
     assert _lists(before, 0) == {**dict.fromkeys(range(300), 0), 4000: 1}

@@ -39,19 +39,10 @@ def validate_request(
     ):
         raise ValueError(f"request {rid!r} is not fresh (status {request.status.name})")
     num_prompt = request.num_prompt_tokens
-    if num_prompt == 0:
-        raise ValueError(f"request {rid!r}: the prompt is empty (0 tokens); need >= 1")
-    if num_prompt > max_model_len:
-        raise ValueError(
-            f"request {rid!r}: prompt has {num_prompt} tokens, more than "
-            f"max_model_len={max_model_len}"
-        )
-    num_blocks = -(-num_prompt // block_size)
-    if num_blocks > num_usable_blocks:
-        raise ValueError(
-            f"request {rid!r}: prompt of {num_prompt} tokens needs {num_blocks} KV blocks of "
-            f"{block_size} tokens, but the pool has only {num_usable_blocks} usable blocks"
-        )
+    try:
+        check_prompt_length(num_prompt, max_model_len, block_size, num_usable_blocks)
+    except ValueError as e:
+        raise ValueError(f"request {rid!r}: {e}") from None
     if parent_req_id is None:
         return
     parent = requests.get(parent_req_id)
@@ -61,6 +52,25 @@ def validate_request(
         raise ValueError(
             f"request {rid!r}: prompt ({num_prompt} tokens) differs from that of its parent "
             f"{parent.request_id!r} ({parent.num_prompt_tokens} tokens)"
+        )
+
+
+def check_prompt_length(
+    num_prompt: int, max_model_len: int, block_size: int, num_usable_blocks: int
+) -> None:
+    """Raise ValueError (naming the numbers) unless a prompt of ``num_prompt`` tokens can ever
+    be served: at least one token, at most max_model_len, and fitting the whole KV pool."""
+    if num_prompt == 0:
+        raise ValueError("the prompt is empty (0 tokens); need >= 1")
+    if num_prompt > max_model_len:
+        raise ValueError(
+            f"prompt has {num_prompt} tokens, more than max_model_len={max_model_len}"
+        )
+    num_blocks = -(-num_prompt // block_size)
+    if num_blocks > num_usable_blocks:
+        raise ValueError(
+            f"prompt of {num_prompt} tokens needs {num_blocks} KV blocks of {block_size} "
+            f"tokens, but the pool has only {num_usable_blocks} usable blocks"
         )
 
 

@@ -21,7 +21,11 @@ from collections.abc import Iterable
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.kv_cache_utils import KVCacheBlock
-from jaxserve.core.sched.admission import generation_limit, validate_request
+from jaxserve.core.sched.admission import (
+    check_prompt_length,
+    generation_limit,
+    validate_request,
+)
 from jaxserve.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from jaxserve.core.sched.output_processor import append_samples, attach_prompt_logprobs
 from jaxserve.core.sched.policy import make_policy
@@ -53,10 +57,10 @@ class Scheduler:
         self.max_model_len = scheduler_config.max_model_len
         self.block_size = cache_config.block_size
         self.enable_caching = cache_config.enable_prefix_caching
-        self.kv_cache_manager = KVCacheManager(
-            self.block_size, num_kv_blocks, self.enable_caching, self.max_model_len
-        )
+        self.num_kv_blocks = num_kv_blocks
+        self.kv_cache_manager = self._new_kv_cache_manager()
         self.num_usable_blocks = num_kv_blocks - 1
+        self.policy = scheduler_config.policy
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self.waiting, self._sort_key = make_policy(scheduler_config.policy)
         self.running: list[Request] = []  # sorted by _sort_key: the last one is preempted first
@@ -101,6 +105,13 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
+    def check_prompt_length(self, num_prompt_tokens: int) -> None:
+        """Raise ValueError unless a prompt of this many tokens can ever be served (what
+        add_request checks), so a caller can refuse a batch before queueing any of it."""
+        check_prompt_length(
+            num_prompt_tokens, self.max_model_len, self.block_size, self.num_usable_blocks
+        )
+
     def finish_requests(
         self, req_ids: str | Iterable[str], finished_status: RequestStatus
     ) -> list[EngineCoreOutput]:
@@ -143,6 +154,26 @@ class Scheduler:
         """finish_requests with FINISHED_ABORTED (finish_reason "abort")."""
         return self.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
 
+    def abort_all_requests(self) -> list[str]:
+        """Abort every unfinished request and free every block, trusting no queue: the recovery
+        of a step that raised part-way (an error, or Ctrl-C), after which ``waiting``,
+        ``running`` and the block tables may disagree. The prefix cache survives unless the
+        pool lost track of a block, in which case the pool is rebuilt empty.
+
+        Returns:
+            The ids aborted (the runner is told through ``finished_req_ids`` as usual).
+        """
+        req_ids = list(self.requests)
+        for req in self.requests.values():
+            req.status = RequestStatus.FINISHED_ABORTED
+        self.requests.clear()
+        self.running = []
+        self.waiting, _ = make_policy(self.policy)
+        self._finished_req_ids.update(req_ids)
+        if not self.kv_cache_manager.free_all():
+            self.kv_cache_manager = self._new_kv_cache_manager(self.kv_cache_manager)
+        return req_ids
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -167,6 +198,17 @@ class Scheduler:
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block hash; only possible while no request holds a block."""
         return self.kv_cache_manager.reset_prefix_cache()
+
+    def _new_kv_cache_manager(self, counters_from: KVCacheManager | None = None) -> KVCacheManager:
+        """An empty pool; the stats counters carry over from ``counters_from`` if given."""
+        kv = KVCacheManager(
+            self.block_size, self.num_kv_blocks, self.enable_caching, self.max_model_len
+        )
+        if counters_from is not None:
+            kv.prefix_cache_queries = counters_from.prefix_cache_queries
+            kv.prefix_cache_hits = counters_from.prefix_cache_hits
+            kv.num_cow_copies = counters_from.num_cow_copies
+        return kv
 
     # ----------------------------------------------------------------------------- schedule
 
