@@ -15,19 +15,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import importlib
 import json
 import math
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING, Any
 
 from jaxserve.config import ATTENTION_BACKENDS
 from jaxserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
+    from jaxserve.engine.llm_engine import LLMEngine
     from jaxserve.outputs import RequestOutput
 
 AddParser = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
@@ -73,6 +75,7 @@ class PromptRequest:
     prompt: str | None
     prompt_token_ids: list[int] | None
     params: SamplingParams
+    where: str = field(default="", compare=False)  # its input line ("p.jsonl:3", "--prompt 2")
 
     def engine_prompt(self) -> str | dict[str, list[int]]:
         """The prompt in the form LLM.generate takes."""
@@ -147,7 +150,7 @@ def parse_prompt_line(line: str, where: str, defaults: dict[str, Any], index: in
         )
     sampling = {k: v for k, v in obj.items() if k in SAMPLING_FIELDS}
     params = make_sampling_params({**defaults, **sampling}, where)
-    return PromptRequest(str(request_id), prompt, prompt_token_ids, params)
+    return PromptRequest(str(request_id), prompt, prompt_token_ids, params, where)
 
 
 def read_prompt_lines(
@@ -221,7 +224,10 @@ def collect_requests(args: argparse.Namespace) -> list[PromptRequest]:
     defaults = sampling_defaults(args)
     if args.prompt:
         params = make_sampling_params(defaults, "command line")
-        return [PromptRequest(str(i), p, None, params) for i, p in enumerate(args.prompt)]
+        return [
+            PromptRequest(str(i), p, None, params, f"--prompt {i + 1}")
+            for i, p in enumerate(args.prompt)
+        ]
     if args.input == "-":
         return read_prompt_lines(sys.stdin, "<stdin>", defaults)
     try:
@@ -317,8 +323,23 @@ def format_summary(
     )
 
 
+def check_requests(engine: LLMEngine, requests: Sequence[PromptRequest]) -> None:
+    """Run the engine's own checks (vocabulary, tokenization, max_model_len, pool size) on
+    every request before any is queued.
+
+    Raises:
+        InputError: naming the request's input line and request_id.
+    """
+    for request in requests:
+        try:
+            engine.check_request(request.engine_prompt(), request.params)
+        except (TypeError, ValueError) as e:
+            raise InputError(f"{request.where} (request_id {request.request_id!r}): {e}") from None
+
+
 def run_generate(args: argparse.Namespace) -> int:
-    """``jaxserve generate``: the exit code (0, or 2 for bad input)."""
+    """``jaxserve generate``: the exit code (0, or 2 for bad input: a bad line or flag, a
+    missing or malformed model)."""
     try:
         requests = collect_requests(args)
     except InputError as e:
@@ -329,15 +350,21 @@ def run_generate(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         llm = LLM(model=args.model, **engine_kwargs(args))
         load_s = time.perf_counter() - start
-        start = time.perf_counter()
-        outputs = llm.generate(
-            [r.engine_prompt() for r in requests],
-            [r.params for r in requests],
-            use_tqdm=not args.no_progress,
-        )
-        elapsed_s = time.perf_counter() - start
-    except ValueError as e:  # the engine's bad-input errors (DESIGN.md section 7)
+        check_requests(llm.engine, requests)
+    except (OSError, TypeError, ValueError) as e:  # bad model or input (DESIGN.md section 7)
         return _fail(str(e))
+    # This process owns the engine until it exits: keep the cyclic GC from rescanning the
+    # engine's many long-lived objects at every collection while it runs (as vLLM's engine
+    # process does). A library LLM never freezes: a notebook must get a dropped LLM back.
+    gc.collect()
+    gc.freeze()
+    start = time.perf_counter()
+    outputs = llm.generate(
+        [r.engine_prompt() for r in requests],
+        [r.params for r in requests],
+        use_tqdm=not args.no_progress,
+    )
+    elapsed_s = time.perf_counter() - start
     records = [
         rec for req, out in zip(requests, outputs, strict=True) for rec in output_records(req, out)
     ]

@@ -42,7 +42,7 @@ class ModelConfig:
     dtype: str = "auto"
     max_model_len: int | None = None
     seed: int = 0
-    tokenizer: str | None = None  # defaults to `model`
+    tokenizer: str | None = None  # a folder with tokenizer.json; None: the model's own
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -51,6 +51,12 @@ class ModelConfig:
         _positive_int("ModelConfig", "max_model_len", self.max_model_len, allow_none=True)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"ModelConfig.seed must be an int, got {self.seed!r}")
+        if self.tokenizer is not None and (
+            not isinstance(self.tokenizer, str) or not self.tokenizer
+        ):
+            raise TypeError(
+                f"ModelConfig.tokenizer must be a folder path (str) or None, got {self.tokenizer!r}"
+            )
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from jaxserve.engine.chat import missing_chat_template_error, render_chat
+from jaxserve.engine.interrupts import InterruptGuard, defer_sigint
 from jaxserve.engine.llm_engine import LLMEngine, PromptType
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
@@ -76,12 +77,14 @@ class LLM:
             except (TypeError, ValueError) as e:
                 raise type(e)(f"prompts[{i}]: {e}") from None
             checked.append(({"prompt": text, "prompt_token_ids": token_ids}, params))
-        with engine.exclusive():
-            request_ids = [str(next(self._counter)) for _ in checked]
+        request_ids = [str(next(self._counter)) for _ in checked]
+        # Ctrl-C is held to the next safe point (interrupts.py), and never interrupts the
+        # abort that it triggers.
+        with engine.exclusive(), defer_sigint() as interrupt:
             try:
                 for rid, (prompt, params) in zip(request_ids, checked, strict=True):
                     engine.add_request(rid, prompt, params)
-                return self._run(request_ids, use_tqdm)
+                return self._run(request_ids, use_tqdm, interrupt)
             except BaseException:
                 engine.abort_request(request_ids)
                 raise
@@ -102,7 +105,9 @@ class LLM:
                 raise TypeError(f"sampling_params[{i}] must be a SamplingParams, got {p!r}")
         return params
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self, request_ids: list[str], use_tqdm: bool, interrupt: InterruptGuard
+    ) -> list[RequestOutput]:
         """Step the engine until every request of ``request_ids`` has finished."""
         finished: dict[str, RequestOutput] = {}
         pending = set(request_ids)
@@ -111,6 +116,7 @@ class LLM:
         num_in = num_out = 0
         try:
             while pending:
+                interrupt.check()
                 for out in self.engine.step(finished_only=True):
                     if out.request_id not in pending:
                         continue  # a request added to the engine directly, not by this call

@@ -8,7 +8,8 @@ Failure and concurrency contract:
 - Every public method holds the engine's lock (a re-entrant one), so calls from several threads
   are serialised, never interleaved inside a step; ``exclusive()`` holds it across several calls
   (``LLM.generate`` runs its whole batch under it).
-- Ctrl-C inside ``step()`` is held until the step ends (interrupts.defer_sigint).
+- Ctrl-C inside ``step()`` is held until the step ends (interrupts.defer_sigint), then raised
+  as KeyboardInterrupt: the step counts as failed (below).
 - A ``step()`` that raises, for any reason (an error, or Ctrl-C), first aborts every unfinished
   request and frees all their blocks, then lets the exception through: the engine is left empty
   and ready, never half-updated. KV pages that the failed step left unusable are reallocated
@@ -167,7 +168,9 @@ class LLMEngine:
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         params = params.clone()
         if isinstance(priority, bool) or not isinstance(priority, int):
-            raise TypeError(f"priority must be an int, got {priority!r} ({type(priority).__name__})")
+            raise TypeError(
+                f"priority must be an int, got {priority!r} ({type(priority).__name__})"
+            )
         text, token_ids = self.process_prompt(prompt)
         self.scheduler.check_prompt_length(len(token_ids))
         return text, token_ids, params
@@ -269,13 +272,13 @@ class LLMEngine:
             Whatever the step raised (KeyboardInterrupt included), after aborting every
             unfinished request: see the module docstring.
         """
-        with self._lock:
+        with self._lock, defer_sigint() as interrupt:
             try:
-                with defer_sigint():
-                    return self._step(finished_only)
+                outputs = self._step(finished_only)
+                interrupt.check()  # a Ctrl-C held during the step aborts like a failure
+                return outputs
             except BaseException:
-                with defer_sigint():
-                    self._recover()
+                self._recover()  # Ctrl-C is held here: the recovery runs to its end
                 raise
 
     def _recover(self) -> None:

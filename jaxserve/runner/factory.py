@@ -7,10 +7,12 @@ sized. The engine gets back plain host facts (RunnerInfo) plus the runner.
 
 from __future__ import annotations
 
+import pathlib
 from dataclasses import dataclass, replace
 
 from jaxserve.checkpoints_tools import LoadedCheckpoint, TokenizerInfo, load_checkpoint
 from jaxserve.checkpoints_tools.load import load_arch
+from jaxserve.checkpoints_tools.tokenizer import load_tokenizer
 from jaxserve.config import EngineConfig
 from jaxserve.models import CausalLM, get_model
 from jaxserve.pallas_kernels.ragged_paged_attention import (
@@ -81,6 +83,26 @@ def resolve_max_model_len(requested: int | None, ckpt: LoadedCheckpoint) -> int:
     return requested
 
 
+def replace_tokenizer(ckpt: LoadedCheckpoint, tokenizer: str) -> LoadedCheckpoint:
+    """The checkpoint with the tokenizer of another folder (LLM(tokenizer=...)); generation
+    stops at the EOS ids of both the model's config and that tokenizer.
+
+    Raises:
+        FileNotFoundError: the folder does not exist.
+        ValueError: it has no tokenizer.json, or a malformed one (the file is named).
+    """
+    folder = pathlib.Path(tokenizer)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"tokenizer={tokenizer!r}: no such folder")
+    info = load_tokenizer(folder)
+    if info.tokenizer is None:
+        raise ValueError(f"tokenizer={tokenizer!r}: {folder / 'tokenizer.json'} not found")
+    eos_token_ids = ckpt.eos_token_ids | info.eos_token_ids
+    return replace(
+        ckpt, tokenizer=replace(info, eos_token_ids=eos_token_ids), eos_token_ids=eos_token_ids
+    )
+
+
 def _num_kv_blocks(
     config: EngineConfig,
     model: CausalLM,
@@ -125,6 +147,8 @@ def build_runner(config: EngineConfig) -> tuple[ModelRunner, RunnerInfo]:
     ckpt = load_checkpoint(
         config.model.model, dtype=config.model.dtype, param_sharding=plan.param_sharding
     )
+    if config.model.tokenizer is not None:
+        ckpt = replace_tokenizer(ckpt, config.model.tokenizer)
     max_model_len = resolve_max_model_len(config.model.max_model_len, ckpt)
     model = get_model(ckpt.arch, dtype=ckpt.dtype, attention_backend=backend)
     cache = config.cache

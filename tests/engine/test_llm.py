@@ -6,23 +6,9 @@ from __future__ import annotations
 import random
 
 import pytest
+from engine_utils import SMALL, assert_nothing_held, random_prompts
 
 from jaxserve import LLM, LLMEngine, SamplingParams
-
-SMALL = dict(block_size=8, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128)
-
-
-def _random_prompts(n: int, seed: int, lo: int = 4, hi: int = 50) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 1000) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
-
-
-def assert_nothing_held(engine: LLMEngine) -> None:
-    stats = engine.get_stats()
-    assert not engine.has_unfinished_requests()
-    assert not engine.scheduler.has_unfinished_requests()
-    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
-    assert all(b.ref_cnt == 0 for b in engine.scheduler.kv_cache_manager.block_pool.blocks[1:])
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +33,7 @@ def test_generate_returns_outputs_in_input_order(llm):
 
 
 def test_greedy_and_seeded_tokens_do_not_depend_on_the_batch(llm):
-    target = _random_prompts(1, seed=1, lo=30, hi=31)[0]
+    target = random_prompts(1, seed=1, lo=30, hi=31)[0]
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     seeded = SamplingParams(
         temperature=0.9, top_p=0.9, top_k=50, seed=1234, max_tokens=24, ignore_eos=True
@@ -64,7 +50,7 @@ def test_greedy_and_seeded_tokens_do_not_depend_on_the_batch(llm):
         max_num_batched_tokens=16,
         max_model_len=128,
     )
-    others = _random_prompts(5, seed=2)
+    others = random_prompts(5, seed=2)
     other_params = [SamplingParams(temperature=0.7, max_tokens=20, ignore_eos=True)] * 5
     outs = crowded.generate(
         [target, target] + others, [greedy, seeded] + other_params, use_tqdm=False
@@ -76,7 +62,7 @@ def test_greedy_and_seeded_tokens_do_not_depend_on_the_batch(llm):
 
 
 def test_unseeded_requests_follow_the_engine_seed():
-    prompts = _random_prompts(3, seed=3)
+    prompts = random_prompts(3, seed=3)
     params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
     runs = [
         [
@@ -115,7 +101,7 @@ def test_nothing_compiles_after_warmup():
                 max_tokens=rng.randrange(1, 12),
                 seed=rng.randrange(9),
             )
-            engine.add_request(str(next_id), _random_prompts(1, seed=next_id, hi=40)[0], params)
+            engine.add_request(str(next_id), random_prompts(1, seed=next_id, hi=40)[0], params)
             next_id += 1
         engine.step()
     while engine.has_unfinished_requests():
@@ -127,7 +113,7 @@ def test_nothing_compiles_after_warmup():
 def test_abort_at_every_stage_frees_everything():
     engine = LLMEngine("tiny-random-llama", num_kv_blocks=12, **SMALL)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    prompts = _random_prompts(6, seed=4, lo=20, hi=60)
+    prompts = random_prompts(6, seed=4, lo=20, hi=60)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params)
     engine.abort_request("5")  # still waiting
@@ -231,7 +217,7 @@ def test_get_stats_keys(llm):
 def test_finished_only_steps_return_the_same_final_outputs():
     """step(finished_only=True) (what LLM.generate uses) returns each request once, when it
     finishes, equal to the final output of a step() run with the same seeds."""
-    prompts = _random_prompts(6, seed=11)
+    prompts = random_prompts(6, seed=11)
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=3 + 2 * i) for i in range(6)]
     finals = []
     for finished_only in (False, True):

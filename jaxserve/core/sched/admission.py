@@ -63,9 +63,7 @@ def check_prompt_length(
     if num_prompt == 0:
         raise ValueError("the prompt is empty (0 tokens); need >= 1")
     if num_prompt > max_model_len:
-        raise ValueError(
-            f"prompt has {num_prompt} tokens, more than max_model_len={max_model_len}"
-        )
+        raise ValueError(f"prompt has {num_prompt} tokens, more than max_model_len={max_model_len}")
     num_blocks = -(-num_prompt // block_size)
     if num_blocks > num_usable_blocks:
         raise ValueError(
