@@ -8,7 +8,9 @@ SUBCOMMANDS below.
 
 ``jaxserve generate`` reads prompts (``--prompt``, repeatable, or ``--input`` JSONL), runs
 ``LLM.generate`` and writes one JSON object per completion (``--output``) or prints them, then a
-summary. Bad input exits with code 2 and a message naming the line and the field.
+summary. Bad input exits with code 2 and a message naming the line and the field: a bad line
+or flag, a prompt the engine refuses (too long, a token outside the vocabulary; the line and
+its request_id are named), a missing or malformed model folder (the file is named).
 """
 
 from __future__ import annotations
@@ -353,18 +355,21 @@ def run_generate(args: argparse.Namespace) -> int:
         check_requests(llm.engine, requests)
     except (OSError, TypeError, ValueError) as e:  # bad model or input (DESIGN.md section 7)
         return _fail(str(e))
-    # This process owns the engine until it exits: keep the cyclic GC from rescanning the
-    # engine's many long-lived objects at every collection while it runs (as vLLM's engine
-    # process does). A library LLM never freezes: a notebook must get a dropped LLM back.
+    # While the batch runs, keep the cyclic GC from rescanning the engine's many long-lived
+    # objects at every collection (as vLLM's engine process does). A library LLM never
+    # freezes (a notebook must get a dropped LLM back), so this ends with the run.
     gc.collect()
     gc.freeze()
-    start = time.perf_counter()
-    outputs = llm.generate(
-        [r.engine_prompt() for r in requests],
-        [r.params for r in requests],
-        use_tqdm=not args.no_progress,
-    )
-    elapsed_s = time.perf_counter() - start
+    try:
+        start = time.perf_counter()
+        outputs = llm.generate(
+            [r.engine_prompt() for r in requests],
+            [r.params for r in requests],
+            use_tqdm=not args.no_progress,
+        )
+        elapsed_s = time.perf_counter() - start
+    finally:
+        gc.unfreeze()
     records = [
         rec for req, out in zip(requests, outputs, strict=True) for rec in output_records(req, out)
     ]

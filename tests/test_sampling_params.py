@@ -86,3 +86,25 @@ def test_engine_config_from_flat_kwargs():
     assert cfg.model.model == "m" and cfg.model.max_model_len == 99
     assert cfg.cache.block_size == 32 and not cfg.cache.enable_prefix_caching
     assert cfg.scheduler.max_num_seqs == 4 and cfg.runner.attention_backend == "xla"
+
+
+@pytest.mark.parametrize(
+    "name", ["ignore_eos", "skip_special_tokens", "include_stop_str_in_output"]
+)
+def test_bool_fields_are_type_checked(name):
+    with pytest.raises(TypeError, match=rf"SamplingParams.{name} must be a bool, got 'yes'"):
+        SamplingParams(**{name: "yes"})
+
+
+def test_clone_revalidates_and_shares_no_list():
+    params = SamplingParams(stop=["a"], stop_token_ids=[7], temperature=0.5)
+    params.stop.append("b")  # changed after construction: honoured by the clone
+    params.top_k = 5
+    clone = params.clone()
+    assert clone.stop_strings == ("a", "b") and clone.top_k == 5
+    params.stop.append("c")
+    params.stop_token_ids.append(8)
+    assert clone.stop == ["a", "b"] and clone.all_stop_token_ids == frozenset({7})
+    params.top_p = 0.0
+    with pytest.raises(ValueError, match=r"SamplingParams.top_p must be in \(0, 1\], got 0.0"):
+        params.clone()

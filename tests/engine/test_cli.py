@@ -288,3 +288,59 @@ def test_generate_end_to_end(tmp_path: pathlib.Path, capsys: pytest.CaptureFixtu
     summary = capsys.readouterr().out
     assert "requests:           3 (4 completions)" in summary
     assert f"output tokens:      {sum(len(r['token_ids']) for r in records)}" in summary
+
+
+SMALL_ENGINE = [
+    # One token bucket (16) and one request bucket (8): a single XLA compilation.
+    "--max-model-len", "32", "--num-kv-blocks", "16", "--max-num-seqs", "8",
+    "--max-num-batched-tokens", "16",
+]  # fmt: skip
+
+
+def test_prompts_at_the_length_limit(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prompts = tmp_path / "p.jsonl"
+    lines = [{"prompt_token_ids": [5] * n, "request_id": f"len{n}"} for n in (31, 32)]
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "out.jsonl"
+    argv = ["generate", "--input", str(prompts), "--output", str(out), "--no-progress"]
+    assert cli.main([*argv, "--max-tokens", "4", *SMALL_ENGINE]) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["request_id"], len(r["token_ids"]), r["finish_reason"]) for r in records] == [
+        ("len31", 1, "length"),
+        ("len32", 1, "length"),
+    ]
+    with prompts.open("a") as f:
+        f.write(json.dumps({"prompt_token_ids": [5] * 33, "request_id": "len33"}) + "\n")
+    assert cli.main([*argv, *SMALL_ENGINE]) == 2
+    err = capsys.readouterr().err
+    assert f"{prompts}:3 (request_id 'len33'): prompt has 33 tokens, more than " in err
+    assert "max_model_len=32" in err
+
+
+def test_engine_side_errors_name_the_line_and_request_id(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "ok"}\n{"prompt_token_ids": [5, 99999]}\n')
+    assert cli.main(["generate", "--input", str(prompts), *SMALL_ENGINE]) == 2
+    err = capsys.readouterr().err
+    assert f"{prompts}:2 (request_id '1'): prompt_token_ids: token id 99999 is outside" in err
+    assert cli.main(["generate", "--prompt", "ok", "--prompt", "a\ud800", *SMALL_ENGINE]) == 2
+    assert (
+        "--prompt 2 (request_id '1'): prompt text is not valid Unicode" in capsys.readouterr().err
+    )
+
+
+def test_missing_or_malformed_model_exits_2(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "no-such-model"
+    assert cli.main(["generate", "--prompt", "a", "--model", str(missing)]) == 2
+    assert f"model {str(missing)!r} is neither a built-in model" in capsys.readouterr().err
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    assert cli.main(["generate", "--prompt", "a", "--model", str(broken)]) == 2
+    assert f"{broken / 'config.json'}: malformed JSON" in capsys.readouterr().err
