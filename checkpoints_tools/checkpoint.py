@@ -1,8 +1,9 @@
-"""LoadedCheckpoint (what every loader returns) and the helpers loaders share: dtype names and
-placing one parameter on device."""
+"""LoadedCheckpoint (what every loader returns) and the helpers loaders share: dtype names, the
+architecture of a config file, and placing one parameter on device."""
 
 from __future__ import annotations
 
+import pathlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.checkpoints_tools.tokenizer import TokenizerInfo
-from jaxserve.models import ModelArchConfig
+from jaxserve.models import ModelArchConfig, arch_config_from_hf
 
 DTYPE_NAMES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -72,3 +73,17 @@ def set_path(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
     for key in path[:-1]:
         tree = tree.setdefault(key, {})
     tree[path[-1]] = value
+
+
+def arch_from_config(cfg: dict[str, Any], config_file: pathlib.Path) -> ModelArchConfig:
+    """arch_config_from_hf(cfg), with its errors prefixed by the file they came from.
+
+    Raises:
+        ValueError / TypeError: as arch_config_from_hf, the message starting with config_file.
+    """
+    try:
+        return arch_config_from_hf(cfg)
+    except TypeError as e:
+        raise TypeError(f"{config_file}: {e}") from None
+    except ValueError as e:
+        raise ValueError(f"{config_file}: {e}") from None

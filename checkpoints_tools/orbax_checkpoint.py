@@ -26,9 +26,14 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxserve.checkpoints_tools.checkpoint import LoadedCheckpoint, ParamSharding, resolve_dtype
+from jaxserve.checkpoints_tools.checkpoint import (
+    LoadedCheckpoint,
+    ParamSharding,
+    arch_from_config,
+    resolve_dtype,
+)
 from jaxserve.checkpoints_tools.tokenizer import load_tokenizer, read_json, read_optional_json
-from jaxserve.models import arch_config_from_hf, get_model
+from jaxserve.models import get_model
 
 MARKER_FILE = "jaxserve_orbax.json"
 PARAMS_DIR = "params"
@@ -155,6 +160,7 @@ def load_orbax_checkpoint(
         ValueError: an unfinished conversion (no marker); a missing, unexpected or mis-shaped
             array (named); unknown dtype; unsupported architecture; malformed JSON (file named).
         FileNotFoundError: config.json or params/ missing.
+        TypeError: a config.json value of the wrong type (file and key named).
     """
     import orbax.checkpoint as ocp
 
@@ -165,10 +171,7 @@ def load_orbax_checkpoint(
     for needed in (config_file, params_dir):
         if not needed.exists():
             raise FileNotFoundError(f"{needed}: missing from the Orbax checkpoint")
-    try:
-        arch = arch_config_from_hf(read_json(config_file))
-    except ValueError as e:
-        raise ValueError(f"{config_file}: {e}") from None
+    arch = arch_from_config(read_json(config_file), config_file)
     np_dtype = resolve_dtype(dtype, marker.get("dtype"))
     shapes = get_model(arch, dtype=np_dtype).param_shapes()
     default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])

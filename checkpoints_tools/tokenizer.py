@@ -30,7 +30,9 @@ class TokenizerInfo:
 def read_json(path: pathlib.Path) -> dict[str, Any]:
     """A JSON object from a file; ValueError naming the file when it is not one."""
     try:
-        value = json.loads(path.read_text())
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:  # a ValueError whose message does not name the file
+        raise ValueError(f"{path}: not UTF-8 text ({e})") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: malformed JSON ({e})") from None
     if not isinstance(value, dict):

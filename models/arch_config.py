@@ -6,6 +6,7 @@ the fields below; models/registry.py builds this config from a Hugging Face conf
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,8 +25,12 @@ def _check_positive_int(name: str, value: object) -> None:
 
 
 def _check_positive_float(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"ModelArchConfig.{name} must be a number > 0, got {value!r}")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not (math.isfinite(value) and value > 0)
+    ):
+        raise ValueError(f"ModelArchConfig.{name} must be a finite number > 0, got {value!r}")
 
 
 def normalize_rope_scaling(rope_scaling: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -64,6 +69,9 @@ def normalize_rope_scaling(rope_scaling: dict[str, Any] | None) -> dict[str, Any
             raise ValueError(f"rope_scaling of type {rope_type!r} needs {key!r}: {rope_scaling}")
         value = rope_scaling[key]
         _check_positive_float(f"rope_scaling[{key!r}]", value)
+        if key == "original_max_position_embeddings" and value != int(value):
+            # A token count: truncating 8192.5 would silently change the scaling.
+            raise ValueError(f"rope_scaling[{key!r}] must be a whole number, got {value!r}")
         out[key] = int(value) if key == "original_max_position_embeddings" else float(value)
     if rope_type == "llama3" and not out["high_freq_factor"] > out["low_freq_factor"]:
         raise ValueError(

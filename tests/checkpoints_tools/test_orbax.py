@@ -19,7 +19,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams, cli
 from jaxserve.checkpoints_tools import convert as convert_module
-from jaxserve.checkpoints_tools import load_checkpoint
+from jaxserve.checkpoints_tools import load_checkpoint, orbax_checkpoint
 from jaxserve.checkpoints_tools.convert import convert_hf_to_orbax
 from jaxserve.checkpoints_tools.orbax_checkpoint import MARKER_FILE, PARAMS_DIR, save_params
 
@@ -115,7 +115,7 @@ def test_failed_conversion_leaves_nothing(hf_dir, tmp_path, monkeypatch):
     def fail(*args, **kwargs):
         raise KeyboardInterrupt  # e.g. Ctrl-C just before the marker
 
-    monkeypatch.setattr(convert_module, "write_marker", fail)
+    monkeypatch.setattr(orbax_checkpoint, "write_marker", fail)
     with pytest.raises(KeyboardInterrupt):
         convert_hf_to_orbax(hf_dir, tmp_path / "orbax")
     assert list(tmp_path.iterdir()) == []
@@ -123,10 +123,10 @@ def test_failed_conversion_leaves_nothing(hf_dir, tmp_path, monkeypatch):
 
 _KILLED_CONVERSION = """
 import os, signal, sys
-from jaxserve.checkpoints_tools import convert
+from jaxserve.checkpoints_tools import convert, orbax_checkpoint
 def killed(*args, **kwargs):
     os.kill(os.getpid(), signal.SIGKILL)  # the params are on disk, the marker is not
-convert.write_marker = killed
+orbax_checkpoint.write_marker = killed
 convert.convert_hf_to_orbax(sys.argv[1], sys.argv[2])
 """
 

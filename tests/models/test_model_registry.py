@@ -134,3 +134,96 @@ def test_normalize_rope_scaling_requires_keys() -> None:
         normalize_rope_scaling({"rope_type": "default", "partial_rotary_factor": 0.5})
     with pytest.raises(ValueError, match="mscale"):
         normalize_rope_scaling({"rope_type": "linear", "factor": 2.0, "mscale": 1.0})
+
+
+@pytest.mark.parametrize(
+    "key, value, error, named",
+    [
+        ("num_attention_heads", 0, ValueError, "num_attention_heads must be >= 1, got 0"),
+        ("num_attention_heads", -4, ValueError, "num_attention_heads must be >= 1, got -4"),
+        ("num_attention_heads", None, TypeError, "num_attention_heads must be an int, got None"),
+        ("num_attention_heads", "32", TypeError, "num_attention_heads must be an int, got '32'"),
+        ("num_attention_heads", 32.0, TypeError, "num_attention_heads must be an int, got 32.0"),
+        ("hidden_size", 0, ValueError, "hidden_size must be >= 1, got 0"),
+        ("hidden_size", True, TypeError, "hidden_size must be an int, got True"),
+        ("vocab_size", None, TypeError, "vocab_size must be an int, got None"),
+        ("num_hidden_layers", -1, ValueError, "num_hidden_layers must be >= 1, got -1"),
+        ("intermediate_size", [1], TypeError, r"intermediate_size must be an int, got \[1\]"),
+        ("num_key_value_heads", 0, ValueError, "num_key_value_heads must be >= 1, got 0"),
+        ("head_dim", 0, ValueError, "head_dim must be >= 1, got 0"),
+        ("head_dim", "128", TypeError, "head_dim must be an int, got '128'"),
+        ("max_position_embeddings", None, TypeError, "max_position_embeddings must be an int"),
+        ("rms_norm_eps", None, TypeError, "rms_norm_eps must be a number, got None"),
+        ("rms_norm_eps", "1e-5", TypeError, "rms_norm_eps must be a number, got '1e-5'"),
+        ("rms_norm_eps", 0.0, ValueError, "rms_norm_eps must be a finite number > 0, got 0.0"),
+        ("rope_theta", float("nan"), ValueError, "rope_theta must be a finite number > 0, got nan"),
+        ("initializer_range", None, TypeError, "initializer_range must be a number, got None"),
+        ("tie_word_embeddings", "false", TypeError, "tie_word_embeddings must be true or false"),
+        ("attention_bias", 1, TypeError, "attention_bias must be true or false, got 1"),
+        ("hidden_act", None, TypeError, "hidden_act must be a string, got None"),
+        ("bos_token_id", -1, ValueError, "bos_token_id must be an int >= 0 or null, got -1"),
+        ("eos_token_id", True, ValueError, "eos_token_id must be an int or a list of ints"),
+        ("architectures", "LlamaForCausalLM", TypeError, "architectures must be a list of names"),
+    ],
+)
+def test_bad_values_name_the_key_and_value(key: str, value, error: type, named: str) -> None:
+    """A zero head count used to raise ZeroDivisionError, a null float() TypeError, a string
+    "false" to be taken as True: each value is checked before it is used, and named."""
+    with pytest.raises(error, match=named):
+        arch_config_from_hf(_cfg(**{key: value}))
+
+
+def test_missing_head_count_and_derived_sizes() -> None:
+    cfg = _cfg()
+    del cfg["num_attention_heads"]
+    with pytest.raises(ValueError, match="lacks required key 'num_attention_heads'"):
+        arch_config_from_hf(cfg)
+    # null means "derive" for these two, as in transformers.
+    arch = arch_config_from_hf(_cfg(head_dim=None, num_key_value_heads=None))
+    assert arch.head_dim == 128 and arch.num_kv_heads == 32
+    with pytest.raises(ValueError, match="hidden_size=16 is smaller than num_attention_heads=32"):
+        arch_config_from_hf(_cfg(hidden_size=16))
+    assert arch_config_from_hf(_cfg(hidden_size=16, head_dim=2)).head_dim == 2
+
+
+def test_qwen_config_values_are_checked() -> None:
+    with pytest.raises(ValueError, match="layer_types='full_attention'"):
+        arch_config_from_hf(_cfg("Qwen3ForCausalLM", layer_types="full_attention"))
+    with pytest.raises(TypeError, match="sliding_window must be an int, got '4096'"):
+        arch_config_from_hf(_cfg("MistralForCausalLM", sliding_window="4096"))
+
+
+def test_rope_scaling_and_rope_parameters_must_agree() -> None:
+    """Both present used to mean rope_scaling silently ignored (transformers 5 itself would take
+    rope_scaling's factors): now they must describe the same scaling."""
+    params = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    with pytest.raises(ValueError, match=r"rope_parameters=.*factor': 2\.0.*rope_scaling=.*4\.0"):
+        arch_config_from_hf(
+            _cfg(rope_parameters=params, rope_scaling={"type": "linear", "factor": 4})
+        )
+    llama3 = {"rope_type": "llama3", **LLAMA3_SCALING}
+    with pytest.raises(ValueError, match="describe different RoPE scalings"):
+        arch_config_from_hf(_cfg(rope_parameters=params, rope_scaling=llama3))
+    with pytest.raises(ValueError, match="describe different RoPE scalings"):
+        arch_config_from_hf(_cfg(rope_parameters={"rope_type": "default"}, rope_scaling=llama3))
+    # The same scaling in both spellings, or a null rope_scaling: accepted.
+    same = arch_config_from_hf(
+        _cfg(rope_parameters=params, rope_scaling={"type": "linear", "factor": 2})
+    )
+    assert same.rope_scaling == {"type": "linear", "factor": 2.0}
+    assert arch_config_from_hf(_cfg(rope_parameters=params, rope_scaling=None)) == same
+
+
+def test_rope_theta_given_twice_must_agree() -> None:
+    params = {"rope_type": "default", "rope_theta": 1e6}
+    with pytest.raises(ValueError, match="different RoPE thetas.*500000.0.*1000000.0"):
+        arch_config_from_hf(_cfg(rope_theta=500000.0, rope_parameters=params))
+    assert arch_config_from_hf(_cfg(rope_theta=1e6, rope_parameters=params)).rope_theta == 1e6
+    with pytest.raises(TypeError, match=r"rope_parameters\['rope_theta'\] must be a number"):
+        arch_config_from_hf(_cfg(rope_parameters={"rope_type": "default", "rope_theta": "1e6"}))
+
+
+def test_original_max_position_embeddings_must_be_whole() -> None:
+    scaling = {"rope_type": "llama3", **LLAMA3_SCALING, "original_max_position_embeddings": 8.5}
+    with pytest.raises(ValueError, match="original_max_position_embeddings.*whole.*8.5"):
+        arch_config_from_hf(_cfg(rope_scaling=scaling))
