@@ -30,8 +30,8 @@ import numpy as np
 
 from jaxserve.pallas_kernels.ragged_paged_attention import (
     default_gpu_config,
+    device_facts,
     ragged_paged_attention,
-    resolve_backend,
 )
 
 
@@ -197,7 +197,7 @@ def run_case(
 def _gpu_kernel_with(*args, options: dict, sm_scale: float):
     from jaxserve.pallas_kernels.ragged_paged_attention import ragged_paged_attention_gpu
 
-    interpret = resolve_backend("pallas_gpu")[1]
+    interpret = device_facts(jax.devices()[0])["platform"] != "gpu"
     return ragged_paged_attention_gpu(*args, sm_scale=sm_scale, interpret=interpret, **options)
 
 
@@ -270,8 +270,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default=None, help="JSON output path (rewritten after each row)")
     opts = parser.parse_args(argv)
     preset = PRESETS[opts.preset]
-    kernel, interpret = resolve_backend("pallas")
     device = jax.devices()[0]
+    platform = device_facts(device)["platform"]
+    # "pallas" is the Triton kernel on GPU (and, interpreted, on CPU), Mosaic TPU on TPU.
+    kernel, interpret = ("tpu", False) if platform == "tpu" else ("gpu", platform != "gpu")
     print(
         f"device: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
         f"kernel: {kernel}{' (interpret mode)' if interpret else ''}"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One prepared GPU check of the ragged paged attention kernels, end to end in under 5 minutes:
-#   1. the kernel tests natively on the GPU (pytest -m gpu tests/pallas_kernels),
+#   1. the kernel tests natively on the GPU (pytest --platform gpu -m gpu tests/pallas_kernels),
 #   2. the attention benchmark (bench/attention_kernel.py --preset h200).
 # Outputs (logs, junit XML, benchmark JSON) go to $OUT if set, else ./gpu_check_out.
 # Usage, from anywhere:  bash bench/gpu_check.sh
@@ -24,7 +24,7 @@ assert jax.default_backend() == "gpu", "no GPU visible to jax"
 PY
 [ "${PIPESTATUS[0]}" -eq 0 ] || exit 2
 
-timeout 160 "$python" -m pytest -m gpu tests/pallas_kernels -q -rs \
+timeout 160 "$python" -m pytest --platform gpu -m gpu tests/pallas_kernels -q -rs \
   --junitxml="$out/pytest_gpu.xml" 2>&1 | tee "$out/pytest_gpu.txt"
 tests_status=${PIPESTATUS[0]}
 

@@ -138,7 +138,7 @@ class StepProbe:
         reference: every row, the whole bucketed width B x P; xla and cpu: see
         xla_scored_positions; others: as needed (reported as the needed count, via a negative
         marker resolved by the caller)."""
-        backend = self.engine.info.attention_backend
+        backend = self.engine.info.plan.attention.name
         width = int(md.block_tables.shape[1])
         bs = self.engine.runner.block_size
         if backend == "reference":

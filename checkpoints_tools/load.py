@@ -11,7 +11,7 @@ from __future__ import annotations
 import pathlib
 
 from jaxserve.checkpoints_tools import orbax_checkpoint
-from jaxserve.checkpoints_tools.checkpoint import LoadedCheckpoint, ParamSharding
+from jaxserve.checkpoints_tools.checkpoint import LoadedCheckpoint, ParamSharding, arch_from_config
 from jaxserve.checkpoints_tools.hf_loader import load_hf_checkpoint
 from jaxserve.checkpoints_tools.tiny_random import (
     TINY_RANDOM_LLAMA,
@@ -19,7 +19,7 @@ from jaxserve.checkpoints_tools.tiny_random import (
     tiny_random_llama_arch,
 )
 from jaxserve.checkpoints_tools.tokenizer import read_json
-from jaxserve.models import ModelArchConfig, arch_config_from_hf
+from jaxserve.models import ModelArchConfig
 
 BUILTIN_MODELS = (TINY_RANDOM_LLAMA,)
 
@@ -61,6 +61,7 @@ def load_arch(model: str | pathlib.Path) -> ModelArchConfig:
     Raises:
         FileNotFoundError: not a built-in name, a folder, or a folder without config.json.
         ValueError: an unfinished Orbax conversion; a malformed or unsupported config.json.
+        TypeError: a config.json value of the wrong type (file and key named).
     """
     if str(model) == TINY_RANDOM_LLAMA:
         return tiny_random_llama_arch()
@@ -70,7 +71,22 @@ def load_arch(model: str | pathlib.Path) -> ModelArchConfig:
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{config_file}: missing (a checkpoint folder needs it)")
-    try:
-        return arch_config_from_hf(read_json(config_file))
-    except ValueError as e:
-        raise ValueError(f"{config_file}: {e}") from None
+    return arch_from_config(read_json(config_file), config_file)
+
+
+def declared_dtype(model: str | pathlib.Path) -> str | None:
+    """The dtype the checkpoint declares, read without its weights: the dtype an Orbax
+    checkpoint was converted to, a Hugging Face config.json's "dtype" / "torch_dtype", float32
+    for the built-in model; None when it declares none. (What dtype="auto" starts from.)
+
+    Raises:
+        FileNotFoundError / ValueError: as load_arch (call that first for its messages).
+    """
+    if str(model) == TINY_RANDOM_LLAMA:
+        return "float32"
+    folder = _folder(model)
+    if orbax_checkpoint.is_orbax_checkpoint(folder):
+        return orbax_checkpoint.read_marker(folder).get("dtype")
+    config = read_json(folder / "config.json")
+    value = config.get("dtype", config.get("torch_dtype"))
+    return value if isinstance(value, str) else None

@@ -12,7 +12,17 @@ from dataclasses import dataclass, field, fields
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Must list jaxserve.pallas_kernels.ragged_paged_attention.BACKENDS (a test checks) plus "auto";
 # this module stays free of jax, so it cannot import them.
-ATTENTION_BACKENDS = ("auto", "reference", "xla", "cpu", "pallas", "pallas_gpu", "pallas_tpu")
+ATTENTION_BACKENDS = (
+    "auto",
+    "reference",
+    "xla",
+    "cpu",
+    "pallas_mosaic_gpu",
+    "pallas_triton",
+    "pallas_tpu",
+    "pallas_gpu",
+    "pallas",
+)
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
@@ -126,10 +136,16 @@ class RunnerConfig:
     attention_backend: str = "auto"
     tensor_parallel_size: int = 1
     warmup: bool = False  # compile every bucket at start-up
+    # The plan checks its attention kernel once per process against the reference; on a
+    # mismatch it takes the next implementation with a warning, or, when strict, raises.
+    strict_kernels: bool = False
 
     def __post_init__(self) -> None:
         _choice("RunnerConfig", "attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _positive_int("RunnerConfig", "tensor_parallel_size", self.tensor_parallel_size)
+        for name in ("warmup", "strict_kernels"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"RunnerConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
 
 @dataclass(frozen=True)

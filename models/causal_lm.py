@@ -1,11 +1,11 @@
 """CausalLM: the model object the runner uses, a thin pure-function face over the Flax Decoder.
 
-    model = get_model(arch, dtype=jnp.bfloat16, attention_backend="reference")
+    model = get_model(arch, dtype=jnp.bfloat16, attention=plan.attention)  # default: reference
     params = model.init_params(jax.random.key(0))            # or a loaded checkpoint's params
     kv_caches, hidden = jax.jit(model.forward, donate_argnums=1)(params, kv_caches, ids, md)
     logits = model.compute_logits(params, hidden[logits_indices])   # f32[R, V]
 
-The object holds only static configuration (arch, dtype, backend); parameters and KV pages are
+The object holds only static configuration (arch, dtype, attention); parameters and KV pages are
 always passed in and returned, so the methods are safe to jit with the object bound.
 """
 
@@ -26,6 +26,9 @@ from jaxserve.models.attention_metadata import AttentionMetadata
 from jaxserve.models.decoder import Decoder
 from jaxserve.models.layers import KVCache
 from jaxserve.models.rope import rope_inv_freq, rope_tables
+from jaxserve.pallas_kernels.ragged_paged_attention import AttentionImpl
+
+REFERENCE = AttentionImpl("reference", "reference")
 
 PARAM_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 TP_AXIS = "tp"
@@ -52,7 +55,8 @@ _TP_SPECS = {
 
 
 class CausalLM:
-    """A decoder-only LM of one ModelArchConfig, in one parameter dtype, on one attention backend.
+    """A decoder-only LM of one ModelArchConfig, in one parameter dtype, with one attention
+    implementation (an AttentionImpl, chosen by the execution plan).
 
     Params pytree (nested dicts of arrays in `dtype`):
         embed f[V, D]
@@ -67,20 +71,22 @@ class CausalLM:
         lm_head f[V, D]   absent when arch.tie_word_embeddings (logits use embed)
     """
 
-    def __init__(self, arch: ModelArchConfig, dtype: Any, attention_backend: str) -> None:
+    def __init__(self, arch: ModelArchConfig, dtype: Any, attention: AttentionImpl) -> None:
         self.arch = arch
         self.dtype = jnp.dtype(dtype)
         if self.dtype not in [jnp.dtype(d) for d in PARAM_DTYPES]:
             raise ValueError(
                 f"model dtype must be one of float32, bfloat16, float16, got {self.dtype}"
             )
-        self.attention_backend = attention_backend
-        self._module = Decoder(arch, self.dtype, attention_backend)
+        if not isinstance(attention, AttentionImpl):
+            raise TypeError(f"attention must be an AttentionImpl, got {attention!r}")
+        self.attention = attention
+        self._module = Decoder(arch, self.dtype, attention)
 
     def __repr__(self) -> str:
         return (
             f"CausalLM({self.arch.architecture}, dtype={self.dtype.name}, "
-            f"attention_backend={self.attention_backend!r})"
+            f"attention={self.attention.name!r})"
         )
 
     def rope_tables(self, length: int) -> tuple[np.ndarray, np.ndarray]:
@@ -193,8 +199,8 @@ def _dummy_inputs(arch: ModelArchConfig, dtype: jnp.dtype) -> tuple[Any, ...]:
 
 @functools.lru_cache(maxsize=32)
 def _param_shapes(arch: ModelArchConfig, dtype: str) -> dict[str, Any]:
-    # Parameters do not depend on the attention backend: trace with the pure-jnp one.
-    module = Decoder(arch, jnp.dtype(dtype), "reference")
+    # Parameters do not depend on the attention implementation: trace with the pure-jnp one.
+    module = Decoder(arch, jnp.dtype(dtype), REFERENCE)
     init = lambda rng, *inputs: module.init(rng, *inputs)["params"]
     return jax.eval_shape(init, jax.random.key(0), *_dummy_inputs(arch, jnp.dtype(dtype)))
 
@@ -247,11 +253,15 @@ def _init_fn(arch: ModelArchConfig, dtype: str) -> Callable[[jax.Array], Any]:
 
 
 def get_model(
-    arch: ModelArchConfig, *, dtype: Any = jnp.float32, attention_backend: str = "reference"
+    arch: ModelArchConfig, *, dtype: Any = jnp.float32, attention: AttentionImpl = REFERENCE
 ) -> CausalLM:
     """The CausalLM of an architecture (every registered family shares one decoder).
+
+    Args:
+        attention: the implementation its layers call (the engine passes its execution plan's
+            choice; the default is the pure-jnp reference, which runs anywhere).
 
     Raises:
         ValueError: dtype not float32/bfloat16/float16.
     """
-    return CausalLM(arch, dtype, attention_backend)
+    return CausalLM(arch, dtype, attention)

@@ -10,6 +10,7 @@ from jaxserve.models.arch_config import ModelArchConfig
 from jaxserve.models.attention_metadata import AttentionMetadata
 from jaxserve.models.layers import DecoderLayer, KVCache, RMSNorm
 from jaxserve.models.rope import rope_cos_sin, rope_inv_freq
+from jaxserve.pallas_kernels.ragged_paged_attention import AttentionImpl
 
 
 class Decoder(nn.Module):
@@ -23,14 +24,14 @@ class Decoder(nn.Module):
 
     arch: ModelArchConfig
     dtype: jnp.dtype
-    backend: str
+    attention: AttentionImpl  # the execution plan's choice
 
     def setup(self) -> None:
         a = self.arch
         init = nn.initializers.normal(a.initializer_range)
         self.embed = self.param("embed", init, (a.vocab_size, a.hidden_size), self.dtype)
         self.layers = [
-            DecoderLayer(a, self.dtype, self.backend, name=f"layers_{i}")
+            DecoderLayer(a, self.dtype, self.attention, name=f"layers_{i}")
             for i in range(a.num_layers)
         ]
         self.final_norm = RMSNorm(a.rms_norm_eps, self.dtype)

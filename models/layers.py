@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jaxserve.models.arch_config import ModelArchConfig
 from jaxserve.models.attention_metadata import AttentionMetadata
 from jaxserve.models.rope import apply_rope
-from jaxserve.pallas_kernels.ragged_paged_attention import ragged_paged_attention, write_kv
+from jaxserve.pallas_kernels.ragged_paged_attention import AttentionImpl, write_kv
 
 KVCache = tuple[jax.Array, jax.Array]  # (k_pages, v_pages), each [K, S, P, H]
 
@@ -47,7 +47,7 @@ class Attention(nn.Module):
 
     arch: ModelArchConfig
     dtype: jnp.dtype
-    backend: str
+    attention: AttentionImpl  # the execution plan's choice
 
     def _weight(self, name: str, shape: tuple[int, ...], init: nn.initializers.Initializer):
         return self.param(name, init, shape, self.dtype)
@@ -77,7 +77,7 @@ class Attention(nn.Module):
         k = apply_rope(self._project(x, "k", a.num_kv_heads), cos, sin)  # [T, K, H]
         v = self._project(x, "v", a.num_kv_heads)  # [T, K, H]
         k_pages, v_pages = write_kv(*kv_cache, k, v, md.slot_mapping)
-        out = ragged_paged_attention(
+        out = self.attention(
             q,
             k_pages,
             v_pages,
@@ -87,7 +87,6 @@ class Attention(nn.Module):
             md.num_seqs,
             sm_scale=a.head_dim**-0.5,
             sliding_window=a.sliding_window,
-            backend=self.backend,
         )  # [T, N, H]
         init = nn.initializers.normal(a.initializer_range)
         w_o = self._weight("o_proj", (a.num_heads, a.head_dim, a.hidden_size), init)
@@ -122,7 +121,7 @@ class DecoderLayer(nn.Module):
 
     arch: ModelArchConfig
     dtype: jnp.dtype
-    backend: str
+    attention: AttentionImpl
 
     @nn.compact
     def __call__(
@@ -135,7 +134,7 @@ class DecoderLayer(nn.Module):
     ) -> tuple[jax.Array, KVCache]:
         eps = self.arch.rms_norm_eps
         h = RMSNorm(eps, self.dtype, name="input_norm")(x)
-        h, kv_cache = Attention(self.arch, self.dtype, self.backend, name="attn")(
+        h, kv_cache = Attention(self.arch, self.dtype, self.attention, name="attn")(
             h, kv_cache, md, cos, sin
         )
         x = x + h

@@ -46,7 +46,7 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
-    def get_stats(self) -> dict[str, int | float]:
+    def get_stats(self) -> dict[str, Any]:
         return self.engine.get_stats()
 
     def generate(

@@ -319,10 +319,14 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self._states)
 
-    def get_stats(self) -> dict[str, int | float]:
+    def get_stats(self) -> dict[str, Any]:
+        """The counters of DESIGN.md section 5, plus "plan": the execution plan as a dict
+        (platform, device_kind, attention, sampler_draw, dtype, kv_cache_dtype,
+        tensor_parallel_size, ...)."""
         with self._lock:
-            stats = dict(self.scheduler.get_stats())
+            stats: dict[str, Any] = dict(self.scheduler.get_stats())
             stats["num_compilations"] = self.runner.num_compilations
+        stats["plan"] = self.info.plan.as_dict()
         return stats
 
 

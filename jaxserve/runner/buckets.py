@@ -95,7 +95,7 @@ class BucketSpec:
         single_token_bucket: bool = False,
     ) -> BucketSpec:
         """bucket_width=False: one width, the whole table (for attention backends whose cost
-        follows the actual context lengths, see LENGTH_BOUNDED_BACKENDS).
+        follows the actual context lengths: KernelSpec.length_bounded in the registry).
         mid_token_buckets: also the 3 * 2^k token buckets (token_bucket_sizes; the CPU's).
         single_token_bucket: also T=1 below the smallest (the CPU's)."""
         tokens = token_bucket_sizes(

@@ -1,29 +1,29 @@
 """build_runner: from an EngineConfig to a loaded model, a sized KV cache and a ModelRunner.
 
-This is where the engine's flat settings meet the device: the checkpoint is loaded, "auto"
-choices are resolved (dtype, attention backend, max_model_len, pool size), and the KV pool is
-sized. The engine gets back plain host facts (RunnerInfo) plus the runner.
+This is where the engine's flat settings meet the device: the execution plan decides every
+platform question (plan.py: attention, dtype, sampler draw, buckets), the checkpoint is loaded
+in the plan's dtype, the remaining "auto" choices are resolved (max_model_len, pool size), and
+the KV pool is sized. The engine gets back plain host facts (RunnerInfo) plus the runner.
 """
 
 from __future__ import annotations
 
+import logging
 import pathlib
 from dataclasses import dataclass, replace
 
 from jaxserve.checkpoints_tools import LoadedCheckpoint, TokenizerInfo, load_checkpoint
-from jaxserve.checkpoints_tools.load import load_arch
+from jaxserve.checkpoints_tools.load import declared_dtype, load_arch
 from jaxserve.checkpoints_tools.tokenizer import load_tokenizer
 from jaxserve.config import EngineConfig
 from jaxserve.models import CausalLM, get_model
-from jaxserve.pallas_kernels.ragged_paged_attention import (
-    BACKENDS,
-    cpu_rows,
-    default_attention_backend,
-    resolve_backend,
-)
 from jaxserve.runner.kv_cache import device_memory_bytes, num_blocks_for_budget
 from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.runner.plan import ExecutionPlan, make_plan
 from jaxserve.runner.sharding import ShardingPlan, make_mesh, per_device_bytes, plan_sharding
+from jaxserve.runner.xla_flags import apply_cpu_workarounds
+
+logger = logging.getLogger("jaxserve")
 
 
 @dataclass(frozen=True)
@@ -35,41 +35,7 @@ class RunnerInfo:
     eos_token_ids: frozenset[int]
     tokenizer: TokenizerInfo
     num_kv_blocks: int  # null block included
-    attention_backend: str
-    dtype: str
-
-
-def resolve_attention_backend(name: str, platform: str, tensor_parallel_size: int = 1) -> str:
-    """ "auto" -> the Pallas kernel on GPU/TPU, the C++ row kernel + chunked XLA backend on CPU
-    ("cpu", or "xla" where it cannot be built), the jnp reference under tensor parallelism.
-
-    A Pallas kernel is a custom call GSPMD cannot partition (XLA refuses to compile it over
-    sharded operands, "Mosaic kernels cannot be automatically partitioned"); running it under
-    TP needs a shard_map around the kernel, which the attention layer does not have yet. So
-    under TP "auto" takes the reference (plain XLA ops, which GSPMD partitions by KV head), and
-    an explicit Pallas backend is refused rather than left to fail at compile time.
-
-    Raises:
-        ValueError: an unknown name, a Pallas backend with tensor_parallel_size > 1, or "cpu"
-            on another platform or where its kernel cannot be built (with the reason).
-    """
-    if name == "auto":
-        return "reference" if tensor_parallel_size > 1 else default_attention_backend(platform)
-    if name not in BACKENDS:
-        raise ValueError(f"attention_backend must be one of ('auto', *{BACKENDS}), got {name!r}")
-    if name == "cpu":
-        resolve_backend(name, platform)  # raises off the cpu platform
-        if not cpu_rows.available():
-            raise ValueError(
-                f"attention_backend='cpu': the C++ kernel cannot be built here "
-                f"({cpu_rows.unavailable_reason()}); use 'xla' or 'auto'"
-            )
-    if name != "reference" and tensor_parallel_size > 1:
-        raise ValueError(
-            f"attention_backend={name!r} with tensor_parallel_size={tensor_parallel_size}: the "
-            "kernels do not run sharded yet; use 'reference' or 'auto'"
-        )
-    return name
+    plan: ExecutionPlan
 
 
 def resolve_max_model_len(requested: int | None, ckpt: LoadedCheckpoint) -> int:
@@ -136,29 +102,31 @@ def build_runner(config: EngineConfig) -> tuple[ModelRunner, RunnerInfo]:
             unknown backend, max_model_len beyond the model, a KV pool that cannot fit, more
             tensor-parallel devices than there are.
     """
+    apply_cpu_workarounds()  # before jax starts its backends (make_mesh lists the devices)
     mesh = make_mesh(config.runner.tensor_parallel_size)
-    platform = mesh.devices.flat[0].platform
-    backend = resolve_attention_backend(
-        config.runner.attention_backend, platform, config.runner.tensor_parallel_size
-    )
-    # The shardings depend only on the architecture: read it (config only) before the weights,
-    # so that every weight is placed once, into its own sharding.
-    plan = plan_sharding(get_model(load_arch(config.model.model)), mesh)
+    # The architecture (config only) decides the plan and the shardings before any weight is
+    # read, so that every weight is loaded once, in the plan's dtype, into its own sharding.
+    arch = load_arch(config.model.model)
+    plan = make_plan(config, mesh, arch, declared_dtype(config.model.model))
+    logger.info("execution plan: %s", plan.summary())
+    for reason in plan.attention_refused:
+        logger.info("attention: passed over %s", reason)
+    sharding = plan_sharding(get_model(arch), mesh)
     ckpt = load_checkpoint(
-        config.model.model, dtype=config.model.dtype, param_sharding=plan.param_sharding
+        config.model.model, dtype=plan.dtype, param_sharding=sharding.param_sharding
     )
     if config.model.tokenizer is not None:
         ckpt = replace_tokenizer(ckpt, config.model.tokenizer)
     max_model_len = resolve_max_model_len(config.model.max_model_len, ckpt)
-    model = get_model(ckpt.arch, dtype=ckpt.dtype, attention_backend=backend)
+    model = get_model(ckpt.arch, dtype=ckpt.dtype, attention=plan.attention)
     cache = config.cache
-    num_kv_blocks = _num_kv_blocks(config, model, ckpt, plan, max_model_len)
+    num_kv_blocks = _num_kv_blocks(config, model, ckpt, sharding, max_model_len)
     resolved = replace(
         config,
         model=replace(config.model, max_model_len=max_model_len),
         cache=replace(cache, num_kv_blocks=num_kv_blocks),
         scheduler=replace(config.scheduler, max_model_len=max_model_len),
-        runner=replace(config.runner, attention_backend=backend),
+        runner=replace(config.runner, attention_backend=plan.attention.name),
     )
     runner = ModelRunner(
         model,
@@ -169,7 +137,8 @@ def build_runner(config: EngineConfig) -> tuple[ModelRunner, RunnerInfo]:
         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
         max_model_len=max_model_len,
         eos_token_ids=ckpt.eos_token_ids,
-        sharding=plan,
+        sharding=sharding,
+        plan=plan,
     )
     if config.runner.warmup:
         runner.warmup()
@@ -179,7 +148,6 @@ def build_runner(config: EngineConfig) -> tuple[ModelRunner, RunnerInfo]:
         eos_token_ids=ckpt.eos_token_ids,
         tokenizer=ckpt.tokenizer,
         num_kv_blocks=num_kv_blocks,
-        attention_backend=backend,
-        dtype=str(ckpt.dtype),
+        plan=plan,
     )
     return runner, info

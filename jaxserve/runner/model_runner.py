@@ -23,10 +23,10 @@ import numpy as np
 from jaxserve.core.sched.output import SchedulerOutput
 from jaxserve.models import AttentionMetadata, CausalLM
 from jaxserve.outputs import ModelRunnerOutput
-from jaxserve.pallas_kernels.ragged_paged_attention import LENGTH_BOUNDED_BACKENDS
 from jaxserve.runner.buckets import BucketSpec
 from jaxserve.runner.input_batch import InputBatch, PreparedBatch
 from jaxserve.runner.kv_cache import allocate_kv_caches
+from jaxserve.runner.plan import ExecutionPlan
 from jaxserve.runner.sampler import prompt_logprobs, sample, to_token_logprobs
 from jaxserve.runner.sampling_metadata import SamplingInputs, SamplingMetadata
 from jaxserve.runner.sharding import ShardingPlan
@@ -43,6 +43,7 @@ class ModelRunner:
         eos_token_ids: for min_tokens bans.
         sharding: where params, KV pages and step inputs live (tensor parallelism; the
             params must already be placed by it), or None: the default device.
+        plan: the execution plan (buckets, RoPE rows on the host or not, the sampler's draw).
     """
 
     def __init__(
@@ -57,6 +58,7 @@ class ModelRunner:
         max_model_len: int,
         eos_token_ids: frozenset[int] = frozenset(),
         sharding: ShardingPlan | None = None,
+        plan: ExecutionPlan,
     ) -> None:
         self.model = model
         self.params = params
@@ -67,18 +69,20 @@ class ModelRunner:
         self.vocab_size = model.arch.vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
         self.sharding = sharding
-        self.rope_tables = model.rope_tables(max_model_len)  # host f32[max_model_len, H // 2] x 2
+        self.plan = plan
+        # Host f32[max_model_len, H // 2] cos / sin tables, when the plan gathers the step's
+        # RoPE rows on the host (the CPU); elsewhere the model computes them on device.
+        self.rope_tables = model.rope_tables(max_model_len) if plan.host_rope else None
         self._init_host_state()
-        on_cpu = _platform(params) == "cpu"  # the CPU's extra token buckets (buckets.py)
         self.buckets = BucketSpec.create(
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
             max_blocks_per_seq=self.input_batch.max_blocks_per_seq,
-            # A backend whose cost stops at the batch's longest context gets full-width
-            # tables: one compiled shape per token bucket, no width buckets.
-            bucket_width=model.attention_backend not in LENGTH_BOUNDED_BACKENDS,
-            mid_token_buckets=on_cpu,
-            single_token_bucket=on_cpu,
+            # An implementation whose cost stops at the batch's longest context gets
+            # full-width tables: one compiled shape per token bucket, no width buckets.
+            bucket_width=not model.attention.length_bounded,
+            mid_token_buckets=plan.mid_token_buckets,
+            single_token_bucket=plan.single_token_bucket,
         )
         self.kv_caches = self._allocate_kv_caches()
         # The jitted functions hold the model and a trace counter, never the runner: nothing
@@ -87,7 +91,7 @@ class ModelRunner:
         self._traces = _TraceCounter()
         step_shardings, copy_shardings = _jit_shardings(sharding, model.arch.num_layers)
         step = jax.jit(
-            functools.partial(_step_fn, model, self._traces),
+            functools.partial(_step_fn, model, self._traces, plan.sampler_draw),
             donate_argnums=(1,),
             static_argnums=(7, 8, 9),  # all_greedy, max_num_logprobs, num_prompt_logprobs
             **step_shardings,
@@ -312,6 +316,7 @@ class _TraceCounter:
 def _step_fn(
     model: CausalLM,
     traces: _TraceCounter,
+    draw: str,
     params: Any,
     kv_caches: list[tuple[jax.Array, jax.Array]],
     input_ids: jax.Array,  # i32[T]
@@ -327,7 +332,9 @@ def _step_fn(
     traces.count += 1  # runs once per trace: counts compilations
     kv_caches, hidden = model.forward(params, kv_caches, input_ids, md)  # [T, D]
     logits = model.compute_logits(params, hidden[logits_indices])  # f32[R, V]
-    out = sample(logits, sampling_md, max_num_logprobs=max_num_logprobs, all_greedy=all_greedy)
+    out = sample(
+        logits, sampling_md, max_num_logprobs=max_num_logprobs, all_greedy=all_greedy, draw=draw
+    )
     plp = None
     if num_prompt_logprobs is not None:
         all_logits = model.compute_logits(params, hidden)  # f32[T, V]
@@ -355,11 +362,18 @@ class _PromptLogprobsState:
 
 
 def _attention_metadata(
-    batch: PreparedBatch, rope_tables: tuple[np.ndarray, np.ndarray]
+    batch: PreparedBatch, rope_tables: tuple[np.ndarray, np.ndarray] | None
 ) -> AttentionMetadata:
-    """The step's AttentionMetadata, with each token's RoPE cos / sin rows gathered from the
-    model's host tables (positions past them clip; real tokens stay below max_model_len)."""
-    cos, sin = rope_tables
+    """The step's AttentionMetadata; with host RoPE tables (the CPU plan), each token's cos /
+    sin rows gathered from them (positions past them clip; real tokens stay below
+    max_model_len), else none: the model computes them on device from the positions."""
+    rope = {}
+    if rope_tables is not None:
+        cos, sin = rope_tables
+        rope = dict(
+            rope_cos=np.take(cos, batch.positions, axis=0, mode="clip"),
+            rope_sin=np.take(sin, batch.positions, axis=0, mode="clip"),
+        )
     return AttentionMetadata(
         positions=batch.positions,
         slot_mapping=batch.slot_mapping,
@@ -367,8 +381,7 @@ def _attention_metadata(
         seq_lens=batch.seq_lens,
         query_start_loc=batch.query_start_loc,
         num_seqs=batch.num_seqs,
-        rope_cos=np.take(cos, batch.positions, axis=0, mode="clip"),
-        rope_sin=np.take(sin, batch.positions, axis=0, mode="clip"),
+        **rope,
     )
 
 
@@ -392,9 +405,3 @@ def _jit_shardings(
 def _copy_blocks(kv_caches, src: jax.Array, dst: jax.Array):
     """Copy-on-write: pages src[i] -> dst[i] in every layer (K and V). In place (donated)."""
     return [(k.at[:, dst].set(k[:, src]), v.at[:, dst].set(v[:, src])) for k, v in kv_caches]
-
-
-def _platform(params: Any) -> str:
-    """The platform the parameters live on ("cpu", "gpu", "tpu")."""
-    leaf = jax.tree.leaves(params)[0]
-    return next(iter(leaf.devices())).platform

@@ -85,6 +85,7 @@ def sample(
     max_num_logprobs: int | None,
     all_greedy: bool = False,
     fast_top_k: int = DEFAULT_FAST_TOP_K,
+    draw: str = "xla",
 ) -> SamplerOutput:
     """Sample one token per row. Traced inside the runner's jit; all keyword args are static.
 
@@ -94,6 +95,8 @@ def sample(
         max_num_logprobs: N top logprobs per row; None computes no logprobs (0 columns).
         all_greedy: the caller guarantees every row has temperature 0: skips the random path.
         fast_top_k: width of the lax.top_k that settles top-k / top-p before a full sort.
+        draw: "xla", or "cpu" for the C++ draw kernel (the execution plan's choice on the CPU
+            where the kernel builds; the same draw up to f32 rounding of the exps).
     Returns:
         SamplerOutput.
     Raises:
@@ -106,7 +109,7 @@ def sample(
         token_ids = _argmax(x)
     else:
         greedy = md.temperature <= 0.0
-        sampled = _sample_random(x, md, fast_top_k)
+        sampled = _sample_random(x, md, fast_top_k, draw)
         # The [R, V] argmax only when some row is greedy (a run-time test, not a compile).
         token_ids = lax.cond(
             jnp.any(greedy), lambda: jnp.where(greedy, _argmax(x), sampled), lambda: sampled
@@ -168,7 +171,7 @@ def _apply_bans(x: jax.Array, banned: jax.Array) -> jax.Array:
     return x.at[rows, jnp.where(banned >= 0, banned, vocab)].set(-jnp.inf, mode="drop")
 
 
-def _sample_random(x: jax.Array, md: SamplingMetadata, fast_top_k: int) -> jax.Array:
+def _sample_random(x: jax.Array, md: SamplingMetadata, fast_top_k: int, draw: str) -> jax.Array:
     """Temperature, min-p, top-k, top-p, then an inverse-CDF draw per row. f32[R, V] -> i32[R].
 
     Passes over [R, V] are the cost (a 2-core CPU: ~6 ms for a max, ~17 ms for an exp-sum at
@@ -185,7 +188,10 @@ def _sample_random(x: jax.Array, md: SamplingMetadata, fast_top_k: int) -> jax.A
     keys = jax.random.wrap_key_data(md.seeds, impl="threefry2x32")  # key[R]
     keys = jax.vmap(jax.random.fold_in)(keys, md.output_pos)
     uniform = jax.vmap(jax.random.uniform)(keys)  # f32[R] in [0, 1)
-    return _draw(x, uniform, inv_t, min_p_offset, threshold)
+    return _draw(x, uniform, inv_t, min_p_offset, threshold, draw)
+
+
+DRAWS = ("xla", "cpu")
 
 
 def _draw(
@@ -194,14 +200,17 @@ def _draw(
     inv_t: jax.Array,
     floor_offset: jax.Array,
     threshold: jax.Array,
+    draw: str,
 ) -> jax.Array:
     """One token per row from softmax(x * inv_t) over x >= max(max(x) + floor_offset,
-    threshold), by inverting its CDF at `uniform`. On the CPU the C++ kernel
-    (pallas_kernels/sampling/cpu_draw.py: one pass from memory instead of XLA's four) when it
-    builds, elsewhere XLA ops; the same draw either way, up to f32 rounding of the exps."""
+    threshold), by inverting its CDF at `uniform`. draw="cpu": the C++ kernel
+    (pallas_kernels/sampling/cpu_draw.py: one pass from memory instead of XLA's four);
+    draw="xla": XLA ops; the same draw either way, up to f32 rounding of the exps."""
     args = (x, uniform, inv_t, floor_offset, threshold)
-    if jax.default_backend() == "cpu" and cpu_draw.available():
-        return lax.platform_dependent(*args, cpu=cpu_draw.cpu_draw, default=_xla_draw)
+    if draw == "cpu":
+        return cpu_draw.cpu_draw(*args)
+    if draw != "xla":
+        raise ValueError(f"draw must be one of {DRAWS}, got {draw!r}")
     return _xla_draw(*args)
 
 

@@ -22,10 +22,12 @@ pool is sized per device, so this shows up as a smaller `num_kv_blocks`, never a
 The k/v projections it recomputes are 2K/N of the attention projections' FLOPs (2/8 for an
 8:2 GQA model), small next to the MLP.
 
-Attention under TP runs the jnp reference (factory.resolve_attention_backend): a Pallas kernel
-is a custom call that GSPMD cannot partition. Running the kernel sharded needs a shard_map
-around it in the attention layer (q on N, pages on K; when K < tp, each device's slice of KV
-heads), not done yet.
+Attention under TP runs the plan's kernel per device inside shard_map (a Pallas or FFI kernel
+is a custom call that GSPMD cannot partition): query heads split on N, pages on K, or both
+replicated when tp divides neither (registry.shard_heads). When tp splits the query heads but
+not the KV heads, a device would need part of the replicated pages, which a kernel cannot take
+without copying them every step: there the plan takes the reference, which GSPMD partitions,
+and logs why.
 
 Multi-host. The mesh spans processes when jax's own distributed runtime is up: call
 

@@ -254,10 +254,8 @@ def _check_gpu_shapes(q: jax.Array, k_pages: jax.Array, config: GpuConfig) -> No
         raise ValueError("the GPU kernel needs jax.experimental.pallas.triton; this jax lacks it")
 
 
-def _resolve_config(q, k_pages, block_tables, overrides: dict) -> GpuConfig:
-    num_cores = DEFAULT_NUM_CORES
-    if jax.default_backend() == "gpu":
-        num_cores = getattr(jax.devices()[0], "core_count", DEFAULT_NUM_CORES)
+def _resolve_config(q, k_pages, block_tables, num_cores: int | None, overrides: dict) -> GpuConfig:
+    num_cores = DEFAULT_NUM_CORES if num_cores is None else num_cores
     config = default_gpu_config(q.shape, k_pages.shape, block_tables.shape, num_cores)
     given = {key: value for key, value in overrides.items() if value is not None}
     return dataclasses.replace(config, **given)
@@ -275,6 +273,7 @@ def _resolve_config(q, k_pages, block_tables, overrides: dict) -> GpuConfig:
         "num_warps",
         "num_stages",
         "interpret",
+        "num_cores",
     ),
 )
 def ragged_paged_attention_gpu(
@@ -295,11 +294,13 @@ def ragged_paged_attention_gpu(
     num_warps: int | None = None,
     num_stages: int | None = None,
     interpret: bool = False,
+    num_cores: int | None = None,
 ) -> jax.Array:  # [T, N, H]
     """Ragged paged attention on GPU (Triton lowering); same contract as the reference.
 
-    Tuning arguments left at None come from default_gpu_config. interpret=True runs the kernel
-    body in XLA (any backend, slow): the CPU test path.
+    Tuning arguments left at None come from default_gpu_config, for a GPU of num_cores
+    streaming multiprocessors (None: DEFAULT_NUM_CORES; the execution plan passes the real
+    count). interpret=True runs the kernel body in XLA (any backend, slow): the CPU test path.
 
     Raises:
         ValueError: bad shapes/dtypes/options (validation.py), or shapes Triton cannot tile:
@@ -324,7 +325,7 @@ def ragged_paged_attention_gpu(
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    config = _resolve_config(q, k_pages, block_tables, overrides)
+    config = _resolve_config(q, k_pages, block_tables, num_cores, overrides)
     _check_gpu_shapes(q, k_pages, config)
     num_tokens, num_q_heads, _ = q.shape
     num_kv_heads = k_pages.shape[0]

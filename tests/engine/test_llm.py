@@ -210,8 +210,14 @@ def test_get_stats_keys(llm):
         "num_steps",
         "num_compilations",
         "peak_kv_slot_utilization",
+        "plan",
     }
-    assert keys <= set(llm.get_stats())
+    stats = llm.get_stats()
+    assert keys <= set(stats)
+    plan_keys = {"platform", "device_kind", "attention", "sampler_draw", "dtype"}
+    plan_keys |= {"kv_cache_dtype", "tensor_parallel_size"}
+    assert plan_keys <= set(stats["plan"])
+    assert stats["plan"]["platform"] == "cpu" and stats["plan"]["dtype"] == "float32"
 
 
 def test_finished_only_steps_return_the_same_final_outputs():

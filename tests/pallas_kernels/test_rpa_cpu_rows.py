@@ -97,9 +97,11 @@ def test_out_of_range_indices_never_read_outside_the_pages() -> None:
 def test_switch_off_falls_back_to_xla() -> None:
     """JAXSERVE_CPU_KERNEL=0: nothing is built and "auto" on CPU is the xla backend."""
     code = (
-        "from jaxserve.pallas_kernels.ragged_paged_attention import cpu_rows, "
-        "default_attention_backend as d; "
-        "print(cpu_rows.available(), cpu_rows.unavailable_reason(), d('cpu'))"
+        "from jaxserve.pallas_kernels.ragged_paged_attention import cpu_rows, Target, "
+        "select_attention; "
+        "t = Target('cpu', 'float32', num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=8); "
+        "print(cpu_rows.available(), cpu_rows.unavailable_reason(), "
+        "select_attention('auto', t)[0].name)"
     )
     env = dict(os.environ, JAXSERVE_CPU_KERNEL="0")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
@@ -125,17 +127,16 @@ def test_a_failing_build_reports_the_compiler_error(monkeypatch, tmp_path) -> No
 
 
 def test_explicit_cpu_backend_is_refused_where_it_cannot_run(monkeypatch) -> None:
-    """attention_backend="cpu" fails up front (before a model is built) off the CPU platform,
-    under tensor parallelism, and where the kernel cannot be built (with the reason); "auto"
-    then takes the xla backend."""
-    from jaxserve.runner.factory import resolve_attention_backend
+    """attention_backend="cpu" fails up front (before a model is built) off the CPU platform
+    and where the kernel cannot be built (with the reason); "auto" then takes the xla
+    backend."""
+    from jaxserve.pallas_kernels.ragged_paged_attention import Target, select_attention
 
-    with pytest.raises(ValueError, match="runs on the cpu platform only"):
-        resolve_attention_backend("cpu", "gpu", 1)
-    if cpu_rows.available():
-        with pytest.raises(ValueError, match="attention_backend='cpu' with tensor_parallel_size=2"):
-            resolve_attention_backend("cpu", "cpu", 2)
+    shapes = dict(num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=8)
+    with pytest.raises(ValueError, match="cpu runs on cpu, not on gpu"):
+        select_attention("cpu", Target("gpu", "float32", gpu_generation="hopper+", **shapes))
     monkeypatch.setattr(cpu_rows.KERNEL, "load", lambda: "no compiler in this test")
-    with pytest.raises(ValueError, match="cannot be built here \\(no compiler in this test\\)"):
-        resolve_attention_backend("cpu", "cpu", 1)
-    assert resolve_attention_backend("auto", "cpu", 1) == "xla"
+    on_cpu = Target("cpu", "float32", **shapes)
+    with pytest.raises(ValueError, match="does not build here \\(no compiler in this test\\)"):
+        select_attention("cpu", on_cpu)
+    assert select_attention("auto", on_cpu)[0].name == "xla"

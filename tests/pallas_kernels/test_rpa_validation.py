@@ -98,5 +98,7 @@ def test_tpu_tiling_limits() -> None:
 
 
 def test_unknown_backend_raises() -> None:
-    with pytest.raises(ValueError, match=r"attention backend must be one of .*got 'triton'"):
+    with pytest.raises(
+        ValueError, match=r"attention_backend must be 'auto' or one of .*got 'triton'"
+    ):
         ragged_paged_attention(*_args(), sm_scale=0.1, backend="triton")

@@ -4,6 +4,7 @@ reproducibility, logprobs, compilation count and shape checks."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import Counter
 
 import jax
@@ -14,6 +15,7 @@ import pytest
 from jaxserve.outputs import TokenLogprobs
 from jaxserve.pallas_kernels.sampling import cpu_draw
 from jaxserve.runner.sampler import (
+    DRAWS,
     LogprobsArrays,
     SamplerOutput,
     apply_penalties,
@@ -29,25 +31,17 @@ NUM_SAMPLES = 20_000
 # A fixed logit row whose top-p boundaries sit far from the top_p values used below.
 LOGITS = np.array([2.0, 1.4, 1.1, 0.6, 0.3, 0.0, -0.2, -0.5, -0.9, -1.4, -2.0, -3.0], np.float32)
 
-STATIC = ("max_num_logprobs", "all_greedy", "fast_top_k")
+STATIC = ("max_num_logprobs", "all_greedy", "fast_top_k", "draw")
 sample_jit = jax.jit(sample, static_argnames=STATIC)
 
 
-def _sample_with_xla_draw(*args, **kwargs):  # its own function: its own jit cache
-    return sample(*args, **kwargs)
-
-
-xla_draw_sample_jit = jax.jit(_sample_with_xla_draw, static_argnames=STATIC)
-
-
-@pytest.fixture(params=["default_draw", "xla_draw"])
-def sampler(request, monkeypatch):
-    """The sampler as the engine runs it here (on the CPU: the C++ draw when it builds), and
-    with the XLA draw (what GPU / TPU run) traced with the C++ kernel hidden."""
-    if request.param == "xla_draw":
-        monkeypatch.setattr(cpu_draw, "available", lambda: False)
-        return xla_draw_sample_jit
-    return sample_jit
+@pytest.fixture(params=DRAWS)
+def sampler(request):
+    """The sampler with each draw: the C++ kernel (the CPU plan's, where it builds) and XLA's
+    (what GPU and TPU run)."""
+    if request.param == "cpu" and not cpu_draw.available():
+        pytest.skip(f"the C++ draw does not build here: {cpu_draw.KERNEL.load()}")
+    return functools.partial(sample_jit, draw=request.param)
 
 
 def reference_probs(

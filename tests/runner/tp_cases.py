@@ -12,6 +12,9 @@ separate process; test_tensor_parallel.py runs it once and checks the JSON it wr
     builtin[tp]             tiny-random-llama's greedy tokens at tp 1 and 4 (tp_multihost.py's
                             reference)
     orbax                   tokens and param shardings of an Orbax checkpoint restored at tp 2
+    kernels[family][backend]  llama and qwen3 at tp 2 with each per-device attention (xla, cpu,
+                            pallas in interpret mode) under shard_map; kernels[family]["hf"]:
+                            transformers' greedy tokens and top-2 margins
 """
 
 from __future__ import annotations
@@ -135,7 +138,11 @@ def run_parity(work: pathlib.Path) -> dict[str, Any]:
             llm = LLM(str(folder), tensor_parallel_size=tp, warmup=warm, **ENGINE)
             compiles.on = warm
             warmup_compilations = llm.get_stats()["num_compilations"]
-            case = {"tokens": _greedy(llm, prompts), "layout": _layout(llm)}
+            case = {
+                "tokens": _greedy(llm, prompts),
+                "layout": _layout(llm),
+                "attention": llm.get_stats()["plan"]["attention"],
+            }
             if family == "llama" and tp <= 2:
                 case["seeded"] = _seeded(llm)
             if warm:
@@ -148,6 +155,46 @@ def run_parity(work: pathlib.Path) -> dict[str, Any]:
                 }
                 compiles.on = False
             results[family][tp] = case
+    return results
+
+
+def _hf_greedy(folder: pathlib.Path, prompts: list[list[int]]) -> list[dict[str, list]]:
+    """transformers' greedy tokens (6 per prompt) with the top-2 logit margin at each step."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids, tokens, margins = list(prompt), [], []
+            for _ in range(6):
+                top2 = torch.topk(model(torch.tensor([ids])).logits[0, -1], 2)
+                tokens.append(int(top2.indices[0]))
+                margins.append(float(top2.values[0] - top2.values[1]))
+                ids.append(tokens[-1])
+            out.append({"tokens": tokens, "margins": margins})
+    return out
+
+
+def run_kernels(work: pathlib.Path) -> dict[str, Any]:
+    """The per-device implementations under shard_map at tp 2: llama (K = 2: one KV head per
+    device) and qwen3 (K = 8), each with xla, the C++ cpu kernel and the Pallas (Triton)
+    kernel in interpret mode, beside transformers' greedy tokens."""
+    results: dict[str, Any] = {}
+    for family in ("llama", "qwen3"):
+        folder = work / family  # written by run_parity
+        prompts = _prompts(512)
+        results[family] = {"hf": _hf_greedy(folder, prompts)}
+        for backend in ("xla", "cpu", "pallas"):
+            llm = LLM(str(folder), tensor_parallel_size=2, attention_backend=backend, **ENGINE)
+            plan = llm.get_stats()["plan"]
+            results[family][backend] = {
+                "tokens": _greedy(llm, prompts),
+                "attention": plan["attention"],
+                "interpret": plan["attention_interpret"],
+                "sharded": llm.engine.runner.model.attention.mesh is not None,
+            }
     return results
 
 
@@ -186,6 +233,7 @@ def main() -> None:
     assert jax.device_count() == 8, jax.devices()
     results = {
         "parity": run_parity(work),
+        "kernels": run_kernels(work),
         "builtin": run_builtin(),
         "orbax": run_orbax(work),
     }

@@ -1,0 +1,221 @@
+"""The execution plan: every platform decision, made once when the engine is built.
+
+    platform and chip       cpu / gpu (by generation: Hopper+, Ampere/Ada, older) / tpu
+    attention               an AttentionImpl from the registry (pallas_kernels/.../registry.py),
+                            checked once per process against the reference on a small batch
+    sampler draw            the C++ kernel on the CPU where it builds, XLA elsewhere
+    dtype                   "auto": the checkpoint's; float32 checkpoints run in bfloat16 on
+                            GPU and TPU (as vLLM does), stay float32 on the CPU
+    buckets, RoPE rows      the CPU's extra token buckets (1 and 3 * 2^k) and host-gathered
+                            RoPE rows; accelerators compute RoPE on device
+    tensor parallelism      the mesh; attention runs per device inside shard_map
+
+Nothing below the plan asks which platform it runs on: the model gets the attention object,
+the sampler gets the draw's name, the runner reads the bucket and RoPE flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.config import EngineConfig
+from jaxserve.models import TP_AXIS, ModelArchConfig
+from jaxserve.pallas_kernels.ragged_paged_attention import (
+    AttentionImpl,
+    Target,
+    auto_order,
+    cpu_rows,
+    device_facts,
+    ragged_paged_attention_reference,
+    select_attention,
+)
+from jaxserve.pallas_kernels.ragged_paged_attention.testing import random_batch
+from jaxserve.pallas_kernels.sampling import cpu_draw
+
+logger = logging.getLogger("jaxserve")
+
+# Largest |kernel - reference| accepted by the self-check, per dtype (outputs are O(1)).
+_SELF_CHECK_TOLERANCE = {"float32": 2e-3, "bfloat16": 6e-2, "float16": 1e-2}
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutionPlan:
+    """Every platform decision of one engine (see the module docstring)."""
+
+    platform: str  # "cpu" | "gpu" | "tpu"
+    device_kind: str  # e.g. "NVIDIA H200", "TPU v5 lite", "cpu"
+    gpu_generation: str | None  # registry.HOPPER / AMPERE / OLDER_GPU on "gpu"
+    attention: AttentionImpl
+    attention_refused: tuple[str, ...]  # why "auto" passed over each implementation before it
+    sampler_draw: str  # "cpu" | "xla" (sampler.DRAWS)
+    dtype: str  # params and activations
+    kv_cache_dtype: str
+    tensor_parallel_size: int
+    host_rope: bool  # RoPE cos / sin rows gathered on the host into AttentionMetadata
+    mid_token_buckets: bool  # token buckets at 3 * 2^k too (buckets.py)
+    single_token_bucket: bool  # a T=1 bucket below the smallest power of two
+
+    def as_dict(self) -> dict[str, Any]:
+        """The plan as plain values (get_stats()["plan"])."""
+        out = dataclasses.asdict(self)
+        out["attention"] = self.attention.name
+        out["attention_interpret"] = self.attention.interpret
+        out["attention_refused"] = list(self.attention_refused)
+        return out
+
+    def summary(self) -> str:
+        chip = self.device_kind + (f", {self.gpu_generation}" if self.gpu_generation else "")
+        mode = " (interpret mode)" if self.attention.interpret else ""
+        return (
+            f"platform={self.platform} ({chip}), attention={self.attention.name}{mode}, "
+            f"sampler_draw={self.sampler_draw}, dtype={self.dtype}, "
+            f"kv_cache_dtype={self.kv_cache_dtype}, tensor_parallel_size="
+            f"{self.tensor_parallel_size}"
+        )
+
+
+def resolve_dtype(requested: str, declared: str | None, platform: str) -> str:
+    """The model dtype: an explicit one as given; "auto" the checkpoint's own (float32 when it
+    declares none we run), except that float32 becomes bfloat16 on GPU and TPU."""
+    if requested != "auto":
+        return requested
+    dtype = declared if declared in ("float32", "bfloat16", "float16") else "float32"
+    return "bfloat16" if dtype == "float32" and platform != "cpu" else dtype
+
+
+def make_plan(
+    config: EngineConfig,
+    mesh: jax.sharding.Mesh,
+    arch: ModelArchConfig,
+    declared_dtype: str | None,
+) -> ExecutionPlan:
+    """Decide everything for this engine on this mesh.
+
+    Args:
+        declared_dtype: the dtype the checkpoint declares (its config), or None.
+
+    Raises:
+        ValueError: an attention_backend that cannot run here (the message lists those that
+            can); with strict_kernels, a kernel that fails its self-check.
+    """
+    facts = device_facts(mesh.devices.flat[0])
+    platform = facts["platform"]
+    dtype = resolve_dtype(config.model.dtype, declared_dtype, platform)
+    tp = config.runner.tensor_parallel_size
+    target = Target(
+        dtype=dtype,
+        num_q_heads=arch.num_heads,
+        num_kv_heads=arch.num_kv_heads,
+        head_dim=arch.head_dim,
+        page_size=config.cache.block_size,
+        sliding_window=arch.sliding_window,
+        tensor_parallel_size=tp,
+        **facts,
+    )
+    attention, refused = select_attention(config.runner.attention_backend, target)
+    attention, refused = _checked(attention, refused, target, config)
+    if platform == "cpu" and attention.kernel != "cpu":
+        _warn_unbuilt(cpu_rows.unavailable_reason(), "attention", attention.name)
+    if tp > 1:
+        attention = dataclasses.replace(attention, mesh=mesh, axis=TP_AXIS)
+    on_cpu = platform == "cpu"
+    return ExecutionPlan(
+        platform=platform,
+        device_kind=str(facts["device_kind"]),
+        gpu_generation=target.gpu_generation,
+        attention=attention,
+        attention_refused=tuple(refused),
+        sampler_draw=_sampler_draw(platform),
+        dtype=dtype,
+        kv_cache_dtype=dtype,
+        tensor_parallel_size=tp,
+        host_rope=on_cpu,
+        mid_token_buckets=on_cpu,
+        single_token_bucket=on_cpu,
+    )
+
+
+def _sampler_draw(platform: str) -> str:
+    if platform != "cpu":
+        return "xla"
+    if cpu_draw.available():
+        return "cpu"
+    _warn_unbuilt(cpu_draw.KERNEL.unavailable_reason(), "sampling draw", "xla")
+    return "xla"
+
+
+def _warn_unbuilt(reason: str | None, what: str, instead: str) -> None:
+    """One warning for a C++ CPU kernel that did not build (nothing when it built, or when it
+    was switched off on purpose, JAXSERVE_CPU_KERNEL=0)."""
+    if reason is None:
+        return
+    log = logger.info if reason.startswith("disabled") else logger.warning
+    log("the C++ CPU kernel for the %s is not used (%s): running %s instead", what, reason, instead)
+
+
+def _checked(
+    attention: AttentionImpl,
+    refused: list[str],
+    target: Target,
+    config: EngineConfig,
+) -> tuple[AttentionImpl, list[str]]:
+    """The chosen kernel after its self-check; on a mismatch, the next implementation of the
+    platform's "auto" order (logged, naming both), or a ValueError when strict_kernels."""
+    while True:
+        error = self_check(attention, target)
+        if error is None:
+            return attention, refused
+        message = f"attention {attention.name} disagrees with the reference here ({error})"
+        if config.runner.strict_kernels:
+            raise ValueError(f"{message}; strict_kernels=True")
+        order = auto_order(target)
+        rest = order[order.index(attention.name) + 1 :] if attention.name in order else order
+        fallback, more = select_attention("auto", target, order=rest)
+        logger.warning("%s: using %s instead", message, fallback.name)
+        attention, refused = fallback, [*refused, message, *more]
+
+
+@functools.cache
+def self_check(attention: AttentionImpl, target: Target) -> str | None:
+    """Run ``attention`` once on a small ragged batch of decodes and prefill chunks (the
+    target's heads, head dim, page size, dtype and options) against the reference; the error
+    found, or None. Cached per process. Plain XLA implementations and interpret mode are
+    trusted (the reference's own ops; tests cover interpret mode)."""
+    if attention.kernel in ("reference", "xla") or attention.interpret:
+        return None
+    seqs = [(1, 5), (1, 40), (7, 30), (1, 64), (20, 20)]  # decodes and prefill chunks
+    page_size = target.page_size
+    batch = random_batch(
+        seqs,
+        num_tokens=32,
+        num_slots=8,
+        table_width=-(-64 // page_size),
+        num_q_heads=target.num_q_heads,
+        num_kv_heads=target.num_kv_heads,
+        head_dim=target.head_dim,
+        page_size=page_size,
+        dtype=jnp.dtype(target.dtype),
+        rng=np.random.default_rng(0),
+    )
+    options = dict(
+        sm_scale=target.head_dim**-0.5,
+        sliding_window=target.sliding_window,
+        soft_cap=target.soft_cap,
+    )
+    try:
+        got = jax.jit(functools.partial(attention, **options))(*batch)
+        want = jax.jit(functools.partial(ragged_paged_attention_reference, **options))(*batch)
+        err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
+    except Exception as e:  # a kernel that fails to compile or run here
+        return f"{type(e).__name__}: {e}"
+    tolerance = _SELF_CHECK_TOLERANCE[target.dtype]
+    if not err <= tolerance:
+        return f"max abs error {err:.3g} > {tolerance:g}"
+    return None
