@@ -23,13 +23,13 @@ from pathlib import Path
 import jax
 import numpy as np
 
-import jaxserve.runner  # noqa: F401  applies the XLA CPU workaround before jax computes
 from jaxserve.pallas_kernels.ragged_paged_attention import (
     cpu_rows,
     ragged_paged_attention_chunked,
     ragged_paged_attention_reference,
 )
 from jaxserve.pallas_kernels.ragged_paged_attention.testing import random_batch
+from jaxserve.runner.xla_flags import apply_cpu_workarounds
 
 NUM_KV_HEADS, NUM_Q_HEADS, HEAD_DIM, PAGE = 2, 8, 64, 32
 MAX_LEN = 2048
@@ -100,6 +100,7 @@ def time_call(fn, args: tuple, reps: int) -> tuple[float, np.ndarray]:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    apply_cpu_workarounds()  # before jax starts: it runs jax before building an engine
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--cases", default="", help="comma list of case-name prefixes (default: all)")

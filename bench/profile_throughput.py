@@ -42,8 +42,6 @@ import sys
 import time
 from pathlib import Path
 
-import jaxserve.runner  # noqa: F401  applies the XLA CPU workaround before jax starts
-
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
@@ -52,6 +50,8 @@ import _jaxserve_runs  # noqa: E402
 import numpy as np  # noqa: E402
 import throughput  # noqa: E402
 from _metrics import ModelShape, machine_limits  # noqa: E402
+
+from jaxserve.runner.xla_flags import apply_cpu_workarounds  # noqa: E402
 
 # ---- instrumentation ------------------------------------------------------------------------
 
@@ -528,6 +528,7 @@ def profile_goals(report: dict, concurrency: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    apply_cpu_workarounds()  # before jax starts: it runs jax before building an engine
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=sorted(throughput.PRESETS), default="default")
     p.add_argument("--concurrency", type=int, default=256)

@@ -48,8 +48,6 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import jaxserve.runner  # noqa: F401  applies the XLA CPU workaround before jax starts
-
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
@@ -57,6 +55,8 @@ import _baselines  # noqa: E402
 import _datasets  # noqa: E402
 import _jaxserve_runs  # noqa: E402
 from _metrics import ModelShape, RunResult, machine_limits, utilization  # noqa: E402
+
+from jaxserve.runner.xla_flags import apply_cpu_workarounds  # noqa: E402
 
 CACHE = HERE / ".cache"
 RESULTS = HERE / "results"
@@ -641,6 +641,7 @@ def enable_compile_cache(folder: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    apply_cpu_workarounds()  # before jax starts: it runs jax before building an engine
     args = parse_args(argv)
     if args.compile_cache:
         enable_compile_cache(Path(args.cache) / "jax")
