@@ -129,7 +129,7 @@ class StepProbe:
             # length L sees L - q + i + 1 positions.
             ctx=int((q * (2 * seq - q + 1) // 2).sum()),
             attn_read=self._attention_reads(int(input_ids.shape[0]), md, int(seq.max(initial=0))),
-            all_greedy=bool(kw.get("all_greedy")),
+            all_greedy=bool((np.asarray(rest[0].temperature) <= 0).all()),
         )
         return res
 
@@ -296,7 +296,7 @@ def step_microbench(engine, shape: ModelShape, limits: dict, cases, reps: int) -
         md_sampled = SamplingMetadata.neutral(r, runner.vocab_size)
         md_sampled.temperature[:] = 1.0
         row = {"T": t, "R": r, "context": ctx, "B": width}
-        for label, greedy, smd in (("greedy", True, md), ("sampled", False, md_sampled)):
+        for label, smd in (("greedy", md), ("sampled", md_sampled)):
             times = []
             for _ in range(reps + 1):
                 t0 = time.perf_counter()
@@ -307,10 +307,7 @@ def step_microbench(engine, shape: ModelShape, limits: dict, cases, reps: int) -
                     _attention_metadata(batch, runner.rope_tables),
                     batch.logits_indices,
                     smd,
-                    batch.input_ids,
-                    all_greedy=greedy,
-                    max_num_logprobs=None,
-                    num_prompt_logprobs=None,
+                    np.full(batch.input_ids.shape, -1, np.int32),  # no prompt logprobs
                 )
                 jax.block_until_ready(out.token_ids)
                 times.append(time.perf_counter() - t0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-_MAX_LOGPROBS = 20  # top-N logprobs cap, as in vLLM's default max_logprobs
+MAX_LOGPROBS = 20  # top-N logprobs cap, as in vLLM's default max_logprobs
 
 
 def _check_int(name: str, value: object, *, allow_none: bool = False) -> None:
@@ -91,9 +91,9 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check_int(name, value, allow_none=True)
-            if value is not None and not 0 <= value <= _MAX_LOGPROBS:
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 raise ValueError(
-                    f"SamplingParams.{name} must be in [0, {_MAX_LOGPROBS}], got {value}"
+                    f"SamplingParams.{name} must be in [0, {MAX_LOGPROBS}], got {value}"
                 )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)

@@ -320,12 +320,16 @@ class LLMEngine:
         return len(self._states)
 
     def get_stats(self) -> dict[str, Any]:
-        """The counters of DESIGN.md section 5, plus "plan": the execution plan as a dict
-        (platform, device_kind, attention, sampler_draw, dtype, kv_cache_dtype,
-        tensor_parallel_size, ...)."""
+        """The counters of DESIGN.md section 5 (num_compilations: fresh XLA compilations of the
+        step), plus num_compilation_cache_hits (loaded from the persistent cache instead),
+        "recompilations" (each compilation after warm-up, with what was new) and "plan": the
+        execution plan as a dict (platform, device_kind, attention, sampler_draw, dtype,
+        kv_cache_dtype, tensor_parallel_size, ...)."""
         with self._lock:
             stats: dict[str, Any] = dict(self.scheduler.get_stats())
             stats["num_compilations"] = self.runner.num_compilations
+            stats["num_compilation_cache_hits"] = self.runner.num_compilation_cache_hits
+            stats["recompilations"] = list(self.runner.compiles.events)
         stats["plan"] = self.info.plan.as_dict()
         return stats
 

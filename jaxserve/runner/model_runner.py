@@ -8,7 +8,8 @@
         -> ModelRunnerOutput           only the sampled ids (and logprobs) come back
 
 Compiled variants are keyed by the bucket shapes and the sampler's static flags; warm-up can
-compile every (T, R, B) of the greedy variant, and `num_compilations` counts every trace.
+compile every (T, R, B) of the greedy variant; `num_compilations` counts fresh compilations and
+`compiles` (step_compiles.py) explains every one after warm-up.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jaxserve.core.sched.output import SchedulerOutput
 from jaxserve.models import AttentionMetadata, CausalLM
@@ -27,9 +30,16 @@ from jaxserve.runner.buckets import BucketSpec
 from jaxserve.runner.input_batch import InputBatch, PreparedBatch
 from jaxserve.runner.kv_cache import allocate_kv_caches
 from jaxserve.runner.plan import ExecutionPlan
-from jaxserve.runner.sampler import prompt_logprobs, sample, to_token_logprobs
-from jaxserve.runner.sampling_metadata import SamplingInputs, SamplingMetadata
+from jaxserve.runner.sampler import (
+    logprobs_width,
+    no_logprobs,
+    prompt_logprobs,
+    sample,
+    to_token_logprobs,
+)
+from jaxserve.runner.sampling_metadata import VARIANT_WIDTHS, SamplingInputs, SamplingMetadata
 from jaxserve.runner.sharding import ShardingPlan
+from jaxserve.runner.step_compiles import StepCompiles, TraceCounter
 
 
 class ModelRunner:
@@ -88,18 +98,15 @@ class ModelRunner:
         # The jitted functions hold the model and a trace counter, never the runner: nothing
         # of the runner is in a reference cycle, so dropping the last LLM frees its device
         # memory at once, without waiting for the cyclic garbage collector.
-        self._traces = _TraceCounter()
+        traces = TraceCounter()
+        self.compiles = compiles = StepCompiles("the engine step", traces)
         step_shardings, copy_shardings = _jit_shardings(sharding, model.arch.num_layers)
-        step = jax.jit(
-            functools.partial(_step_fn, model, self._traces, plan.sampler_draw),
+        jitted = jax.jit(
+            functools.partial(_step_fn, model, traces, plan.sampler_draw),
             donate_argnums=(1,),
-            static_argnums=(7, 8, 9),  # all_greedy, max_num_logprobs, num_prompt_logprobs
             **step_shardings,
         )
-        # A jit with in_shardings takes no keyword arguments: the static flags go by position.
-        self._step = lambda *args, all_greedy, max_num_logprobs, num_prompt_logprobs: step(
-            *args, all_greedy, max_num_logprobs, num_prompt_logprobs
-        )
+        self._step = lambda *args: compiles(jitted, args, STEP_ARGS)
         self._copy = jax.jit(_copy_blocks, donate_argnums=(0,), **copy_shardings)
 
     def _init_host_state(self) -> None:
@@ -123,8 +130,13 @@ class ModelRunner:
 
     @property
     def num_compilations(self) -> int:
-        """Traces (hence XLA compilations) of the step function so far."""
-        return self._traces.count
+        """XLA compilations of the step function so far (not those loaded from the persistent
+        compilation cache: num_compilation_cache_hits)."""
+        return self.compiles.num_fresh
+
+    @property
+    def num_compilation_cache_hits(self) -> int:
+        return self.compiles.num_cache_hits
 
     def reset(self) -> bool:
         """Forget every request: the recovery of an engine step that raised part-way.
@@ -146,17 +158,24 @@ class ModelRunner:
 
     # ---- compilation ------------------------------------------------------------------------
     def warmup(self, shapes: list[tuple[int, int, int]] | None = None) -> int:
-        """Compile the step for every (T, R, B) bucket (default: all of them) in its plain
-        variant (greedy or sampled rows without penalties, bans or logprobs), by running it on an
-        all-padding batch: every token writes into the null block, nothing real is touched.
+        """Compile the step for every (T, R, B) bucket (default: all of them) in both of its
+        variants (a batch without penalties or bans, and one with them: VARIANT_WIDTHS), by
+        running it on an all-padding batch: every token writes into the null block, nothing real
+        is touched. Every other sampling feature (greedy or sampled rows, seeds, logprobs,
+        prompt logprobs, min_tokens) runs in these same compiled steps.
 
-        Returns the number of compilations this caused.
+        Returns the number of compilations this caused (fresh or loaded from the cache);
+        compilations after it are explained in the log (step_compiles.py).
         """
-        before = self.num_compilations
+        compiles = self.compiles
+        before = compiles.num_fresh + compiles.num_cache_hits
         for padded_tokens, padded_rows, width in shapes or self.buckets.all_shapes():
             batch = PreparedBatch.padding(padded_tokens, padded_rows, width)
-            md = SamplingMetadata.neutral(padded_rows, self.vocab_size)
-            for all_greedy in (True, False):
+            no_targets = np.full(padded_tokens, -1, np.int32)
+            for penalty_width, ban_width in VARIANT_WIDTHS:
+                md = SamplingMetadata.neutral(
+                    padded_rows, self.vocab_size, penalty_width=penalty_width, ban_width=ban_width
+                )
                 self.kv_caches, out, _ = self._step(
                     self.params,
                     self.kv_caches,
@@ -164,13 +183,11 @@ class ModelRunner:
                     _attention_metadata(batch, self.rope_tables),
                     batch.logits_indices,
                     md,
-                    batch.input_ids,
-                    all_greedy=all_greedy,
-                    max_num_logprobs=None,
-                    num_prompt_logprobs=None,
+                    no_targets,
                 )
         jax.block_until_ready(out.token_ids)
-        return self.num_compilations - before
+        compiles.warmed_up = True
+        return compiles.num_fresh + compiles.num_cache_hits - before
 
     # ---- per step -------------------------------------------------------------------------
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -192,8 +209,7 @@ class ModelRunner:
         ib = self.input_batch
         output_pos = ib.num_tokens[batch.slots] - ib.num_prompt_tokens[batch.slots]
         sampling_md = self.sampling.build(batch.slots, padded_rows, output_pos)
-        flags = self.sampling.flags(batch.slots)
-        num_plp, targets = self._prompt_logprob_targets(batch)
+        targets = self._prompt_logprob_targets(batch)
         self.kv_caches, out, plp = self._step(
             self.params,
             self.kv_caches,
@@ -202,9 +218,6 @@ class ModelRunner:
             batch.logits_indices,
             sampling_md,
             targets,
-            all_greedy=flags.all_greedy,
-            max_num_logprobs=flags.max_num_logprobs,
-            num_prompt_logprobs=num_plp,
         )
         return self._collect(batch, out, plp)
 
@@ -238,20 +251,17 @@ class ModelRunner:
         for cached in so.scheduled_cached_reqs:
             ib.update_cached(cached.req_id, cached.num_computed_tokens, cached.new_block_ids)
 
-    def _prompt_logprob_targets(self, batch: PreparedBatch) -> tuple[int | None, np.ndarray]:
+    def _prompt_logprob_targets(self, batch: PreparedBatch) -> np.ndarray:
         """i32[T] next prompt token of every scheduled row of a request that still owes prompt
-        logprobs (-1 elsewhere), and the largest top-N asked (None: nobody asked)."""
+        logprobs, -1 elsewhere (all -1: the step computes no prompt logprobs)."""
         targets = np.full(batch.input_ids.shape, -1, np.int32)
-        most = None
         ib = self.input_batch
         for row, start, n in self._rows_owing_prompt_logprobs(batch):
             slot = batch.slots[row]
             nxt = batch.positions[start : start + n] + 1  # the token each position predicts
             ok = nxt < ib.num_prompt_tokens[slot]
             targets[start : start + n] = np.where(ok, ib.token_ids[slot, np.where(ok, nxt, 0)], -1)
-            num = self._prompt_logprobs[batch.req_ids[row]].num
-            most = num if most is None else max(most, num)
-        return most, targets
+        return targets
 
     def _rows_owing_prompt_logprobs(self, batch: PreparedBatch):
         """(row, first token row, scheduled tokens) of requests still owed prompt logprobs."""
@@ -274,13 +284,15 @@ class ModelRunner:
         result = ModelRunnerOutput(
             req_ids=req_ids, sampled_token_ids=[[t] for t in token_ids.tolist()]
         )
-        if out.logprobs.shape[1]:
+        wanted = self._num_logprobs
+        if wanted and any(req_id in wanted for req_id in req_ids):
             host = jax.device_get(out)
+            width = logprobs_width(self.vocab_size)
             for r, req_id in zip(rows.tolist(), req_ids, strict=True):
-                num = self._num_logprobs.get(req_id)
+                num = wanted.get(req_id)
                 if num is not None:
-                    result.logprobs[req_id] = [host.token_logprobs(r, num)]
-        if plp is not None:
+                    result.logprobs[req_id] = [host.token_logprobs(r, min(num, width))]
+        if self._prompt_logprobs and any(True for _ in self._rows_owing_prompt_logprobs(batch)):
             self._collect_prompt_logprobs(batch, jax.device_get(plp), result)
         return result
 
@@ -299,23 +311,30 @@ class ModelRunner:
             if hi > lo:
                 rows = np.arange(start + lo - first, start + hi - first)
                 result.prompt_logprobs[req_id] = to_token_logprobs(
-                    plp.logprobs[rows], plp.token_ids[rows], plp.ranks[rows], state.num
+                    plp.logprobs[rows],
+                    plp.token_ids[rows],
+                    plp.ranks[rows],
+                    min(state.num, logprobs_width(self.vocab_size)),
                 )
                 state.next_pos = hi
             if state.next_pos >= num_prompt - 1:
                 state.done = True
 
 
-class _TraceCounter:
-    """Traces of the step function (each one is an XLA compilation)."""
-
-    def __init__(self) -> None:
-        self.count = 0
+STEP_ARGS = (  # the step's positional arguments, named for compilation explanations
+    "params",
+    "kv_caches",
+    "input_ids",
+    "attention_metadata",
+    "logits_indices",
+    "sampling_metadata",
+    "prompt_targets",
+)
 
 
 def _step_fn(
     model: CausalLM,
-    traces: _TraceCounter,
+    traces: TraceCounter,
     draw: str,
     params: Any,
     kv_caches: list[tuple[jax.Array, jax.Array]],
@@ -323,22 +342,20 @@ def _step_fn(
     md: AttentionMetadata,
     logits_indices: jax.Array,  # i32[R]
     sampling_md: SamplingMetadata,
-    prompt_targets: jax.Array,  # i32[T] next prompt token per row (prompt logprobs only)
-    all_greedy: bool,
-    max_num_logprobs: int | None,
-    num_prompt_logprobs: int | None,
+    prompt_targets: jax.Array,  # i32[T] next prompt token per row (prompt logprobs), else -1
 ):
-    """The jitted step: forward, logits at the R sampling rows, sample (and prompt logprobs)."""
+    """The jitted step: forward, logits at the R sampling rows, sample, and the prompt logprobs
+    of the rows that owe them (the [T, V] logits only when some row does: a run-time test)."""
     traces.count += 1  # runs once per trace: counts compilations
     kv_caches, hidden = model.forward(params, kv_caches, input_ids, md)  # [T, D]
     logits = model.compute_logits(params, hidden[logits_indices])  # f32[R, V]
-    out = sample(
-        logits, sampling_md, max_num_logprobs=max_num_logprobs, all_greedy=all_greedy, draw=draw
+    out = sample(logits, sampling_md, draw=draw)
+    num = logprobs_width(model.arch.vocab_size)
+    plp = lax.cond(
+        jnp.any(prompt_targets >= 0),
+        lambda: prompt_logprobs(model.compute_logits(params, hidden), prompt_targets, num=num),
+        lambda: no_logprobs(prompt_targets.shape[0], num),
     )
-    plp = None
-    if num_prompt_logprobs is not None:
-        all_logits = model.compute_logits(params, hidden)  # f32[T, V]
-        plp = prompt_logprobs(all_logits, prompt_targets, num=num_prompt_logprobs)
     return kv_caches, out, plp
 
 
@@ -397,7 +414,7 @@ def _jit_shardings(
     step = dict(
         # params, kv_caches, input_ids, md, logits_indices, sampling_md, prompt_targets
         in_shardings=(plan.param_shardings(), kv, rep, rep, rep, rep, rep),
-        out_shardings=(kv, rep, rep),  # kv_caches, sampler output, prompt logprobs (or None)
+        out_shardings=(kv, rep, rep),  # kv_caches, sampler output, prompt logprobs
     )
     return step, dict(in_shardings=(kv, rep, rep), out_shardings=kv)
 

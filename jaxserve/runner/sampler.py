@@ -9,8 +9,12 @@ Order of processing (vLLM V1):
        fold_in(key(seed), output_pos)
 Logprobs are those of the raw distribution: log_softmax of the unprocessed logits.
 
-Every per-row setting is data, so a new combination of settings never compiles. The static
-arguments are max_num_logprobs, all_greedy and fast_top_k, and the shapes R, V, W, B.
+Every per-row setting is data, so a new combination of settings never compiles: the random
+path, the top-k / top-p masks and the logprobs run under lax.cond, only when some row needs
+them, and logprobs always come back MAX_LOGPROBS wide (the host cuts each row to what it
+asked). The static arguments are fast_top_k and the draw, and the shapes R, V, W, B (W and B
+are 0 for a batch without penalties or bans, else at least their minimum buckets: two compiled
+variants per batch shape, both compiled by warm-up).
 
 Cost beyond the [R, V] elementwise passes and two row reductions (argmax, logsumexp):
 - penalties and bans: a gather / scatter of R x W and R x B elements (0 when W = B = 0);
@@ -36,6 +40,7 @@ from jax import lax
 from jaxserve.outputs import TokenLogprobs
 from jaxserve.pallas_kernels.sampling import cpu_draw
 from jaxserve.runner.sampling_metadata import SamplingMetadata
+from jaxserve.sampling_params import MAX_LOGPROBS
 
 DEFAULT_FAST_TOP_K = 64
 
@@ -59,8 +64,8 @@ class LogprobsArrays:
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class SamplerOutput:
-    """What the step returns to the host. N = max_num_logprobs; the logprob fields have 0
-    columns when max_num_logprobs is None."""
+    """What the step returns to the host. N = logprobs_width(V); the logprob fields hold zeros
+    when no row asked for logprobs (the host does not fetch them then)."""
 
     token_ids: jax.Array  # i32[R] sampled token of each row (padding rows: argmax)
     logprobs: jax.Array  # f32[R, 1 + N] sampled token first, then the top-N
@@ -82,8 +87,6 @@ def sample(
     logits: jax.Array,
     md: SamplingMetadata,
     *,
-    max_num_logprobs: int | None,
-    all_greedy: bool = False,
     fast_top_k: int = DEFAULT_FAST_TOP_K,
     draw: str = "xla",
 ) -> SamplerOutput:
@@ -92,8 +95,6 @@ def sample(
     Args:
         logits: f32[R, V] (any float dtype; computed in f32) at the rows that sample.
         md: SamplingMetadata with R rows (SamplingInputs.build).
-        max_num_logprobs: N top logprobs per row; None computes no logprobs (0 columns).
-        all_greedy: the caller guarantees every row has temperature 0: skips the random path.
         fast_top_k: width of the lax.top_k that settles top-k / top-p before a full sort.
         draw: "xla", or "cpu" for the C++ draw kernel (the execution plan's choice on the CPU
             where the kernel builds; the same draw up to f32 rounding of the exps).
@@ -105,16 +106,22 @@ def sample(
     _check_metadata(logits, md)
     raw = logits.astype(jnp.float32)
     x = _apply_bans(apply_penalties(raw, md), md.banned_token_ids)
-    if all_greedy:
-        token_ids = _argmax(x)
-    else:
-        greedy = md.temperature <= 0.0
+    greedy = md.temperature <= 0.0
+
+    def some_sampled() -> jax.Array:
         sampled = _sample_random(x, md, fast_top_k, draw)
         # The [R, V] argmax only when some row is greedy (a run-time test, not a compile).
-        token_ids = lax.cond(
+        return lax.cond(
             jnp.any(greedy), lambda: jnp.where(greedy, _argmax(x), sampled), lambda: sampled
         )
-    lp = _logprobs(raw, token_ids, max_num_logprobs)
+
+    token_ids = lax.cond(jnp.all(greedy), lambda: _argmax(x), some_sampled)
+    num = logprobs_width(raw.shape[1])
+    lp = lax.cond(
+        jnp.any(md.num_logprobs >= 0),
+        lambda: _logprobs(raw, token_ids, num),
+        lambda: no_logprobs(raw.shape[0], num),
+    )
     return SamplerOutput(token_ids, lp.logprobs, lp.token_ids, lp.ranks)
 
 
@@ -129,7 +136,7 @@ def prompt_logprobs(logits: jax.Array, target_ids: jax.Array, *, num: int) -> Lo
         logits: f32[T', V] raw logits at prompt positions.
         target_ids: i32[T'] the prompt token that follows each position; a negative id marks a
             position the caller ignores (its row holds unspecified values, nothing fails).
-        num: N top logprobs per position (static).
+        num: N top logprobs per position (static; the runner asks MAX_LOGPROBS).
     Returns:
         LogprobsArrays with 1 + num columns.
     """
@@ -335,14 +342,23 @@ def _thresholds(
     return jnp.maximum(k_floor, p_floor), settled
 
 
-def _logprobs(raw: jax.Array, token_ids: jax.Array, num: int | None) -> LogprobsArrays:
+def logprobs_width(vocab_size: int) -> int:
+    """The top-N logprobs the device computes: MAX_LOGPROBS, or the whole vocabulary when it is
+    smaller."""
+    return min(MAX_LOGPROBS, vocab_size)
+
+
+def no_logprobs(num_rows: int, num: int) -> LogprobsArrays:
+    """What a batch without logprobs returns in their place: zeros [X, 1 + num]."""
+    zeros = jnp.zeros((num_rows, 1 + num), jnp.int32)
+    return LogprobsArrays(zeros.astype(jnp.float32), zeros, zeros)
+
+
+def _logprobs(raw: jax.Array, token_ids: jax.Array, num: int) -> LogprobsArrays:
     """Raw logprobs of token_ids and the top-num, f32[X, V] -> LogprobsArrays [X, 1 + num]."""
     num_rows = raw.shape[0]
-    if num is None:
-        empty = jnp.zeros((num_rows, 0), jnp.int32)
-        return LogprobsArrays(empty.astype(jnp.float32), empty, empty)
     if num < 0:
-        raise ValueError(f"max_num_logprobs must be None or >= 0, got {num}")
+        raise ValueError(f"the number of top logprobs must be >= 0, got {num}")
     lp = jax.nn.log_softmax(raw, axis=-1)  # f32[X, V]
     token_lp = jnp.take_along_axis(lp, token_ids[:, None], axis=1, mode="clip")  # f32[X, 1]
     token_rank = 1 + jnp.sum(lp > token_lp, axis=-1, dtype=jnp.int32)[:, None]
@@ -362,7 +378,7 @@ def to_token_logprobs(
     num_logprobs: int | list[int],
 ) -> list[TokenLogprobs]:
     """Host side: rows of [X, 1 + N] numpy arrays -> one TokenLogprobs per row, each cut to its
-    request's 1 + num_logprobs columns (the device may compute more, see LOGPROB_BUCKETS).
+    request's 1 + num_logprobs columns (the device computes MAX_LOGPROBS).
 
     Raises:
         ValueError: a num_logprobs larger than the N the device computed.
@@ -392,6 +408,7 @@ _FIELD_SPECS = {  # field -> (shape: R rows, 2 seed words, W / B list widths; dt
     "repetition_penalty": (("R",), jnp.float32),
     "seeds": (("R", 2), jnp.uint32),
     "output_pos": (("R",), jnp.int32),
+    "num_logprobs": (("R",), jnp.int32),
     "penalty_token_ids": (("R", "W"), jnp.int32),
     "penalty_output_counts": (("R", "W"), jnp.int32),
     "banned_token_ids": (("R", "B"), jnp.int32),

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -25,9 +24,6 @@ from jaxserve.sampling_params import SamplingParams
 
 # vLLM's _SAMPLING_EPS: a temperature below it is greedy (dividing by it would overflow f32).
 GREEDY_TEMPERATURE_EPS = 1e-5
-# Top-N logprob widths the device computes: a batch's largest request rounds up to one of these,
-# so the few values of the static max_num_logprobs compile at most len(LOGPROB_BUCKETS) + 1 times.
-LOGPROB_BUCKETS = (0, 1, 2, 4, 8, 16, 20)
 MIN_BAN_WIDTH = 8  # B buckets: 0, then powers of two from here
 MIN_PENALTY_WIDTH = 256  # W buckets: 0, then powers of two from here up to the capacity
 
@@ -36,7 +32,9 @@ MIN_PENALTY_WIDTH = 256  # W buckets: 0, then powers of two from here up to the 
 @dataclass(frozen=True)
 class SamplingMetadata:
     """Per-row sampling settings of one step. All fields are data (traced): a new combination
-    of settings never compiles; only the widths W and B (shapes) select a compiled variant.
+    of settings never compiles; only the widths W and B (shapes) select a compiled variant, and
+    a batch has either both 0 (no row with a penalty or a ban) or both at least their minimum
+    buckets, so that warm-up can compile both variants of every batch shape.
 
     Padding rows carry neutral values (greedy, no masks, no penalties, no bans), so they cost
     nothing but their share of the [R, V] arithmetic.
@@ -51,6 +49,7 @@ class SamplingMetadata:
     repetition_penalty: jax.Array  # f32[R] over prompt + outputs: positive / rp, negative * rp
     seeds: jax.Array  # u32[R, 2] request seed (63-bit) as (hi, lo) 32-bit words
     output_pos: jax.Array  # i32[R] output index of the token being sampled (0 = the first)
+    num_logprobs: jax.Array  # i32[R] top-N logprobs the row asked for; -1: none
     # Distinct token ids of prompt + outputs so far, for rows with a penalty; -1 pads (each
     # row's real ids come first and are unique within the row). Rows without penalties: all -1.
     penalty_token_ids: jax.Array  # i32[R, W]
@@ -65,7 +64,7 @@ class SamplingMetadata:
         """Host (numpy) metadata of ``num_rows`` neutral rows: greedy, no masks, no penalties.
 
         For warm-up: compiling ``sample`` with these shapes compiles the variant a real batch of
-        the same R, W and B uses.
+        the same R, W and B uses (VARIANT_WIDTHS: the two every batch shape can take).
         """
         return cls(
             temperature=np.zeros(num_rows, np.float32),
@@ -77,22 +76,25 @@ class SamplingMetadata:
             repetition_penalty=np.ones(num_rows, np.float32),
             seeds=np.zeros((num_rows, 2), np.uint32),
             output_pos=np.zeros(num_rows, np.int32),
+            num_logprobs=np.full(num_rows, -1, np.int32),
             penalty_token_ids=np.full((num_rows, penalty_width), -1, np.int32),
             penalty_output_counts=np.zeros((num_rows, penalty_width), np.int32),
             banned_token_ids=np.full((num_rows, ban_width), -1, np.int32),
         )
 
 
-class SamplerFlags(NamedTuple):
-    """The static arguments of ``sampler.sample`` for one batch: ``sample(..., **flags._asdict())``.
+# The (W, B) list widths of the sampler's two compiled variants per batch shape: a batch with
+# no penalty and no ban, and one with some at up to MIN_PENALTY_WIDTH distinct tokens and
+# MIN_BAN_WIDTH banned ids (wider lists take wider buckets, compiled when first seen).
+VARIANT_WIDTHS = ((0, 0), (MIN_PENALTY_WIDTH, MIN_BAN_WIDTH))
 
-    all_greedy: every real row is greedy (skips the random path; padding rows are greedy).
-    max_num_logprobs: None when no row asked for logprobs, else the largest asked, rounded up to
-        LOGPROB_BUCKETS.
-    """
 
-    all_greedy: bool
-    max_num_logprobs: int | None
+def _widen(lists: np.ndarray, width: int, pad: int) -> np.ndarray:
+    """i32[R, W] -> i32[R, max(W, width)], padded with ``pad``."""
+    missing = width - lists.shape[1]
+    if missing <= 0:
+        return lists
+    return np.pad(lists, ((0, 0), (0, missing)), constant_values=pad)
 
 
 def _bucket_width(needed: int, minimum: int, capacity: int | None = None) -> int:
@@ -347,6 +349,10 @@ class SamplingInputs:
         padded_pos = np.zeros(padded_rows, np.int32)
         padded_pos[:num_rows] = pos
         ids, counts = self._penalties.gather(idx)
+        banned = self._gather_ban_lists(idx, padded_pos)
+        if ids.shape[1] or banned.shape[1]:  # both lists, or neither: two variants per shape
+            ids, counts = _widen(ids, MIN_PENALTY_WIDTH, -1), _widen(counts, MIN_PENALTY_WIDTH, 0)
+            banned = _widen(banned, MIN_BAN_WIDTH, -1)
         return SamplingMetadata(
             temperature=self._temperature[idx],
             top_k=self._top_k[idx],
@@ -357,21 +363,11 @@ class SamplingInputs:
             repetition_penalty=self._repetition[idx],
             seeds=self._seeds[idx],
             output_pos=padded_pos,
+            num_logprobs=self._num_logprobs[idx],
             penalty_token_ids=ids,
             penalty_output_counts=counts,
-            banned_token_ids=self._gather_ban_lists(idx, padded_pos),
+            banned_token_ids=banned,
         )
-
-    def flags(self, slot_indices: np.ndarray) -> SamplerFlags:
-        """The static arguments of ``sample`` for these rows."""
-        slots = np.asarray(slot_indices, np.int64)
-        if slots.size == 0:
-            return SamplerFlags(all_greedy=True, max_num_logprobs=None)
-        all_greedy = bool((self._temperature[slots] == 0.0).all())
-        most = int(self._num_logprobs[slots].max())
-        if most < 0:
-            return SamplerFlags(all_greedy, None)
-        return SamplerFlags(all_greedy, next(b for b in LOGPROB_BUCKETS if b >= most))
 
     # ----- helpers -----
 

@@ -9,6 +9,7 @@ import pytest
 from engine_utils import SMALL, assert_nothing_held, random_prompts
 
 from jaxserve import LLM, LLMEngine, SamplingParams
+from jaxserve.runner.sampling_metadata import VARIANT_WIDTHS
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +78,29 @@ def test_unseeded_requests_follow_the_engine_seed():
     assert runs[0] != runs[2]
 
 
+def _any_sampling_params(rng: random.Random) -> SamplingParams:
+    """Every SamplingParams feature, at random: what warm-up must already have compiled."""
+    max_tokens = rng.randrange(1, 12)
+    return SamplingParams(
+        n=rng.choice([1, 1, 2, 3]),
+        temperature=rng.choice([0.0, 0.8]),
+        top_p=rng.choice([1.0, 0.9]),
+        top_k=rng.choice([-1, 5]),
+        min_p=rng.choice([0.0, 0.05]),
+        max_tokens=max_tokens,
+        min_tokens=min(rng.choice([0, 0, 2]), max_tokens),
+        seed=rng.choice([None, rng.randrange(9)]),
+        logprobs=rng.choice([None, None, 0, 3, 20]),
+        prompt_logprobs=rng.choice([None, None, None, 0, 5]),
+        presence_penalty=rng.choice([0.0, 0.0, 0.5]),
+        frequency_penalty=rng.choice([0.0, 0.0, -0.3]),
+        repetition_penalty=rng.choice([1.0, 1.0, 1.2]),
+        stop=rng.choice([None, ["e"]]),
+        stop_token_ids=rng.choice([None, [7]]),
+        ignore_eos=rng.choice([False, True]),
+    )
+
+
 def test_nothing_compiles_after_warmup():
     engine = LLMEngine(
         "tiny-random-llama",
@@ -87,26 +111,27 @@ def test_nothing_compiles_after_warmup():
         max_num_batched_tokens=32,
         max_model_len=64,
     )
-    compiled = engine.get_stats()["num_compilations"]
-    assert compiled > 0
-    # The CPU's token buckets, T=1 and the midpoints included: all of them are warmed up.
-    assert engine.runner.buckets.token_buckets == (1, 4, 6, 8, 12, 16, 24, 32)
+    stats = engine.get_stats()
+    compiled, plan = stats["num_compilations"], stats["plan"]
+    buckets = engine.runner.buckets
+    # Every batch shape, in the sampler's two variants (no penalty and no ban, or some).
+    assert compiled == len(buckets.all_shapes()) * len(VARIANT_WIDTHS)
+    tokens = buckets.token_buckets
+    assert (tokens[0] == 1) == plan["single_token_bucket"]
+    assert (6 in tokens) == plan["mid_token_buckets"]  # 3 * 2^k between the powers of two
     rng = random.Random(0)
     next_id = 0
-    while engine.get_stats()["num_steps"] < 55:
+    while engine.get_stats()["num_steps"] < 80:
         if rng.random() < 0.3:  # keep a stream of new requests arriving: mixed steps
-            params = SamplingParams(
-                temperature=rng.choice([0.0, 0.8]),
-                top_p=0.9,
-                max_tokens=rng.randrange(1, 12),
-                seed=rng.randrange(9),
-            )
+            params = _any_sampling_params(rng)
             engine.add_request(str(next_id), random_prompts(1, seed=next_id, hi=40)[0], params)
             next_id += 1
         engine.step()
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.get_stats()["num_compilations"] == compiled
+    stats = engine.get_stats()
+    assert stats["num_compilations"] == compiled, stats["recompilations"]
+    assert stats["recompilations"] == []
     assert_nothing_held(engine)
 
 

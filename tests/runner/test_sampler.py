@@ -23,15 +23,15 @@ from jaxserve.runner.sampler import (
     sample,
     to_token_logprobs,
 )
-from jaxserve.runner.sampling_metadata import SamplingInputs, SamplingMetadata
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.runner.sampling_metadata import VARIANT_WIDTHS, SamplingInputs, SamplingMetadata
+from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
 V = 12  # vocabulary of the statistical tests
 NUM_SAMPLES = 20_000
 # A fixed logit row whose top-p boundaries sit far from the top_p values used below.
 LOGITS = np.array([2.0, 1.4, 1.1, 0.6, 0.3, 0.0, -0.2, -0.5, -0.9, -1.4, -2.0, -3.0], np.float32)
 
-STATIC = ("max_num_logprobs", "all_greedy", "fast_top_k", "draw")
+STATIC = ("fast_top_k", "draw")
 sample_jit = jax.jit(sample, static_argnames=STATIC)
 
 
@@ -112,9 +112,8 @@ def draw(
     inputs.set_request(0, params, seed, list(prompt), list(outputs))
     slots = np.zeros(NUM_SAMPLES, np.int32)
     md = inputs.build(slots, NUM_SAMPLES, np.arange(NUM_SAMPLES, dtype=np.int32))
-    flags = inputs.flags(slots)
     batch = np.broadcast_to(logits, (NUM_SAMPLES, len(logits)))
-    out = sampler(batch, md, **flags._asdict(), fast_top_k=fast_top_k)
+    out = sampler(batch, md, fast_top_k=fast_top_k)
     return np.asarray(out.token_ids)
 
 
@@ -172,7 +171,7 @@ def test_seeded_rows_are_independent_draws() -> None:
         seeds=np.stack([seeds * 7, seeds], axis=1).astype(np.uint32),
         output_pos=np.tile(np.array([5, 6], np.int32), num_seeds),
     )
-    out = sample_jit(np.broadcast_to(logits, (2 * num_seeds, 4)), md, max_num_logprobs=None)
+    out = sample_jit(np.broadcast_to(logits, (2 * num_seeds, 4)), md)
     pairs = np.asarray(out.token_ids).reshape(num_seeds, 2)
     p = _softmax(logits.astype(np.float64))
     assert_distribution(pairs[:, 0], p)
@@ -215,17 +214,18 @@ def test_seeded_token_does_not_depend_on_row_or_batch() -> None:
     num_rows, vocab = 64, 16
     md = _random_metadata(rng, num_rows, vocab)
     logits = rng.normal(size=(num_rows, vocab)).astype(np.float32) * 2
-    alone = np.asarray(sample_jit(logits, md, max_num_logprobs=None).token_ids)
+    alone = np.asarray(sample_jit(logits, md).token_ids)
     # Permuted, padded to 128 rows with other requests, with other fast_top_k paths.
     perm = rng.permutation(num_rows)
     others = _random_metadata(rng, 64, vocab)
     mixed_md = _concat(_rows(md, perm), others)
+    mixed_md = dataclasses.replace(mixed_md, num_logprobs=np.full(128, 2, np.int32))
     mixed_logits = np.concatenate([logits[perm], rng.normal(size=(64, vocab)).astype(np.float32)])
     for fast_top_k in (1, vocab):  # fallback sort for any top-k row; full sort always
-        out = sample_jit(mixed_logits, mixed_md, max_num_logprobs=2, fast_top_k=fast_top_k)
+        out = sample_jit(mixed_logits, mixed_md, fast_top_k=fast_top_k)
         np.testing.assert_array_equal(np.asarray(out.token_ids)[:num_rows], alone[perm])
     for row in range(0, num_rows, 9):  # a batch of one
-        one = sample_jit(logits[row : row + 1], _rows(md, [row]), max_num_logprobs=None)
+        one = sample_jit(logits[row : row + 1], _rows(md, [row]))
         assert int(one.token_ids[0]) == alone[row]
 
 
@@ -243,9 +243,12 @@ def test_greedy_is_argmax_of_penalised_logits() -> None:
     md = dataclasses.replace(md, temperature=np.zeros(32, np.float32))
     logits = rng.normal(size=(32, 16)).astype(np.float32)
     expected = np.argmax(np.asarray(apply_penalties(jnp.asarray(logits), md)), axis=-1)
-    for all_greedy in (False, True):
-        out = sample_jit(logits, md, max_num_logprobs=None, all_greedy=all_greedy)
-        np.testing.assert_array_equal(out.token_ids, expected)
+    out = sample_jit(logits, md)  # every row greedy: the argmax path alone
+    np.testing.assert_array_equal(out.token_ids, expected)
+    # Beside a sampled row: the mixed path, greedy rows still take the argmax.
+    sampled = dataclasses.replace(_rows(md, [0]), temperature=np.ones(1, np.float32))
+    out = sample_jit(np.concatenate([logits, logits[:1]]), _concat(md, sampled))
+    np.testing.assert_array_equal(np.asarray(out.token_ids)[:32], expected)
 
 
 def test_apply_penalties_matches_reference() -> None:
@@ -272,7 +275,9 @@ def test_logprobs_are_raw_log_softmax_with_ranks() -> None:
     md = _random_metadata(rng, 8, 16)  # penalties and temperature must not change logprobs
     logits = rng.normal(size=(8, 16)).astype(np.float32)
     logits[0, 3] = logits[0, 5] = logits[0].max() + 1  # a tie at the top
-    out = jax.device_get(sample_jit(logits, md, max_num_logprobs=4))
+    asked = dataclasses.replace(md, num_logprobs=np.array([4, -1, 0, 4, 4, 4, 2, 4], np.int32))
+    out = jax.device_get(sample_jit(logits, asked))
+    assert out.logprobs.shape == (8, 1 + 16)  # the widest (V = 16 < 20); the host cuts rows
     lp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
     rows = np.arange(8)
     np.testing.assert_array_equal(out.logprob_token_ids[:, 0], out.token_ids)
@@ -282,11 +287,11 @@ def test_logprobs_are_raw_log_softmax_with_ranks() -> None:
     )
     top = np.take_along_axis(lp, out.logprob_token_ids[:, 1:], axis=1)
     np.testing.assert_allclose(out.logprobs[:, 1:], top, rtol=1e-6)
-    np.testing.assert_allclose(out.logprobs[:, 1:], -np.sort(-lp, axis=1)[:, :4], rtol=1e-6)
-    np.testing.assert_array_equal(out.ranks[:, 1:], np.tile(np.arange(1, 5), (8, 1)))
+    np.testing.assert_allclose(out.logprobs[:, 1:5], -np.sort(-lp, axis=1)[:, :4], rtol=1e-6)
+    np.testing.assert_array_equal(out.ranks[:, 1:5], np.tile(np.arange(1, 5), (8, 1)))
     assert set(out.logprob_token_ids[0, 1:3].tolist()) == {3, 5}
-    none = sample_jit(logits, md, max_num_logprobs=None)
-    assert none.logprobs.shape == none.ranks.shape == none.logprob_token_ids.shape == (8, 0)
+    none = sample_jit(logits, md)  # no row asked: zeros, and the same tokens
+    assert not np.asarray(none.logprobs).any() and not np.asarray(none.ranks).any()
     np.testing.assert_array_equal(none.token_ids, out.token_ids)
 
 
@@ -325,13 +330,13 @@ def test_to_token_logprobs_cuts_each_row_to_its_request() -> None:
         to_token_logprobs(arrays.logprobs, arrays.token_ids, arrays.ranks, 4)
 
 
-def _counting_jit(max_num_logprobs: int | None) -> tuple[jax.stages.Wrapped, list[int]]:
+def _counting_jit() -> tuple[jax.stages.Wrapped, list[int]]:
     """A fresh jitted sampler (jit caches are shared per wrapped function) and its trace count."""
     traces = [0]
 
     def step(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
         traces[0] += 1
-        return sample(logits, md, max_num_logprobs=max_num_logprobs)
+        return sample(logits, md)
 
     return jax.jit(step), traces
 
@@ -339,13 +344,13 @@ def _counting_jit(max_num_logprobs: int | None) -> tuple[jax.stages.Wrapped, lis
 def test_new_settings_never_recompile() -> None:
     rng = np.random.default_rng(5)
     logits = rng.normal(size=(16, 16)).astype(np.float32)
-    fn, traces = _counting_jit(2)
+    fn, traces = _counting_jit()
     for _ in range(20):
         fn(logits, _random_metadata(rng, 16, 16)).token_ids.block_until_ready()
     assert traces == [1] and fn._cache_size() == 1
     # Through the host builder: every request differs, W = B = 0 throughout.
     inputs = SamplingInputs(16, 16, 64)
-    fn, traces = _counting_jit(None)
+    fn, traces = _counting_jit()
     for step in range(20):
         for slot in range(16):
             params = SamplingParams(
@@ -354,6 +359,7 @@ def test_new_settings_never_recompile() -> None:
                 top_p=float(rng.uniform(0.1, 1)),
                 min_p=float(rng.uniform(0, 0.5)),
                 seed=int(rng.integers(0, 2**63)),
+                logprobs=[None, 0, 3, MAX_LOGPROBS][int(rng.integers(4))],
             )
             inputs.set_request(slot, params, params.seed, [1, 2])
         slots = rng.permutation(16)[: 5 + step % 7].astype(np.int32)
@@ -362,11 +368,38 @@ def test_new_settings_never_recompile() -> None:
     assert traces == [1] and fn._cache_size() == 1
 
 
+def test_penalties_and_bans_take_the_second_variant_only() -> None:
+    """Any mix of penalties, min_tokens bans, logprobs, greedy and sampled rows runs in two
+    compiled variants: lists of neither, or both at their minimum widths (what warm-up
+    compiles)."""
+    rng = np.random.default_rng(6)
+    logits = rng.normal(size=(16, 16)).astype(np.float32)
+    inputs = SamplingInputs(16, 16, 64, eos_token_ids=[2])
+    fn, traces = _counting_jit()
+    for step in range(20):
+        for slot in range(16):
+            params = SamplingParams(
+                temperature=float(rng.choice([0.0, 0.7])),
+                presence_penalty=float(rng.choice([0.0, 0.5])),
+                repetition_penalty=float(rng.choice([1.0, 1.3])),
+                min_tokens=int(rng.choice([0, 3])),
+                logprobs=[None, 1, MAX_LOGPROBS][int(rng.integers(3))],
+            )
+            inputs.set_request(slot, params, slot, [1, 2, slot])
+        slots = rng.permutation(16)[: 1 + step % 8].astype(np.int32)
+        md = inputs.build(slots, 16, np.full(len(slots), step % 5, np.int32))
+        widths = (md.penalty_token_ids.shape[1], md.banned_token_ids.shape[1])
+        assert widths in VARIANT_WIDTHS
+        fn(logits, md).token_ids.block_until_ready()
+    assert traces[0] == fn._cache_size() <= 2
+
+
 BAD_FIELDS = {
     "temperature": np.zeros(7, np.float32),
     "top_k": np.zeros(8, np.float32),
     "seeds": np.zeros((8, 2), np.int32),
     "output_pos": np.zeros((8, 1), np.int32),
+    "num_logprobs": np.zeros(7, np.int32),
     "penalty_output_counts": np.zeros((8, 3), np.int32),  # ids have width 0
     "banned_token_ids": np.zeros(8, np.int32),
 }
@@ -376,12 +409,12 @@ BAD_FIELDS = {
 def test_bad_metadata_shapes_raise(field: str) -> None:
     md = dataclasses.replace(SamplingMetadata.neutral(8, 16), **{field: BAD_FIELDS[field]})
     with pytest.raises(ValueError, match=f"SamplingMetadata.{field} must be"):
-        sample_jit(np.zeros((8, 16), np.float32), md, max_num_logprobs=None)
+        sample_jit(np.zeros((8, 16), np.float32), md)
 
 
 def test_bad_logits_rank_raises() -> None:
     with pytest.raises(ValueError, match=r"logits must be \[R, V\]"):
-        sample(jnp.zeros(16), SamplingMetadata.neutral(8, 16), max_num_logprobs=None)
+        sample(jnp.zeros(16), SamplingMetadata.neutral(8, 16))
 
 
 def test_inverse_cdf_draw_edges_never_pick_masked_tokens():

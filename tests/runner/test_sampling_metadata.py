@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from jaxserve.runner.sampling_metadata import (
     MIN_BAN_WIDTH,
     MIN_PENALTY_WIDTH,
-    SamplerFlags,
+    VARIANT_WIDTHS,
     SamplingInputs,
     SamplingMetadata,
 )
@@ -52,7 +52,9 @@ def test_settings_are_gathered_and_padding_rows_are_neutral() -> None:
     np.testing.assert_array_equal(md.output_pos, [7, 0, 0, 0])
     assert md.seeds.dtype == np.uint32 and md.top_k.dtype == np.int32
     assert md.temperature.dtype == np.float32 and md.output_pos.dtype == np.int32
-    neutral = SamplingMetadata.neutral(2, V, penalty_width=md.penalty_token_ids.shape[1])
+    neutral = SamplingMetadata.neutral(
+        2, V, penalty_width=md.penalty_token_ids.shape[1], ban_width=md.banned_token_ids.shape[1]
+    )
     for name in vars(md):
         np.testing.assert_array_equal(getattr(md, name)[2:], getattr(neutral, name), err_msg=name)
 
@@ -62,7 +64,7 @@ def test_tiny_temperature_is_greedy_and_drops_masks() -> None:
     inputs.set_request(0, SamplingParams(temperature=1e-6, top_k=3, top_p=0.5, min_p=0.2), 0, [1])
     md = _build(inputs, [0], 1)
     assert (md.temperature[0], md.top_k[0], md.top_p[0], md.min_p[0]) == (0.0, V, 1.0, 0.0)
-    assert inputs.flags(np.array([0])) == SamplerFlags(all_greedy=True, max_num_logprobs=None)
+    assert md.num_logprobs[0] == -1
 
 
 @settings(max_examples=40, deadline=None)
@@ -83,7 +85,8 @@ def test_penalty_lists_hold_prompt_and_output_counts(
     counts = Counter(before + after)
     assert _lists(md, 1) == {t: counts[t] for t in set(prompt) | set(counts)}
     assert _lists(md, 0) == {} and _lists(md, 2) == {}
-    assert md.penalty_token_ids.shape[1] == min(MIN_PENALTY_WIDTH, V)  # capacity min(128, V)
+    # At the variant's width even past the capacity (min(129, V)): -1 pads, one compiled shape.
+    assert md.penalty_token_ids.shape[1] == MIN_PENALTY_WIDTH
 
 
 def test_penalty_width_is_zero_without_penalty_rows_and_bucketed_otherwise() -> None:
@@ -149,18 +152,27 @@ def test_clear_and_reuse_leave_nothing_behind() -> None:
         np.testing.assert_array_equal(getattr(cleared, field), getattr(neutral, field))
     inputs.set_request(1, PENALISED, 1, [8])
     assert _lists(_build(inputs, [1], 1), 0) == {8: 0}
-    assert inputs.flags(np.array([1])) == SamplerFlags(all_greedy=False, max_num_logprobs=None)
+    assert _build(inputs, [1], 1).num_logprobs[0] == -1
 
 
-def test_flags_round_logprobs_up_to_a_bucket() -> None:
+def test_logprobs_asked_per_row() -> None:
     inputs = SamplingInputs(3, V, 128)
     inputs.set_request(0, SamplingParams(temperature=0.0, logprobs=3), 0, [1])
     inputs.set_request(1, SamplingParams(temperature=0.0, logprobs=0), 0, [1])
-    inputs.set_request(2, SamplingParams(logprobs=17), 0, [1])
-    assert inputs.flags(np.array([0, 1])) == SamplerFlags(True, 4)
-    assert inputs.flags(np.array([1])) == SamplerFlags(True, 0)
-    assert inputs.flags(np.array([2, 1])) == SamplerFlags(False, 20)
-    assert inputs.flags(np.array([], np.int32)) == SamplerFlags(True, None)
+    inputs.set_request(2, SamplingParams(), 0, [1])
+    assert _build(inputs, [0, 1, 2], 4).num_logprobs.tolist() == [3, 0, -1, -1]
+
+
+def test_penalty_and_ban_lists_come_together_at_their_minimum_widths() -> None:
+    """A batch has both lists or neither, so every batch shape has two compiled variants."""
+    inputs = SamplingInputs(3, V, 128, eos_token_ids=[0])
+    inputs.set_request(0, SamplingParams(), 0, [1])
+    inputs.set_request(1, PENALISED, 0, [1, 2])
+    inputs.set_request(2, SamplingParams(min_tokens=2), 0, [1])
+    widths = lambda md: (md.penalty_token_ids.shape[1], md.banned_token_ids.shape[1])  # noqa: E731
+    assert widths(_build(inputs, [0], 2)) == VARIANT_WIDTHS[0] == (0, 0)
+    for slots in ([1], [2], [0, 1, 2]):
+        assert widths(_build(inputs, slots, 4)) == VARIANT_WIDTHS[1]
 
 
 def test_bad_inputs_raise() -> None:
