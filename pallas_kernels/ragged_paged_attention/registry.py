@@ -16,7 +16,7 @@ raises a ValueError that lists the ones that can.
     "reference"          reference.py   any                         -
     "xla"                chunked.py     any                         -
     "cpu"                chunked.py + cpu_rows.cc (f32)  cpu        -
-    "pallas_mosaic_gpu"  mosaic_gpu.py  GPU, Hopper and newer       - (no interpret mode)
+    "pallas_mosaic_gpu"  mosaic_gpu.py  GPU, Hopper (bf16 / f16)    any platform
     "pallas_triton"      gpu.py         GPU, Ampere and newer       any platform
     "pallas_tpu"         tpu.py         TPU                         any platform
     "pallas_gpu"         the GPU kernel of this GPU's generation (Mosaic GPU, else Triton)
@@ -123,8 +123,13 @@ KERNELS: dict[str, KernelSpec] = {
     "reference": KernelSpec(PLATFORMS, length_bounded=False, shard_map=False),
     "xla": KernelSpec(PLATFORMS),
     "cpu": KernelSpec(("cpu",), dtypes=("float32",), available=_cpu_rows_available),
+    # WGMMA takes half precision (float32 would run as tf32): float32 models take Triton.
     "mosaic_gpu": KernelSpec(
-        ("gpu",), gpu_generations=(HOPPER,), dtypes=("bfloat16",), available=_mosaic_gpu_available
+        ("gpu",),
+        gpu_generations=(HOPPER,),
+        interpretable=True,
+        dtypes=("bfloat16", "float16"),
+        available=_mosaic_gpu_available,
     ),
     "triton": KernelSpec(
         ("gpu",),
@@ -223,7 +228,9 @@ class AttentionImpl:
                 *args, **options, interpret=self.interpret, num_cores=self.num_cores
             )
         if kernel == "mosaic_gpu":
-            return _mosaic_gpu_kernel()(*args, **options)
+            return _mosaic_gpu_kernel()(
+                *args, **options, interpret=self.interpret, num_cores=self.num_cores
+            )
         return ragged_paged_attention_tpu(*args, **options, interpret=self.interpret)
 
 
@@ -276,9 +283,9 @@ def refusal(name: str, kernel: str, target: Target, interpret: bool = False) -> 
     """Why ``kernel`` (under the name ``name``) cannot run for ``target``, or None."""
     spec = KERNELS[kernel]
     where = target.device_kind or target.platform
-    if interpret:
-        if not spec.interpretable:
-            return f"{name} has no interpret mode, and {where} cannot run it natively"
+    if interpret:  # a test path: on the CPU only, never instead of a chip's own kernel
+        if not spec.interpretable or target.platform != "cpu":
+            return f"{name} cannot run on {where}, natively or in interpret mode"
     elif target.platform not in spec.platforms:
         return f"{name} runs on {'/'.join(spec.platforms)}, not on {where}"
     elif target.platform == "gpu" and spec.gpu_generations:

@@ -92,8 +92,11 @@ def test_pallas_names_run_in_interpret_mode_off_their_platform() -> None:
     assert (impl.name, impl.interpret) == ("pallas_tpu", True)
     impl, _ = select_attention("pallas", target("tpu"))
     assert (impl.name, impl.interpret) == ("pallas_tpu", False)
-    with pytest.raises(ValueError, match="pallas_mosaic_gpu"):  # no interpret mode
+    with pytest.raises(ValueError, match="attention_backend=.pallas_mosaic_gpu. cannot run here"):
         select_attention("pallas_mosaic_gpu", target("cpu", "float32"))
+    if MOSAIC_GPU:  # half precision: the Mosaic GPU kernel's own interpret mode
+        impl, _ = select_attention("pallas_mosaic_gpu", target("cpu", "bfloat16"))
+        assert (impl.name, impl.interpret) == ("pallas_mosaic_gpu", True)
     assert "pallas_tpu" not in runnable_names(target("cpu", "float32"))  # natively only
 
 
@@ -130,7 +133,7 @@ def test_every_name_matches_the_reference_on_cpu(backend: str) -> None:
     shape = cases.SHAPES[2]
     args = cases.make_inputs(shape, cases.batch("mixed", shape.page_size), seed=3)
     options = dict(sm_scale=cases.sm_scale(shape), sliding_window=9, soft_cap=3.0)
-    if backend == "pallas_mosaic_gpu":
+    if backend == "pallas_mosaic_gpu":  # half precision only (f32 would run as tf32)
         with pytest.raises(ValueError, match="cannot run here"):
             ragged_paged_attention(*args, **options, backend=backend)
         return
