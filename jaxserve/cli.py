@@ -1,4 +1,5 @@
-"""The ``jaxserve`` command: ``jaxserve generate`` (offline batch generation) and a hook for more.
+"""The ``jaxserve`` command: ``jaxserve generate`` (offline batch generation), ``jaxserve convert``
+(cli_convert.py), ``jaxserve plan`` (cli_plan.py: will a model fit) and a hook for more.
 
 Adding a subcommand: write a module with ``add_parser(subparsers) -> None`` that calls
 ``subparsers.add_parser(name, ...)``, adds its arguments and ``set_defaults(run=...)`` with
@@ -204,10 +205,14 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "block_size",
         "num_kv_blocks",
         "memory_utilization",
+        "gpu_memory_utilization",
         "max_num_seqs",
         "max_num_batched_tokens",
         "attention_backend",
         "tensor_parallel_size",
+        "revision",
+        "download_dir",
+        "tokenizer",
     )
     kwargs = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     if args.engine_seed is not None:
@@ -397,7 +402,12 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
         "JSONL line's own SamplingParams fields override them.",
     )
     p.set_defaults(run=run_generate)
-    p.add_argument("--model", default="tiny-random-llama", help="HF/Orbax folder or demo name")
+    p.add_argument(
+        "--model",
+        default="tiny-random-llama",
+        help="a built-in model name, an HF or Orbax checkpoint folder, or a Hugging Face Hub "
+        "model ID (org/name; HF_HOME and HF_HUB_OFFLINE apply)",
+    )
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument(
         "--input",
@@ -431,11 +441,19 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     e.add_argument("--block-size", type=int)
     e.add_argument("--num-kv-blocks", type=int)
     e.add_argument("--memory-utilization", type=float)
+    e.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        help="vLLM's name of --memory-utilization (giving both with different values is an error)",
+    )
     e.add_argument("--max-num-seqs", type=int)
     e.add_argument("--max-num-batched-tokens", type=int)
     e.add_argument("--no-prefix-caching", action="store_true")
     e.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS))
     e.add_argument("--tensor-parallel-size", type=int)
+    e.add_argument("--revision", help="branch, tag or commit of a Hub model ID (default: main)")
+    e.add_argument("--download-dir", help="Hugging Face cache folder for a Hub model ID")
+    e.add_argument("--tokenizer", help="a folder whose tokenizer.json to use instead")
     e.add_argument(
         "--seed",
         dest="engine_seed",
@@ -451,7 +469,11 @@ def _lazy(module: str) -> AddParser:
 
 
 # One entry per subcommand, in --help order.
-SUBCOMMANDS: list[AddParser] = [add_generate_parser, _lazy("jaxserve.cli_convert")]
+SUBCOMMANDS: list[AddParser] = [
+    add_generate_parser,
+    _lazy("jaxserve.cli_convert"),
+    _lazy("jaxserve.cli_plan"),
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

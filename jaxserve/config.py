@@ -24,6 +24,9 @@ ATTENTION_BACKENDS = (
     "pallas",
 )
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# vLLM's names for settings that have another name here: LLM(gpu_memory_utilization=0.8) is
+# LLM(memory_utilization=0.8). Giving both, with different values, is an error.
+ARGUMENT_ALIASES = {"gpu_memory_utilization": "memory_utilization"}
 
 
 def _positive_int(owner: str, name: str, value: object, *, allow_none: bool = False) -> None:
@@ -40,12 +43,37 @@ def _choice(owner: str, name: str, value: object, choices: tuple[str, ...]) -> N
         raise ValueError(f"{owner}.{name} must be one of {choices}, got {value!r}")
 
 
+def _optional_name(owner: str, name: str, value: object, what: str) -> None:
+    """None, or a non-empty str (a folder, a revision)."""
+    if value is not None and (not isinstance(value, str) or not value):
+        raise TypeError(f"{owner}.{name} must be {what} (str) or None, got {value!r}")
+
+
+def check_memory_share(name: str, value: object) -> None:
+    """A share of device memory: a number in (0, 1].
+
+    Args:
+        name: the name the caller gave it ("CacheConfig.memory_utilization",
+            "gpu_memory_utilization"), used in the message.
+
+    Raises:
+        ValueError: not a number (bools included), or outside (0, 1].
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 < value <= 1.0):
+        raise ValueError(f"{name} must be in (0, 1], got {value!r}")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What to load and in which precision.
 
-    model: HF checkpoint folder, Orbax folder, or a built-in name such as "tiny-random-llama".
+    model: a built-in name such as "tiny-random-llama", an HF checkpoint folder or Orbax
+        folder, or a Hugging Face Hub model ID ("org/name"), tried in that order.
     max_model_len: longest prompt + output in tokens; None = the model's max_position_embeddings.
+    revision: the Hub branch, tag or commit of a Hub model ID (None: "main"); refused for a
+        built-in model or a folder, where it could not apply.
+    download_dir: the Hugging Face cache folder for a Hub model ID (vLLM's name; None: the
+        HF_HUB_CACHE / HF_HOME cache); refused for a built-in model or a folder.
     """
 
     model: str = "tiny-random-llama"
@@ -53,6 +81,8 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     tokenizer: str | None = None  # a folder with tokenizer.json; None: the model's own
+    revision: str | None = None
+    download_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -61,12 +91,9 @@ class ModelConfig:
         _positive_int("ModelConfig", "max_model_len", self.max_model_len, allow_none=True)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise TypeError(f"ModelConfig.seed must be an int, got {self.seed!r}")
-        if self.tokenizer is not None and (
-            not isinstance(self.tokenizer, str) or not self.tokenizer
-        ):
-            raise TypeError(
-                f"ModelConfig.tokenizer must be a folder path (str) or None, got {self.tokenizer!r}"
-            )
+        _optional_name("ModelConfig", "tokenizer", self.tokenizer, "a folder path")
+        _optional_name("ModelConfig", "revision", self.revision, "a branch, tag or commit")
+        _optional_name("ModelConfig", "download_dir", self.download_dir, "a folder path")
 
 
 @dataclass(frozen=True)
@@ -76,7 +103,9 @@ class CacheConfig:
     block_size: tokens per KV block (P).
     num_kv_blocks: exact pool size including the reserved null block 0; overrides
         memory_utilization.
-    memory_utilization: share of device memory for weights + KV (on CPU: of cpu_memory_bytes).
+    memory_utilization: share of device memory for weights, the step's workspace and the KV
+        cache (on CPU: of cpu_memory_bytes); vLLM's name, gpu_memory_utilization, is accepted
+        by EngineConfig.from_kwargs. runner/memory_plan.py does the arithmetic.
     cpu_memory_bytes: the memory budget used on CPU, where there is no device memory to query.
     """
 
@@ -94,12 +123,7 @@ class CacheConfig:
                 f"CacheConfig.num_kv_blocks must be >= 2 (block 0 is the reserved null block), "
                 f"got {self.num_kv_blocks}"
             )
-        if not isinstance(self.memory_utilization, (int, float)) or not (
-            0.0 < self.memory_utilization <= 1.0
-        ):
-            raise ValueError(
-                f"CacheConfig.memory_utilization must be in (0, 1], got {self.memory_utilization!r}"
-            )
+        check_memory_share("CacheConfig.memory_utilization", self.memory_utilization)
         if not isinstance(self.enable_prefix_caching, bool):
             raise TypeError(
                 "CacheConfig.enable_prefix_caching must be a bool, got "
@@ -139,6 +163,9 @@ class RunnerConfig:
     # The plan checks its attention kernel once per process against the reference; on a
     # mismatch it takes the next implementation with a warning, or, when strict, raises.
     strict_kernels: bool = False
+    # jax's persistent compilation cache (runner/compile_cache.py): None = the environment's
+    # JAXSERVE_COMPILATION_CACHE_DIR, else ~/.cache/jaxserve/xla; "" = off.
+    compilation_cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         _choice("RunnerConfig", "attention_backend", self.attention_backend, ATTENTION_BACKENDS)
@@ -146,6 +173,12 @@ class RunnerConfig:
         for name in ("warmup", "strict_kernels"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"RunnerConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        cache_dir = self.compilation_cache_dir
+        if cache_dir is not None and not isinstance(cache_dir, str):
+            raise TypeError(
+                "RunnerConfig.compilation_cache_dir must be a folder path (str), '' (off) or "
+                f"None, got {cache_dir!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -157,7 +190,14 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:
-        """Build from ``LLM(...)``'s flat keyword arguments; an unknown one raises TypeError."""
+        """Build from ``LLM(...)``'s flat keyword arguments (vLLM's names of ARGUMENT_ALIASES
+        included).
+
+        Raises:
+            TypeError: an unknown argument (the known ones are listed), or a bad value's type.
+            ValueError: a bad value; an alias and its name given with different values.
+        """
+        kwargs = _resolve_aliases(kwargs)
         parts: dict[str, dict[str, object]] = {}
         owners = {"model": ModelConfig, "cache": CacheConfig, "runner": RunnerConfig}
         owners["scheduler"] = SchedulerConfig
@@ -168,6 +208,30 @@ class EngineConfig:
         for key, value in kwargs.items():
             part = by_field.get(key)
             if part is None:
-                raise TypeError(f"unknown engine argument {key!r}; known: {sorted(by_field)}")
+                known = sorted([*by_field, *ARGUMENT_ALIASES])
+                raise TypeError(f"unknown engine argument {key!r}; known: {known}")
             parts.setdefault(part, {})[key] = value
         return cls(**{part: owners[part](**vals) for part, vals in parts.items()})
+
+
+def _resolve_aliases(kwargs: dict[str, object]) -> dict[str, object]:
+    """kwargs with each vLLM alias (ARGUMENT_ALIASES) renamed to this project's name.
+
+    Raises:
+        ValueError: an alias and its name with different values (both named), or a bad value
+            of gpu_memory_utilization (named as given).
+    """
+    out = dict(kwargs)
+    for alias, name in ARGUMENT_ALIASES.items():
+        if alias not in out:
+            continue
+        value = out.pop(alias)
+        if name in out and out[name] != value:
+            raise ValueError(
+                f"{alias}={value!r} and {name}={out[name]!r} are two names of one setting "
+                "with different values; give one of them"
+            )
+        if name == "memory_utilization":
+            check_memory_share(alias, value)
+        out[name] = value
+    return out

@@ -26,6 +26,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     platform = config.getoption("--platform")
     os.environ["JAX_PLATFORMS"] = _JAX_PLATFORMS[platform]
+    # No network in tests: a model name that is not a folder must not reach the Hub (the Hub
+    # tests lay out a cache folder of their own).
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    # The tests count compilations: no persistent compilation cache, unless a test asks for
+    # one (tests/runner/test_compile_cache.py, in processes of its own).
+    os.environ["JAXSERVE_COMPILATION_CACHE_DIR"] = ""
     # jaxlib 0.10.2 miscompiles some fused CPU computations (jax-ml/jax#39103): the engine
     # applies the workaround when it is built, but a test may run jax before building one.
     from jaxserve.runner.xla_flags import apply_cpu_workarounds

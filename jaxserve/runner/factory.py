@@ -1,9 +1,12 @@
 """build_runner: from an EngineConfig to a loaded model, a sized KV cache and a ModelRunner.
 
-This is where the engine's flat settings meet the device: the execution plan decides every
-platform question (plan.py: attention, dtype, sampler draw, buckets), the checkpoint is loaded
-in the plan's dtype, the remaining "auto" choices are resolved (max_model_len, pool size), and
-the KV pool is sized. The engine gets back plain host facts (RunnerInfo) plus the runner.
+This is where the engine's flat settings meet the device: the model name is resolved (a
+built-in name, a folder, or a Hugging Face Hub ID, of which config.json is fetched first), the
+execution plan decides every platform question (plan.py: attention, dtype, sampler draw,
+buckets), the memory plan (memory_plan.py, the arithmetic of `jaxserve plan`) checks that the
+model fits and sizes the KV pool, and only then are the weights fetched and loaded, in the
+plan's dtype, each into its sharding. The engine gets back plain host facts (RunnerInfo) plus
+the runner.
 """
 
 from __future__ import annotations
@@ -12,15 +15,20 @@ import logging
 import pathlib
 from dataclasses import dataclass, replace
 
+import jax
+
 from jaxserve.checkpoints_tools import LoadedCheckpoint, TokenizerInfo, load_checkpoint
-from jaxserve.checkpoints_tools.load import declared_dtype, load_arch
+from jaxserve.checkpoints_tools.hub import CONFIG_FILES
+from jaxserve.checkpoints_tools.load import declared_dtype, load_arch, resolve_model
 from jaxserve.checkpoints_tools.tokenizer import load_tokenizer
 from jaxserve.config import EngineConfig
-from jaxserve.models import CausalLM, get_model
-from jaxserve.runner.kv_cache import device_memory_bytes, num_blocks_for_budget
+from jaxserve.models import ModelArchConfig, get_model
+from jaxserve.runner.compile_cache import enable_compilation_cache
+from jaxserve.runner.kv_cache import device_memory_bytes
+from jaxserve.runner.memory_plan import MemoryPlan, memory_plan_for, resolve_max_model_len
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.plan import ExecutionPlan, make_plan
-from jaxserve.runner.sharding import ShardingPlan, make_mesh, per_device_bytes, plan_sharding
+from jaxserve.runner.sharding import make_mesh, per_device_bytes, plan_sharding
 from jaxserve.runner.xla_flags import apply_cpu_workarounds
 
 logger = logging.getLogger("jaxserve")
@@ -36,17 +44,7 @@ class RunnerInfo:
     tokenizer: TokenizerInfo
     num_kv_blocks: int  # null block included
     plan: ExecutionPlan
-
-
-def resolve_max_model_len(requested: int | None, ckpt: LoadedCheckpoint) -> int:
-    limit = ckpt.max_position_embeddings
-    if requested is None:
-        return limit
-    if requested > limit:
-        raise ValueError(
-            f"max_model_len={requested} exceeds the model's max_position_embeddings={limit}"
-        )
-    return requested
+    memory: MemoryPlan | None = None  # None: explicit num_kv_blocks, device memory unknown
 
 
 def replace_tokenizer(ckpt: LoadedCheckpoint, tokenizer: str) -> LoadedCheckpoint:
@@ -69,58 +67,106 @@ def replace_tokenizer(ckpt: LoadedCheckpoint, tokenizer: str) -> LoadedCheckpoin
     )
 
 
-def _num_kv_blocks(
+def _checked_memory_plan(
     config: EngineConfig,
-    model: CausalLM,
-    ckpt: LoadedCheckpoint,
-    plan: ShardingPlan,
+    arch: ModelArchConfig,
+    plan: ExecutionPlan,
+    device: jax.Device,
     max_model_len: int,
-) -> int:
-    """The configured pool size, or what fits in one device's memory budget next to that
-    device's share of the weights (under TP every device holds the same share)."""
-    cache = config.cache
-    if cache.num_kv_blocks is not None:
-        return cache.num_kv_blocks
-    device = plan.mesh.devices.flat[0]
-    blocks_per_seq = -(-max_model_len // cache.block_size)
-    return num_blocks_for_budget(
-        budget_bytes=int(
-            device_memory_bytes(device, cache.cpu_memory_bytes) * cache.memory_utilization
-        ),
-        weights_bytes=per_device_bytes(ckpt.params),
-        bytes_per_block=plan.kv_bytes_per_block(model, cache.block_size, ckpt.dtype),
-        max_useful_blocks=config.scheduler.max_num_seqs * blocks_per_seq + 1,
+) -> MemoryPlan | None:
+    """The memory plan on `device`, checked: raises before any weight is read when the model
+    cannot fit. None when the pool size is explicit and the device reports no memory limit
+    (nothing to check against; logged).
+
+    Raises:
+        ValueError: the model does not fit (the numbers named).
+        RuntimeError: the device reports no memory limit and num_kv_blocks is not given.
+    """
+    try:
+        memory_bytes = device_memory_bytes(device, config.cache.cpu_memory_bytes)
+    except RuntimeError as e:
+        if config.cache.num_kv_blocks is None:
+            raise
+        logger.warning("%s: not checking that the weights and the KV pool fit", e)
+        return None
+    memory = memory_plan_for(
+        config,
+        arch,
+        dtype=plan.dtype,
+        kv_cache_dtype=plan.kv_cache_dtype,
+        max_model_len=max_model_len,
+        device_memory_bytes=memory_bytes,
     )
+    memory.check(config.model.model)
+    logger.info(
+        "memory plan: weights %d bytes, workspace %d bytes, KV %d bytes per token (per device); "
+        "%d KV blocks of %d tokens",
+        memory.weights_bytes,
+        memory.workspace_bytes,
+        memory.kv_bytes_per_token,
+        memory.num_kv_blocks,
+        memory.block_size,
+    )
+    return memory
+
+
+def _compare_weights(ckpt: LoadedCheckpoint, memory: MemoryPlan | None) -> None:
+    """Warn when the loaded weights take other than the planned bytes on a device (the pool
+    was sized with the planned figure)."""
+    if memory is None:
+        return
+    loaded = per_device_bytes(ckpt.params)
+    if loaded != memory.weights_bytes:
+        logger.warning(
+            "the loaded weights take %d bytes per device, the memory plan counted %d",
+            loaded,
+            memory.weights_bytes,
+        )
 
 
 def build_runner(config: EngineConfig) -> tuple[ModelRunner, RunnerInfo]:
-    """Load the checkpoint (each parameter straight into its tensor-parallel sharding) and
-    build the runner over a mesh of `tensor_parallel_size` devices.
+    """Check that the model fits, then load the checkpoint (each parameter straight into its
+    tensor-parallel sharding) and build the runner over a mesh of `tensor_parallel_size`
+    devices.
 
     Raises:
-        ValueError / FileNotFoundError: bad model path or checkpoint (from the loader), an
-            unknown backend, max_model_len beyond the model, a KV pool that cannot fit, more
+        ValueError / FileNotFoundError: bad model name, path or checkpoint (from the loader;
+            a Hub ID that does not resolve), revision / download_dir for a built-in model or
+            a folder, an unknown backend, max_model_len beyond the model, a model that does
+            not fit (memory_plan.MemoryPlan.check: raised before any weight is read), more
             tensor-parallel devices than there are.
     """
     apply_cpu_workarounds()  # before jax starts its backends (make_mesh lists the devices)
+    cache_dir = enable_compilation_cache(config.runner.compilation_cache_dir)
+    logger.info("compilation cache: %s", cache_dir or "off")
     mesh = make_mesh(config.runner.tensor_parallel_size)
-    # The architecture (config only) decides the plan and the shardings before any weight is
-    # read, so that every weight is loaded once, in the plan's dtype, into its own sharding.
-    arch = load_arch(config.model.model)
-    plan = make_plan(config, mesh, arch, declared_dtype(config.model.model))
+    model_config = config.model
+    hub_arguments = dict(revision=model_config.revision, download_dir=model_config.download_dir)
+    # The architecture (config only: of a Hub model, config.json is all that is fetched so far)
+    # decides the plan, the memory check and the shardings before any weight is fetched or
+    # read, so that a model that cannot fit fails at once, and every weight is loaded once,
+    # in the plan's dtype, into its own sharding.
+    config_source = resolve_model(model_config.model, files=CONFIG_FILES, **hub_arguments)
+    arch = load_arch(config_source)
+    plan = make_plan(config, mesh, arch, declared_dtype(config_source))
     logger.info("execution plan: %s", plan.summary())
     for reason in plan.attention_refused:
         logger.info("attention: passed over %s", reason)
+    max_model_len = resolve_max_model_len(model_config.max_model_len, arch)
+    memory = _checked_memory_plan(config, arch, plan, mesh.devices.flat[0], max_model_len)
     sharding = plan_sharding(get_model(arch), mesh)
     ckpt = load_checkpoint(
-        config.model.model, dtype=plan.dtype, param_sharding=sharding.param_sharding
+        model_config.model,
+        dtype=plan.dtype,
+        param_sharding=sharding.param_sharding,
+        **hub_arguments,
     )
-    if config.model.tokenizer is not None:
-        ckpt = replace_tokenizer(ckpt, config.model.tokenizer)
-    max_model_len = resolve_max_model_len(config.model.max_model_len, ckpt)
+    _compare_weights(ckpt, memory)
+    if model_config.tokenizer is not None:
+        ckpt = replace_tokenizer(ckpt, model_config.tokenizer)
     model = get_model(ckpt.arch, dtype=ckpt.dtype, attention=plan.attention)
     cache = config.cache
-    num_kv_blocks = _num_kv_blocks(config, model, ckpt, sharding, max_model_len)
+    num_kv_blocks = cache.num_kv_blocks if memory is None else memory.num_kv_blocks
     resolved = replace(
         config,
         model=replace(config.model, max_model_len=max_model_len),
@@ -149,5 +195,6 @@ def build_runner(config: EngineConfig) -> tuple[ModelRunner, RunnerInfo]:
         tokenizer=ckpt.tokenizer,
         num_kv_blocks=num_kv_blocks,
         plan=plan,
+        memory=memory,
     )
     return runner, info

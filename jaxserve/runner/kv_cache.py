@@ -1,4 +1,9 @@
-"""Sizing and allocating the paged KV cache: one (K pages, V pages) pair per layer."""
+"""Sizing and allocating the paged KV cache: one (K pages, V pages) pair per layer.
+
+The arithmetic of the pool size (weights, the step's workspace, KV bytes per block) is
+memory_plan.py's, shared with `jaxserve plan`; this module reads the device's memory and
+allocates the pages.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +11,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.runner.memory_plan import blocks_for_budget
+
 
 def device_memory_bytes(device: jax.Device, cpu_memory_bytes: int) -> int:
     """Memory the engine may plan with on `device`: the allocator's limit on GPU/TPU, the
-    configured host budget on CPU (which reports none)."""
+    configured host budget on CPU (which reports none).
+
+    Raises:
+        RuntimeError: a GPU / TPU that reports no bytes_limit.
+    """
     if device.platform == "cpu":
         return cpu_memory_bytes
     stats = device.memory_stats() or {}
@@ -26,21 +37,32 @@ def params_bytes(params) -> int:
 
 
 def num_blocks_for_budget(
-    *, budget_bytes: int, weights_bytes: int, bytes_per_block: int, max_useful_blocks: int
+    *,
+    budget_bytes: int,
+    weights_bytes: int,
+    bytes_per_block: int,
+    max_useful_blocks: int,
+    workspace_bytes: int = 0,
 ) -> int:
-    """Blocks (null block included) that fit in budget - weights, capped at what the engine can
-    ever hold (max_num_seqs full-length sequences + the null block).
+    """Blocks (null block included) that fit in budget - weights - workspace, capped at what
+    the engine can ever hold (max_num_seqs full-length sequences + the null block): the rule
+    of memory_plan.MemoryPlan.num_kv_blocks (which the engine uses), on plain numbers.
 
     Raises:
         ValueError: when not even two blocks (the null block and one usable) fit.
     """
-    free = budget_bytes - weights_bytes
-    num_blocks = min(free // bytes_per_block, max_useful_blocks) if free > 0 else 0
+    num_blocks = blocks_for_budget(
+        budget_bytes=budget_bytes,
+        used_bytes=weights_bytes + workspace_bytes,
+        bytes_per_block=bytes_per_block,
+        max_useful_blocks=max_useful_blocks,
+    )
     if num_blocks < 2:
         raise ValueError(
             f"memory for the KV cache: {budget_bytes} bytes budget - {weights_bytes} bytes of "
-            f"weights leaves room for {max(num_blocks, 0)} blocks of {bytes_per_block} bytes; "
-            "need at least 2: raise memory_utilization or pass num_kv_blocks"
+            f"weights - {workspace_bytes} bytes of workspace leaves room for {num_blocks} blocks "
+            f"of {bytes_per_block} bytes; need at least 2: raise memory_utilization or pass "
+            "num_kv_blocks"
         )
     return int(num_blocks)
 

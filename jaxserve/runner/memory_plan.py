@@ -1,0 +1,389 @@
+"""The memory plan: will a model fit on a device, and how many KV blocks will the engine get?
+
+One piece of arithmetic, used by ``jaxserve plan`` (cli_plan.py, from config.json alone) and
+by build_runner (factory.py, before any weight is read), so that the two always agree. Every
+figure is per device: under tensor parallelism each of the N devices holds the same share.
+
+    weights          the parameter shapes (CausalLM.param_shapes: eval_shape, allocates
+                     nothing) x the dtype's size; a parameter sharded by the model's
+                     param_partition_specs(tp) counts 1/tp, a replicated one whole
+    KV per token     2 (K and V) x layers x KV heads x head_dim x itemsize, / tp when tp
+                     divides the KV heads (the pages are sharded on K then, sharding.py)
+    workspace        a reserve for the step's live buffers besides weights and KV pages
+                     (workspace_bytes below: activations of max_num_batched_tokens tokens,
+                     f32 logits of max_num_seqs rows)
+    budget           memory_utilization x the device's memory (the allocator's bytes_limit
+                     on GPU / TPU, CacheConfig.cpu_memory_bytes on the CPU); with an explicit
+                     num_kv_blocks, which overrides memory_utilization, the whole of it
+    KV blocks        (budget - weights - workspace) // bytes per block, block 0 (the engine's
+                     reserved null block) among them; max_kv_tokens = the others x block_size
+                     (the tokens requests can use: get_stats()["num_kv_blocks"] x block_size)
+
+It fits when the weights and the workspace leave room for at least one sequence of
+max_model_len tokens (ceil(max_model_len / block_size) blocks besides the null block), or,
+with an explicit num_kv_blocks, when weights + workspace + that pool fit in the device. The
+engine's pool (MemoryPlan.num_kv_blocks) is the blocks that fit, capped at what it can ever
+use (max_num_seqs sequences of max_model_len, plus the null block), or the explicit size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from jaxserve.config import EngineConfig
+from jaxserve.models import TP_AXIS, CausalLM, ModelArchConfig, get_model
+
+DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+GIB = 1 << 30
+
+# The workspace reserve (workspace_bytes). Per token of a step, in the model dtype: 4 hidden-
+# sized buffers (residual stream, normed input, attention output, MLP output), q, k, v and the
+# attention output (2 (N + K) H), and 3 MLP-sized ones (gate, up, their product). Per
+# sampling row, in f32: the logits and the sampler's working copy of them.
+_HIDDEN_BUFFERS = 4
+_MLP_BUFFERS = 3
+_LOGITS_BUFFERS = 2
+_LOGITS_ITEMSIZE = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Where one device's memory goes for one model and engine configuration (all bytes are
+    per device; see the module docstring for each figure)."""
+
+    architecture: str
+    dtype: str
+    kv_cache_dtype: str
+    tensor_parallel_size: int
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    num_params: int
+    weights_bytes: int  # per device
+    weights_bytes_total: int  # every parameter once (the checkpoint in this dtype)
+    kv_bytes_per_token: int  # per device
+    kv_cache_sharded: bool  # the KV pages split over the tp devices (tp | KV heads)
+    workspace_bytes: int
+    device_memory_bytes: int
+    memory_utilization: float
+    budget_bytes: int  # what weights + workspace + KV may take
+    num_kv_blocks_requested: int | None  # an explicit pool size (CacheConfig.num_kv_blocks)
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        return self.kv_bytes_per_token * self.block_size
+
+    @property
+    def blocks_per_seq(self) -> int:
+        """Blocks one sequence of max_model_len tokens takes."""
+        return -(-self.max_model_len // self.block_size)
+
+    @property
+    def kv_budget_bytes(self) -> int:
+        """Bytes left for the KV cache (negative when weights + workspace exceed the budget)."""
+        return self.budget_bytes - self.weights_bytes - self.workspace_bytes
+
+    @property
+    def num_kv_blocks_fit(self) -> int:
+        """KV blocks, the null block among them, that fit in kv_budget_bytes (0 when none)."""
+        if self.num_kv_blocks_requested is not None:
+            return self.num_kv_blocks_requested
+        return self._blocks(max_useful_blocks=None)
+
+    @property
+    def max_kv_tokens(self) -> int:
+        """Tokens the KV cache holds for requests: the blocks that fit, less the null block,
+        x block_size (an uncapped pool's get_stats()["num_kv_blocks"] x block_size)."""
+        return max(self.num_kv_blocks_fit - 1, 0) * self.block_size
+
+    @property
+    def max_num_seqs_at_max_model_len(self) -> int:
+        """Sequences of max_model_len tokens that fit in the KV cache at once."""
+        return max(self.num_kv_blocks_fit - 1, 0) // self.blocks_per_seq
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """The pool the engine allocates, null block included: the explicit size, else the
+        blocks that fit capped at max_num_seqs sequences of max_model_len (+ the null block)."""
+        if self.num_kv_blocks_requested is not None:
+            return self.num_kv_blocks_requested
+        return self._blocks(max_useful_blocks=self.max_num_seqs * self.blocks_per_seq + 1)
+
+    def _blocks(self, max_useful_blocks: int | None) -> int:
+        return blocks_for_budget(
+            budget_bytes=self.budget_bytes,
+            used_bytes=self.weights_bytes + self.workspace_bytes,
+            bytes_per_block=self.kv_bytes_per_block,
+            max_useful_blocks=max_useful_blocks,
+        )
+
+    @property
+    def fits(self) -> bool:
+        return self.shortfall() is None
+
+    def shortfall(self) -> str | None:
+        """Why the model does not fit (with the numbers), or None when it does."""
+        used = f"{self.weights_bytes} bytes of weights + {self.workspace_bytes} bytes of workspace"
+        if self.num_kv_blocks_requested is not None:
+            pool = self.num_kv_blocks_requested * self.kv_bytes_per_block
+            if self.weights_bytes + self.workspace_bytes + pool <= self.budget_bytes:
+                return None
+            return (
+                f"{used} + num_kv_blocks={self.num_kv_blocks_requested} x "
+                f"{self.kv_bytes_per_block} bytes = "
+                f"{self.weights_bytes + self.workspace_bytes + pool} bytes exceed the device's "
+                f"{self.budget_bytes} bytes"
+            )
+        if self.kv_budget_bytes <= 0:
+            return f"{used} exceed the budget of {self.budget_bytes} bytes{self._budget_note()}"
+        if self.num_kv_blocks_fit - 1 >= self.blocks_per_seq:
+            return None
+        needed = (self.blocks_per_seq + 1) * self.kv_bytes_per_block
+        return (
+            f"{used} leave {self.kv_budget_bytes} bytes of the {self.budget_bytes} bytes budget"
+            f"{self._budget_note()} for the KV cache, room for {self.max_kv_tokens} tokens "
+            f"({self.kv_bytes_per_token} bytes each); one sequence of max_model_len="
+            f"{self.max_model_len} needs {self.blocks_per_seq} blocks of {self.block_size} "
+            f"tokens plus the null block: {needed} bytes"
+        )
+
+    def _budget_note(self) -> str:
+        return f" ({self.memory_utilization} x {self.device_memory_bytes} bytes of device memory)"
+
+    def check(self, model: str) -> None:
+        """Raise when the model does not fit (before anything is loaded).
+
+        Raises:
+            ValueError: naming the model, the numbers, and what to change.
+        """
+        reason = self.shortfall()
+        if reason is None:
+            return
+        remedy = (
+            "lower num_kv_blocks"
+            if self.num_kv_blocks_requested is not None
+            else "lower max_model_len, max_num_batched_tokens or max_num_seqs, raise "
+            "memory_utilization"
+        )
+        raise ValueError(
+            f"model {model!r} does not fit in device memory (per device, dtype {self.dtype}, "
+            f"tensor_parallel_size={self.tensor_parallel_size}): {reason}; {remedy}, use more "
+            "devices (tensor_parallel_size) or a smaller dtype"
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every field and derived figure as plain values (`jaxserve plan --json`)."""
+        out = dataclasses.asdict(self)
+        for name in (
+            "kv_bytes_per_block",
+            "blocks_per_seq",
+            "kv_budget_bytes",
+            "num_kv_blocks_fit",
+            "max_kv_tokens",
+            "max_num_seqs_at_max_model_len",
+            "num_kv_blocks",
+            "fits",
+        ):
+            out[name] = getattr(self, name)
+        out["reason"] = self.shortfall()
+        return out
+
+
+def resolve_max_model_len(requested: int | None, arch: ModelArchConfig) -> int:
+    """The model's max_position_embeddings when None, else `requested` within it.
+
+    Raises:
+        ValueError: requested beyond max_position_embeddings.
+    """
+    limit = arch.max_position_embeddings
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(
+            f"max_model_len={requested} exceeds the model's max_position_embeddings={limit}"
+        )
+    return requested
+
+
+def weights_bytes(model: CausalLM, tensor_parallel_size: int) -> tuple[int, int]:
+    """(bytes on one device, bytes of every parameter once) of `model`'s params in its dtype,
+    under the model's tensor-parallel layout for `tensor_parallel_size` devices (a sharded
+    dimension counts 1/tp, a replicated parameter whole). From shapes only: allocates nothing.
+    """
+    shapes = jax.tree_util.tree_leaves(model.param_shapes())
+    specs = jax.tree_util.tree_leaves(
+        model.param_partition_specs(tensor_parallel_size),
+        is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )
+    itemsize = model.dtype.itemsize
+    per_device = total = 0
+    for leaf, spec in zip(shapes, specs, strict=True):
+        size = int(np.prod(leaf.shape)) * itemsize
+        total += size
+        # param_partition_specs(tp) replicates any group tp does not divide: exact division.
+        per_device += size // tensor_parallel_size if TP_AXIS in tuple(spec) else size
+    return per_device, total
+
+
+def kv_bytes_per_token(model: CausalLM, tensor_parallel_size: int, kv_cache_dtype: str) -> int:
+    """KV cache bytes one token takes on one device: 2 x L x K x H x itemsize, / tp when the
+    pages are sharded on K (tp | K; sharding.ShardingPlan.kv_bytes_per_block does the same)."""
+    total = model.kv_cache_bytes_per_block(1, kv_cache_dtype)
+    sharded = model.kv_cache_partition_spec(tensor_parallel_size)[0] == TP_AXIS
+    return total // tensor_parallel_size if sharded else total
+
+
+def workspace_bytes(
+    arch: ModelArchConfig, dtype: str, *, max_num_batched_tokens: int, max_num_seqs: int
+) -> int:
+    """The reserve for one step's live buffers besides weights and KV pages, on one device:
+
+        max_num_batched_tokens x (4 D + 2 (N + K) H + 3 F) x itemsize(dtype)     activations
+      + max_num_seqs x V x 4 bytes x 2                                          f32 logits
+
+    (D hidden, N / K query / KV heads, H head_dim, F intermediate, V vocab.) Not divided by
+    tp: the logits are gathered whole for sampling, and XLA may keep more buffers alive than
+    one layer's, so the reserve errs on the generous side. It is a reserve, not a measurement;
+    prompt_logprobs (f32 logits of every token of a step) are not covered.
+    """
+    a = arch
+    per_token = (
+        _HIDDEN_BUFFERS * a.hidden_size
+        + 2 * (a.num_heads + a.num_kv_heads) * a.head_dim
+        + _MLP_BUFFERS * a.intermediate_size
+    )
+    activations = max_num_batched_tokens * per_token * DTYPE_SIZES[dtype]
+    logits = max_num_seqs * a.vocab_size * _LOGITS_ITEMSIZE * _LOGITS_BUFFERS
+    return activations + logits
+
+
+def plan_memory(
+    arch: ModelArchConfig,
+    *,
+    dtype: str,
+    kv_cache_dtype: str,
+    tensor_parallel_size: int,
+    block_size: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    device_memory_bytes: int,
+    memory_utilization: float,
+    num_kv_blocks: int | None = None,
+) -> MemoryPlan:
+    """The MemoryPlan of `arch` in `dtype` (already resolved: not "auto") on devices of
+    `device_memory_bytes` each. Reads no weights and allocates nothing.
+
+    Args:
+        num_kv_blocks: an explicit pool size (null block included), or None to size it.
+
+    Raises:
+        TypeError / ValueError: a bad argument (named, with its value and limit).
+    """
+    for name, value in (("dtype", dtype), ("kv_cache_dtype", kv_cache_dtype)):
+        if value not in DTYPE_SIZES:
+            raise ValueError(f"{name} must be one of {sorted(DTYPE_SIZES)}, got {value!r}")
+    for name, value in (
+        ("tensor_parallel_size", tensor_parallel_size),
+        ("block_size", block_size),
+        ("max_model_len", max_model_len),
+        ("max_num_seqs", max_num_seqs),
+        ("max_num_batched_tokens", max_num_batched_tokens),
+        ("device_memory_bytes", device_memory_bytes),
+    ):
+        _check_positive_int(name, value)
+    if num_kv_blocks is not None:
+        _check_positive_int("num_kv_blocks", num_kv_blocks)
+    if isinstance(memory_utilization, bool) or not (
+        isinstance(memory_utilization, (int, float)) and 0.0 < memory_utilization <= 1.0
+    ):
+        raise ValueError(f"memory_utilization must be in (0, 1], got {memory_utilization!r}")
+    model = get_model(arch, dtype=dtype)
+    per_device, total = weights_bytes(model, tensor_parallel_size)
+    # An explicit pool overrides memory_utilization (CacheConfig): it must fit in the device.
+    budget = (
+        device_memory_bytes
+        if num_kv_blocks is not None
+        else int(device_memory_bytes * memory_utilization)
+    )
+    return MemoryPlan(
+        architecture=arch.architecture,
+        dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
+        tensor_parallel_size=tensor_parallel_size,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        num_params=model.num_params(),
+        weights_bytes=per_device,
+        weights_bytes_total=total,
+        kv_bytes_per_token=kv_bytes_per_token(model, tensor_parallel_size, kv_cache_dtype),
+        kv_cache_sharded=model.kv_cache_partition_spec(tensor_parallel_size)[0] == TP_AXIS,
+        workspace_bytes=workspace_bytes(
+            arch,
+            dtype,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+        ),
+        device_memory_bytes=device_memory_bytes,
+        memory_utilization=float(memory_utilization),
+        budget_bytes=budget,
+        num_kv_blocks_requested=num_kv_blocks,
+    )
+
+
+def memory_plan_for(
+    config: EngineConfig,
+    arch: ModelArchConfig,
+    *,
+    dtype: str,
+    kv_cache_dtype: str,
+    max_model_len: int,
+    device_memory_bytes: int,
+) -> MemoryPlan:
+    """The MemoryPlan of this engine configuration (tensor parallelism, block size, step
+    budget, memory share, explicit pool) for `arch` in the resolved dtypes: what build_runner
+    checks and sizes the pool with, and what `jaxserve plan` prints."""
+    cache, scheduler = config.cache, config.scheduler
+    return plan_memory(
+        arch,
+        dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
+        tensor_parallel_size=config.runner.tensor_parallel_size,
+        block_size=cache.block_size,
+        max_model_len=max_model_len,
+        max_num_seqs=scheduler.max_num_seqs,
+        max_num_batched_tokens=scheduler.max_num_batched_tokens,
+        device_memory_bytes=device_memory_bytes,
+        memory_utilization=cache.memory_utilization,
+        num_kv_blocks=cache.num_kv_blocks,
+    )
+
+
+def blocks_for_budget(
+    *, budget_bytes: int, used_bytes: int, bytes_per_block: int, max_useful_blocks: int | None
+) -> int:
+    """Blocks of `bytes_per_block` that fit in budget - used (0 when none), capped at
+    max_useful_blocks (None: no cap): the pool-sizing rule, on plain numbers."""
+    free = budget_bytes - used_bytes
+    blocks = free // bytes_per_block if free > 0 else 0
+    return blocks if max_useful_blocks is None else min(blocks, max_useful_blocks)
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+def gib(num_bytes: int) -> float:
+    """Bytes in GiB (2^30 bytes)."""
+    return num_bytes / GIB

@@ -1,0 +1,73 @@
+"""The persistent compilation cache, on by default: a second process loads the engine's step
+functions instead of compiling them, and get_stats() tells fresh compilations from cache hits.
+Each case runs in fresh processes (the cache is process-wide jax configuration)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = """
+import json, sys
+import jax
+from jaxserve import LLM
+kwargs = json.loads(sys.argv[1])
+llm = LLM("tiny-random-llama", num_kv_blocks=16, block_size=8, max_model_len=32,
+          max_num_batched_tokens=8, max_num_seqs=2, warmup=True, **kwargs)
+stats = llm.get_stats()
+print(json.dumps({"fresh": stats["num_compilations"], "hits": stats["num_compilation_cache_hits"],
+                  "dir": jax.config.jax_compilation_cache_dir}))
+"""
+
+
+def _run(env_updates: dict[str, str | None], **kwargs) -> dict:
+    env = dict(os.environ)
+    for key, value in env_updates.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT, json.dumps(kwargs)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_second_process_loads_every_step_from_the_cache(tmp_path):
+    home = tmp_path / "xdg"
+    env = {"JAXSERVE_COMPILATION_CACHE_DIR": None, "XDG_CACHE_HOME": str(home)}
+    first = _run(env)  # the default folder, under $XDG_CACHE_HOME
+    assert first["dir"] == str(home / "jaxserve" / "xla")
+    assert first["fresh"] > 0 and first["hits"] == 0
+    second = _run(env)
+    assert second == {"fresh": 0, "hits": first["fresh"], "dir": first["dir"]}
+
+
+def test_the_argument_and_the_environment_move_it_or_turn_it_off(tmp_path):
+    moved = _run({"JAXSERVE_COMPILATION_CACHE_DIR": str(tmp_path / "env")})
+    assert moved["dir"] == str(tmp_path / "env") and any((tmp_path / "env").iterdir())
+    given = _run({}, compilation_cache_dir=str(tmp_path / "arg"))
+    assert given["dir"] == str(tmp_path / "arg")
+    off = _run({"JAXSERVE_COMPILATION_CACHE_DIR": str(tmp_path / "env")}, compilation_cache_dir="")
+    assert off["dir"] is None and off["hits"] == 0
+
+
+def test_a_users_own_jax_cache_folder_wins(tmp_path):
+    own = _run({"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "own")}, compilation_cache_dir="x")
+    assert own["dir"] == str(tmp_path / "own")
+
+
+def test_bad_value_is_refused():
+    from jaxserve.config import RunnerConfig
+
+    with pytest.raises(TypeError, match="compilation_cache_dir must be a folder path"):
+        RunnerConfig(compilation_cache_dir=3)

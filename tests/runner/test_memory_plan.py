@@ -1,0 +1,280 @@
+"""runner/memory_plan.py: the weights, KV and workspace arithmetic on real models' configs
+(config.json only, written here), the fit rule, the engine's check before loading, the
+engine's pool agreeing with the plan, and gpu_memory_utilization as vLLM's name."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from jaxserve import LLM
+from jaxserve.checkpoints_tools.load import load_arch
+from jaxserve.checkpoints_tools.tiny_random import tiny_random_llama_arch
+from jaxserve.config import EngineConfig
+from jaxserve.models import ModelArchConfig
+from jaxserve.runner import factory
+from jaxserve.runner.kv_cache import num_blocks_for_budget
+from jaxserve.runner.memory_plan import (
+    MemoryPlan,
+    memory_plan_for,
+    plan_memory,
+    resolve_max_model_len,
+    workspace_bytes,
+)
+
+GIB = 1 << 30
+
+# meta-llama/Meta-Llama-3-8B's config.json (its fields as published).
+LLAMA3_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 8192,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": None,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "vocab_size": 128256,
+}
+# Qwen/Qwen2.5-0.5B's shape: tied embeddings, qkv bias, 2 KV heads.
+QWEN25_05B = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "max_position_embeddings": 32768,
+    "num_attention_heads": 14,
+    "num_hidden_layers": 24,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 151936,
+}
+
+
+def write_config(folder: pathlib.Path, config: dict) -> pathlib.Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def llama3_8b(tmp_path_factory: pytest.TempPathFactory) -> ModelArchConfig:
+    return load_arch(write_config(tmp_path_factory.mktemp("llama3-8b"), LLAMA3_8B))
+
+
+def plan(arch: ModelArchConfig, **overrides: object) -> MemoryPlan:
+    settings: dict = dict(
+        dtype="bfloat16",
+        kv_cache_dtype="bfloat16",
+        tensor_parallel_size=1,
+        block_size=16,
+        max_model_len=arch.max_position_embeddings,
+        max_num_seqs=256,
+        max_num_batched_tokens=2048,
+        device_memory_bytes=141 * GIB,
+        memory_utilization=0.9,
+    )
+    return plan_memory(arch, **(settings | overrides))
+
+
+def test_llama3_8b_weights_and_kv_per_token(llama3_8b: ModelArchConfig) -> None:
+    memory = plan(llama3_8b)
+    assert memory.num_params == 8_030_261_248
+    assert memory.weights_bytes == memory.weights_bytes_total == 16_060_522_496
+    assert memory.kv_bytes_per_token == 131_072  # 2 x 32 layers x 8 KV heads x 128 x 2 bytes
+    f32 = plan(llama3_8b, dtype="float32", kv_cache_dtype="float32")
+    assert f32.weights_bytes == 2 * 16_060_522_496 and f32.kv_bytes_per_token == 2 * 131_072
+
+
+def test_llama3_8b_on_an_h200(llama3_8b: ModelArchConfig) -> None:
+    memory = plan(llama3_8b)
+    # 2048 tokens x (4 D + 2 (N + K) H + 3 F) x 2 bytes + 256 rows x V x 4 bytes x 2
+    workspace = 2048 * (4 * 4096 + 2 * (32 + 8) * 128 + 3 * 14336) * 2 + 256 * 128256 * 4 * 2
+    assert memory.workspace_bytes == workspace == 547_880_960
+    assert memory.budget_bytes == int(141 * GIB * 0.9) == 136_257_837_465
+    blocks = (136_257_837_465 - 16_060_522_496 - workspace) // (131_072 * 16)
+    assert memory.num_kv_blocks_fit == blocks == 57_053
+    assert memory.max_kv_tokens == (blocks - 1) * 16 == 912_832  # the null block is no one's
+    assert memory.max_num_seqs_at_max_model_len == (blocks - 1) // 512 == 111
+    assert memory.num_kv_blocks == blocks  # 256 x 512 + 1 would be more: not capped
+    assert memory.fits and memory.shortfall() is None
+
+
+def test_llama3_8b_tensor_parallel(llama3_8b: ModelArchConfig) -> None:
+    norms = 65 * 4096  # 2 per layer + the final norm, replicated
+    sharded = 8_030_261_248 - norms
+    tp2 = plan(llama3_8b, tensor_parallel_size=2)
+    assert tp2.weights_bytes == (sharded // 2 + norms) * 2 == 8_030_527_488
+    assert tp2.weights_bytes_total == 16_060_522_496
+    assert tp2.kv_bytes_per_token == 65_536 and tp2.kv_cache_sharded
+    tp8 = plan(llama3_8b, tensor_parallel_size=8)
+    assert tp8.weights_bytes == (sharded // 8 + norms) * 2 == 2_008_031_232
+    assert tp8.kv_bytes_per_token == 16_384
+    assert tp8.max_kv_tokens > tp2.max_kv_tokens > plan(llama3_8b).max_kv_tokens
+    # 16 devices, 8 KV heads: k/v projections and KV pages stay whole on every device.
+    kv_proj = 32 * 2 * 4096 * 1024
+    tp16 = plan(llama3_8b, tensor_parallel_size=16)
+    assert tp16.weights_bytes == ((sharded - kv_proj) // 16 + norms + kv_proj) * 2
+    assert tp16.kv_bytes_per_token == 131_072 and not tp16.kv_cache_sharded
+
+
+def test_tied_embeddings_and_qkv_bias_count_once(tmp_path: pathlib.Path) -> None:
+    arch = load_arch(write_config(tmp_path, QWEN25_05B))
+    memory = plan(arch, max_model_len=4096)
+    assert memory.num_params == 494_032_768  # Qwen2.5-0.5B's published count
+    assert memory.kv_bytes_per_token == 2 * 24 * 2 * 64 * 2
+    # 14 heads on 4 devices: q/o replicated (tp does not divide N), and K = 2 < 4 too.
+    tp4 = plan(arch, tensor_parallel_size=4, max_model_len=4096)
+    assert not tp4.kv_cache_sharded and tp4.kv_bytes_per_token == memory.kv_bytes_per_token
+
+
+def test_does_not_fit(llama3_8b: ModelArchConfig) -> None:
+    small = plan(llama3_8b, device_memory_bytes=16 * GIB)  # 0.9 x 16 GiB < 16.06 GB of weights
+    assert not small.fits and small.max_kv_tokens == 0 and small.num_kv_blocks == 0
+    assert small.max_num_seqs_at_max_model_len == 0
+    assert "16060522496 bytes of weights" in small.shortfall()
+    with pytest.raises(ValueError, match=r"model 'llama' does not fit .* exceed the budget"):
+        small.check("llama")
+    # 17.5 GiB: the weights fit, with room for about 2300 tokens: not one sequence of 8192.
+    tight = plan(llama3_8b, device_memory_bytes=int(17.5 * GIB))
+    assert not tight.fits and 0 < tight.max_kv_tokens < 8192
+    assert "one sequence of max_model_len=8192 needs 512 blocks" in tight.shortfall()
+    assert plan(llama3_8b, device_memory_bytes=int(17.5 * GIB), max_model_len=2048).fits
+
+
+def test_explicit_pool_is_checked_against_the_whole_device(llama3_8b: ModelArchConfig) -> None:
+    # 0.9 x 18 GiB would not hold weights + workspace + 8192 tokens; the whole 18 GiB does.
+    pool = 8192 // 16 + 1
+    fits = plan(llama3_8b, device_memory_bytes=18 * GIB, num_kv_blocks=pool)
+    assert fits.fits and fits.budget_bytes == 18 * GIB and fits.num_kv_blocks == pool
+    assert fits.max_kv_tokens == 8192 and fits.max_num_seqs_at_max_model_len == 1
+    too_big = plan(llama3_8b, device_memory_bytes=18 * GIB, num_kv_blocks=100_000)
+    assert not too_big.fits
+    with pytest.raises(ValueError, match="num_kv_blocks=100000"):
+        too_big.check("llama")
+
+
+def test_pool_is_capped_at_what_the_engine_can_use(llama3_8b: ModelArchConfig) -> None:
+    memory = plan(llama3_8b, max_model_len=1024, max_num_seqs=4)
+    assert memory.num_kv_blocks == 4 * 64 + 1 < memory.num_kv_blocks_fit
+    assert memory.max_kv_tokens == (memory.num_kv_blocks_fit - 1) * 16
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error", "match"),
+    [
+        (dict(dtype="int8"), ValueError, "dtype must be one of"),
+        (dict(kv_cache_dtype="fp8"), ValueError, "kv_cache_dtype must be one of"),
+        (dict(tensor_parallel_size=0), ValueError, "tensor_parallel_size must be >= 1, got 0"),
+        (dict(block_size=2.5), TypeError, "block_size must be an int, got 2.5"),
+        (dict(device_memory_bytes=0), ValueError, "device_memory_bytes must be >= 1"),
+        (dict(memory_utilization=1.5), ValueError, r"memory_utilization must be in \(0, 1\]"),
+        (dict(num_kv_blocks=True), TypeError, "num_kv_blocks must be an int"),
+    ],
+)
+def test_bad_arguments_are_named(
+    llama3_8b: ModelArchConfig, overrides: dict, error: type, match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        plan(llama3_8b, **overrides)
+
+
+def test_max_model_len_within_the_model() -> None:
+    arch = tiny_random_llama_arch()
+    assert resolve_max_model_len(None, arch) == 2048 == resolve_max_model_len(2048, arch)
+    with pytest.raises(ValueError, match="max_model_len=4096 exceeds .*=2048"):
+        resolve_max_model_len(4096, arch)
+
+
+def test_workspace_scales_with_the_step_budget() -> None:
+    arch = tiny_random_llama_arch()
+    one = workspace_bytes(arch, "float32", max_num_batched_tokens=1, max_num_seqs=1)
+    assert one == (4 * 128 + 2 * 6 * 32 + 3 * 256) * 4 + arch.vocab_size * 8
+    many = workspace_bytes(arch, "float32", max_num_batched_tokens=64, max_num_seqs=8)
+    assert many == 64 * (one - arch.vocab_size * 8) + 8 * arch.vocab_size * 8
+
+
+def test_num_blocks_for_budget_counts_the_workspace() -> None:
+    sizes = dict(budget_bytes=1000, weights_bytes=300, bytes_per_block=100, max_useful_blocks=99)
+    assert num_blocks_for_budget(**sizes) == 7
+    assert num_blocks_for_budget(**sizes, workspace_bytes=250) == 4
+    with pytest.raises(ValueError, match="250 bytes of workspace leaves room for 1 blocks"):
+        num_blocks_for_budget(**sizes | dict(budget_bytes=650), workspace_bytes=250)
+
+
+ENGINE = dict(
+    max_model_len=256, max_num_seqs=64, max_num_batched_tokens=256, block_size=16, warmup=False
+)
+
+
+def test_engine_pool_agrees_with_the_plan_on_cpu() -> None:
+    config = EngineConfig.from_kwargs(
+        model="tiny-random-llama", gpu_memory_utilization=0.005, **ENGINE
+    )
+    memory = memory_plan_for(
+        config,
+        tiny_random_llama_arch(),
+        dtype="float32",
+        kv_cache_dtype="float32",
+        max_model_len=256,
+        device_memory_bytes=config.cache.cpu_memory_bytes,
+    )
+    assert memory.fits and memory.num_kv_blocks == memory.num_kv_blocks_fit  # not capped
+    llm = LLM("tiny-random-llama", gpu_memory_utilization=0.005, **ENGINE)
+    # The engine's pool, null block included, is the plan's; the blocks it reports (without
+    # the null block) hold max_kv_tokens.
+    assert llm.engine.info.num_kv_blocks == memory.num_kv_blocks
+    assert llm.get_stats()["num_kv_blocks"] * 16 == memory.max_kv_tokens
+    assert llm.engine.info.memory == memory
+    out = llm.generate([[5, 6, 7]], use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) >= 1
+
+
+def test_engine_refuses_a_model_that_cannot_fit_before_loading(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def no_loading(*args: object, **kwargs: object) -> None:
+        raise AssertionError("load_checkpoint called for a model that does not fit")
+
+    monkeypatch.setattr(factory, "load_checkpoint", no_loading)
+    # 24 MiB: 3.4 MB of weights + 15.7 MB of workspace fit, not with 2048 tokens of KV (4 MiB).
+    with pytest.raises(ValueError, match=r"'tiny-random-llama' does not fit .*max_model_len=2048"):
+        LLM("tiny-random-llama", cpu_memory_bytes=24 << 20)
+    with pytest.raises(ValueError, match=r"bytes of weights .* exceed the budget"):
+        LLM("tiny-random-llama", cpu_memory_bytes=16 << 20)
+    with pytest.raises(ValueError, match="num_kv_blocks=5000 x 32768 bytes"):
+        LLM("tiny-random-llama", cpu_memory_bytes=64 << 20, num_kv_blocks=5000)
+
+
+def test_gpu_memory_utilization_is_memory_utilization() -> None:
+    config = EngineConfig.from_kwargs(gpu_memory_utilization=0.5)
+    assert config.cache.memory_utilization == 0.5
+    same = EngineConfig.from_kwargs(gpu_memory_utilization=0.5, memory_utilization=0.5)
+    assert same == config
+    with pytest.raises(
+        ValueError, match=r"gpu_memory_utilization=0.5 and memory_utilization=0.7 .* give one"
+    ):
+        EngineConfig.from_kwargs(gpu_memory_utilization=0.5, memory_utilization=0.7)
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\], got 0"):
+        EngineConfig.from_kwargs(gpu_memory_utilization=0)
+    with pytest.raises(ValueError, match=r"memory_utilization must be in \(0, 1\], got True"):
+        EngineConfig.from_kwargs(memory_utilization=True)
+    with pytest.raises(TypeError, match="unknown engine argument 'gpu_mem_util'.*'gpu_memory_u"):
+        EngineConfig.from_kwargs(gpu_mem_util=0.5)
