@@ -1,6 +1,6 @@
 """The execution plan: every platform decision, made once when the engine is built.
 
-    platform and chip       cpu / gpu (by generation: Hopper+, Ampere/Ada, older) / tpu
+    platform and chip       cpu / gpu (by generation: Blackwell+, Hopper, Ampere/Ada, older) / tpu
     attention               an AttentionImpl from the registry (pallas_kernels/.../registry.py),
                             checked once per process against the reference on a small batch
     sampler draw            the C++ kernel on the CPU where it builds, XLA elsewhere
@@ -51,7 +51,7 @@ class ExecutionPlan:
 
     platform: str  # "cpu" | "gpu" | "tpu"
     device_kind: str  # e.g. "NVIDIA H200", "TPU v5 lite", "cpu"
-    gpu_generation: str | None  # registry.HOPPER / AMPERE / OLDER_GPU on "gpu"
+    gpu_generation: str | None  # registry.BLACKWELL / HOPPER / AMPERE / OLDER_GPU on "gpu"
     attention: AttentionImpl
     attention_refused: tuple[str, ...]  # why "auto" passed over each implementation before it
     sampler_draw: str  # "cpu" | "xla" (sampler.DRAWS)

@@ -15,6 +15,7 @@ import jax
 
 from jaxserve.pallas_kernels.ragged_paged_attention.registry import (
     AMPERE,
+    BLACKWELL,
     HOPPER,
     OLDER_GPU,
     AttentionImpl,
@@ -35,13 +36,15 @@ def device_facts(device: jax.Device) -> dict[str, object]:
 
 
 def gpu_generation(compute_capability: str | None) -> str:
-    """HOPPER (sm_90 and newer), AMPERE (sm_80 / sm_86 / sm_89) or OLDER_GPU (anything else,
-    ROCm GPUs included, which report no CUDA compute capability)."""
+    """BLACKWELL (sm_100 and newer), HOPPER (sm_90), AMPERE (sm_80 / sm_86 / sm_89) or OLDER_GPU
+    (anything else, ROCm GPUs included, which report no CUDA compute capability)."""
     try:
         major = int(str(compute_capability).split(".")[0])
     except ValueError:
         return OLDER_GPU
-    return HOPPER if major >= 9 else AMPERE if major == 8 else OLDER_GPU
+    if major >= 10:
+        return BLACKWELL
+    return HOPPER if major == 9 else AMPERE if major == 8 else OLDER_GPU
 
 
 def implementation_for(

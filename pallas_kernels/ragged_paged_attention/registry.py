@@ -46,9 +46,9 @@ from jaxserve.pallas_kernels.ragged_paged_attention.reference import (
 from jaxserve.pallas_kernels.ragged_paged_attention.tpu import ragged_paged_attention_tpu
 
 PLATFORMS = ("cpu", "gpu", "tpu")
-# GPU generations by CUDA compute capability: Hopper and newer (>= 9.0) run Mosaic GPU;
-# Ampere / Ada (8.x) run Triton; older ones run the XLA implementations.
-HOPPER, AMPERE, OLDER_GPU = "hopper+", "ampere-ada", "pre-ampere"
+# GPU generations by CUDA compute capability: Hopper (9.x) runs Mosaic GPU (its WGMMA kernel);
+# Blackwell and newer (>= 10) and Ampere / Ada (8.x) run Triton; older ones the XLA ones.
+BLACKWELL, HOPPER, AMPERE, OLDER_GPU = "blackwell+", "hopper", "ampere-ada", "pre-ampere"
 ALL_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -65,7 +65,7 @@ class Target:
     page_size: int  # P
     sliding_window: int | None = None
     soft_cap: float | None = None
-    gpu_generation: str | None = None  # HOPPER | AMPERE | OLDER_GPU on "gpu"
+    gpu_generation: str | None = None  # BLACKWELL | HOPPER | AMPERE | OLDER_GPU on "gpu"
     device_kind: str = ""  # e.g. "NVIDIA H200", for messages
     num_cores: int | None = None  # GPU streaming multiprocessors, for kernel tuning
     tensor_parallel_size: int = 1
@@ -133,7 +133,7 @@ KERNELS: dict[str, KernelSpec] = {
     ),
     "triton": KernelSpec(
         ("gpu",),
-        gpu_generations=(HOPPER, AMPERE),
+        gpu_generations=(BLACKWELL, HOPPER, AMPERE),
         interpretable=True,
         available=_triton_available,
     ),
@@ -156,6 +156,7 @@ BACKENDS = tuple(NAMES)
 AUTO_ORDER: dict[str, tuple[str, ...]] = {
     "cpu": ("cpu", "xla", "reference"),
     "tpu": ("pallas_tpu", "xla", "reference"),
+    BLACKWELL: ("pallas_mosaic_gpu", "pallas_triton", "xla", "reference"),
     HOPPER: ("pallas_mosaic_gpu", "pallas_triton", "xla", "reference"),
     AMPERE: ("pallas_triton", "xla", "reference"),
     OLDER_GPU: ("pallas_triton", "xla", "reference"),  # tried so the log says why not

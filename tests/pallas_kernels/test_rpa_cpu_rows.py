@@ -134,7 +134,7 @@ def test_explicit_cpu_backend_is_refused_where_it_cannot_run(monkeypatch) -> Non
 
     shapes = dict(num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=8)
     with pytest.raises(ValueError, match="cpu runs on cpu, not on gpu"):
-        select_attention("cpu", Target("gpu", "float32", gpu_generation="hopper+", **shapes))
+        select_attention("cpu", Target("gpu", "float32", gpu_generation="hopper", **shapes))
     monkeypatch.setattr(cpu_rows.KERNEL, "load", lambda: "no compiler in this test")
     on_cpu = Target("cpu", "float32", **shapes)
     with pytest.raises(ValueError, match="does not build here \\(no compiler in this test\\)"):

@@ -23,6 +23,7 @@ from jaxserve.pallas_kernels.ragged_paged_attention import (
 )
 from jaxserve.pallas_kernels.ragged_paged_attention.registry import (
     AMPERE,
+    BLACKWELL,
     HOPPER,
     OLDER_GPU,
     _mosaic_gpu_kernel,
@@ -40,7 +41,7 @@ def target(platform: str, dtype: str = "bfloat16", **kw) -> Target:
 
 @pytest.mark.parametrize(
     ("compute_capability", "generation"),
-    [("9.0", HOPPER), ("10.0", HOPPER), ("8.9", AMPERE), ("8.0", AMPERE), ("7.5", OLDER_GPU),
+    [("9.0", HOPPER), ("10.0", BLACKWELL), ("8.9", AMPERE), ("8.0", AMPERE), ("7.5", OLDER_GPU),
      (None, OLDER_GPU), ("gfx90a", OLDER_GPU)],
 )  # fmt: skip
 def test_gpu_generation(compute_capability, generation) -> None:
@@ -54,6 +55,7 @@ def test_gpu_generation(compute_capability, generation) -> None:
         ("cpu", None, "bfloat16", "xla"),  # the C++ rows take f32 only
         ("tpu", None, "bfloat16", "pallas_tpu"),
         ("gpu", HOPPER, "bfloat16", "pallas_mosaic_gpu" if MOSAIC_GPU else "pallas_triton"),
+        ("gpu", BLACKWELL, "bfloat16", "pallas_triton"),  # no WGMMA: not the Mosaic kernel
         ("gpu", AMPERE, "bfloat16", "pallas_triton"),
         ("gpu", OLDER_GPU, "float16", "xla"),
     ],
@@ -70,7 +72,9 @@ def test_refusals_say_why() -> None:
     if cpu_rows.available():
         assert refused == ["cpu takes float32, not bfloat16"]
     _, refused = select_attention("auto", target("gpu", gpu_generation=OLDER_GPU))
-    assert "pallas_triton needs a hopper+ or ampere-ada GPU; gpu is pre-ampere" in refused
+    assert (
+        "pallas_triton needs a blackwell+ or hopper or ampere-ada GPU; gpu is pre-ampere" in refused
+    )
 
 
 def test_an_explicit_name_that_cannot_run_lists_those_that_can() -> None:
@@ -79,7 +83,7 @@ def test_an_explicit_name_that_cannot_run_lists_those_that_can() -> None:
     ) as e:
         select_attention("cpu", target("gpu", gpu_generation=AMPERE))
     assert "'pallas_triton', 'pallas_gpu', 'pallas'" in str(e.value)
-    with pytest.raises(ValueError, match="pallas_mosaic_gpu needs a hopper\\+ GPU"):
+    with pytest.raises(ValueError, match="pallas_mosaic_gpu needs a hopper GPU"):
         select_attention("pallas_mosaic_gpu", target("gpu", gpu_generation=AMPERE))
     with pytest.raises(ValueError, match="attention_backend must be 'auto' or one of"):
         select_attention("cuda", target("gpu", gpu_generation=AMPERE))
