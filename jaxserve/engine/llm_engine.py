@@ -329,7 +329,7 @@ class LLMEngine:
             stats: dict[str, Any] = dict(self.scheduler.get_stats())
             stats["num_compilations"] = self.runner.num_compilations
             stats["num_compilation_cache_hits"] = self.runner.num_compilation_cache_hits
-            stats["recompilations"] = list(self.runner.compiles.events)
+            stats["recompilations"] = self.runner.recompilations
         stats["plan"] = self.info.plan.as_dict()
         return stats
 

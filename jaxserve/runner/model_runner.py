@@ -7,9 +7,10 @@
         step(params, kv_caches, ...)   ONE jit: forward, logits at R rows, sample; KV donated
         -> ModelRunnerOutput           only the sampled ids (and logprobs) come back
 
-Compiled variants are keyed by the bucket shapes and the sampler's static flags; warm-up can
-compile every (T, R, B) of the greedy variant; `num_compilations` counts fresh compilations and
-`compiles` (step_compiles.py) explains every one after warm-up.
+Compiled variants are keyed by the bucket shapes and the sampler's two list widths (none, or
+penalty and ban lists); warm-up can compile every (T, R, B) in both, and the copy-on-write block
+copy at every padded size; `num_compilations` counts fresh compilations, and every one after
+warm-up is explained (step_compiles.py).
 """
 
 from __future__ import annotations
@@ -107,7 +108,15 @@ class ModelRunner:
             **step_shardings,
         )
         self._step = lambda *args: compiles(jitted, args, STEP_ARGS)
-        self._copy = jax.jit(_copy_blocks, donate_argnums=(0,), **copy_shardings)
+        copy_traces = TraceCounter()
+        self.copy_compiles = copies = StepCompiles("the copy-on-write block copy", copy_traces)
+        jitted_copy = jax.jit(
+            functools.partial(_copy_blocks, copy_traces), donate_argnums=(0,), **copy_shardings
+        )
+        self._copy = lambda *args: copies(jitted_copy, args, ("kv_caches", "src", "dst"))
+        # Copies per step are padded to a power of two (null-block self-copies); a step copies
+        # at most one block per request, so these are every size warm-up must compile.
+        self.copy_sizes = tuple(1 << k for k in range((max_num_seqs - 1).bit_length() + 1))
 
     def _init_host_state(self) -> None:
         """Empty host mirrors: batch rows, sampling settings, logprob bookkeeping."""
@@ -130,13 +139,18 @@ class ModelRunner:
 
     @property
     def num_compilations(self) -> int:
-        """XLA compilations of the step function so far (not those loaded from the persistent
-        compilation cache: num_compilation_cache_hits)."""
-        return self.compiles.num_fresh
+        """XLA compilations of the step and the block copy so far (not those loaded from the
+        persistent compilation cache: num_compilation_cache_hits)."""
+        return self.compiles.num_fresh + self.copy_compiles.num_fresh
 
     @property
     def num_compilation_cache_hits(self) -> int:
-        return self.compiles.num_cache_hits
+        return self.compiles.num_cache_hits + self.copy_compiles.num_cache_hits
+
+    @property
+    def recompilations(self) -> list[dict[str, Any]]:
+        """Every compilation after warm-up, with what was new (step_compiles.py)."""
+        return [*self.compiles.events, *self.copy_compiles.events]
 
     def reset(self) -> bool:
         """Forget every request: the recovery of an engine step that raised part-way.
@@ -162,13 +176,13 @@ class ModelRunner:
         variants (a batch without penalties or bans, and one with them: VARIANT_WIDTHS), by
         running it on an all-padding batch: every token writes into the null block, nothing real
         is touched. Every other sampling feature (greedy or sampled rows, seeds, logprobs,
-        prompt logprobs, min_tokens) runs in these same compiled steps.
+        prompt logprobs, min_tokens) runs in these same compiled steps. Then the copy-on-write
+        block copy (n > 1) for every size of copy_sizes, as null-block self-copies.
 
         Returns the number of compilations this caused (fresh or loaded from the cache);
         compilations after it are explained in the log (step_compiles.py).
         """
-        compiles = self.compiles
-        before = compiles.num_fresh + compiles.num_cache_hits
+        before = self.num_compilations + self.num_compilation_cache_hits
         for padded_tokens, padded_rows, width in shapes or self.buckets.all_shapes():
             batch = PreparedBatch.padding(padded_tokens, padded_rows, width)
             no_targets = np.full(padded_tokens, -1, np.int32)
@@ -185,9 +199,12 @@ class ModelRunner:
                     md,
                     no_targets,
                 )
-        jax.block_until_ready(out.token_ids)
-        compiles.warmed_up = True
-        return compiles.num_fresh + compiles.num_cache_hits - before
+        for size in self.copy_sizes:
+            null_pairs = np.zeros(size, np.int32)
+            self.kv_caches = self._copy(self.kv_caches, null_pairs, null_pairs)
+        jax.block_until_ready((out.token_ids, self.kv_caches))
+        self.compiles.warmed_up = self.copy_compiles.warmed_up = True
+        return self.num_compilations + self.num_compilation_cache_hits - before
 
     # ---- per step -------------------------------------------------------------------------
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -419,6 +436,7 @@ def _jit_shardings(
     return step, dict(in_shardings=(kv, rep, rep), out_shardings=kv)
 
 
-def _copy_blocks(kv_caches, src: jax.Array, dst: jax.Array):
+def _copy_blocks(traces: TraceCounter, kv_caches, src: jax.Array, dst: jax.Array):
     """Copy-on-write: pages src[i] -> dst[i] in every layer (K and V). In place (donated)."""
+    traces.count += 1  # runs once per trace: counts compilations
     return [(k.at[:, dst].set(k[:, src]), v.at[:, dst].set(v[:, src])) for k, v in kv_caches]

@@ -1,4 +1,4 @@
-"""The XLA:CPU miscompile workaround, applied by the CPU side of the plan before jax starts.
+"""The XLA:CPU miscompile workaround, applied when an engine is built, before jax starts.
 
 jax/jaxlib 0.10.2 miscompile a jitted, vmapped mat-vec followed by a reduction on CPU
 (jax-ml/jax#39103): YNNPACK library fusions produce wrong numbers. Of the fusion types the flag

@@ -1,5 +1,5 @@
-"""Pure-jnp ragged paged attention: the ground truth every kernel is tested against, and the
-CPU default backend.
+"""Pure-jnp ragged paged attention: the ground truth every kernel is tested against, and what
+the plan takes under tensor parallelism where no kernel can run per device (GSPMD partitions it).
 
 Shapes (glossary in README): T tokens of the flattened ragged batch, R sequence slots (padded),
 N query heads, K kv heads (N % K == 0), H head dim, S pages in the pool, P tokens per page,

@@ -114,8 +114,11 @@ def test_nothing_compiles_after_warmup():
     stats = engine.get_stats()
     compiled, plan = stats["num_compilations"], stats["plan"]
     buckets = engine.runner.buckets
-    # Every batch shape, in the sampler's two variants (no penalty and no ban, or some).
-    assert compiled == len(buckets.all_shapes()) * len(VARIANT_WIDTHS)
+    # Every batch shape, in the sampler's two variants (no penalty and no ban, or some), and
+    # the copy-on-write block copy (n > 1) at every padded size.
+    copy_sizes = engine.runner.copy_sizes
+    assert copy_sizes == (1, 2, 4)  # up to max_num_seqs copies a step
+    assert compiled == len(buckets.all_shapes()) * len(VARIANT_WIDTHS) + len(copy_sizes)
     tokens = buckets.token_buckets
     assert (tokens[0] == 1) == plan["single_token_bucket"]
     assert (6 in tokens) == plan["mid_token_buckets"]  # 3 * 2^k between the powers of two
