@@ -1,7 +1,7 @@
 """Companion of bench/scheduler_overhead.py: the same workloads on vLLM V1's own Scheduler.
 
-Runs under an interpreter that has vLLM installed (e.g. the venv made by
-shared/tools/vllm-cpu-venv.sh), never imports jaxserve:
+Runs under an interpreter that has vLLM installed (a venv with vLLM's CPU build, made by
+hand), never imports jaxserve:
 
     PYTHON bench/scheduler_overhead_vllm.py SPECS.json
 

@@ -334,7 +334,7 @@ class Bench:
         if version is None:
             print(
                 f"{label}: vllm not importable with {self.args.vllm_python}; skipped "
-                "(make the venv with shared/tools/vllm-cpu-venv.sh)",
+                "(a venv with vLLM's CPU build installed)",
                 flush=True,
             )
             self.info[label] = {"skipped": f"no vllm at {self.args.vllm_python}"}

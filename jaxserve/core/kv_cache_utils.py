@@ -1,4 +1,4 @@
-"""KV cache blocks, the free-block queue and block hashing (DESIGN.md section 3).
+"""KV cache blocks, the free-block queue and block hashing (docs/architecture.md).
 
 A KVCacheBlock is the host-side metadata of one physical block of ``block_size`` token slots in
 the device's KV page arrays. Free blocks (``ref_cnt == 0``) sit in FreeKVCacheBlockQueue, an

@@ -1,4 +1,4 @@
-"""EngineCore: one engine step as a three-line recipe (DESIGN.md section 2)."""
+"""EngineCore: one engine step as a three-line recipe (docs/architecture.md)."""
 
 from __future__ import annotations
 

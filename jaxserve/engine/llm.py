@@ -33,7 +33,7 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
 class LLM:
     """An offline engine: ``LLM(model=...).generate(prompts, sampling_params)``.
 
-    Keyword arguments are those of DESIGN.md section 5 (dtype, max_model_len, block_size,
+    Keyword arguments are those of docs/architecture.md (dtype, max_model_len, block_size,
     num_kv_blocks, memory_utilization, max_num_seqs, max_num_batched_tokens,
     enable_prefix_caching, attention_backend, tensor_parallel_size, seed, ...); an unknown one
     raises TypeError.

@@ -53,7 +53,7 @@ def _mix_seed(seed: int, index: int) -> int:
 
 
 class LLMEngine:
-    """The engine of DESIGN.md section 5. ``LLMEngine(model=..., **same_kwargs_as_LLM)``."""
+    """The engine of docs/architecture.md. ``LLMEngine(model=..., **same_kwargs_as_LLM)``."""
 
     def __init__(self, model: str = "tiny-random-llama", **kwargs: Any) -> None:
         config = EngineConfig.from_kwargs(model=model, **kwargs)
@@ -320,7 +320,7 @@ class LLMEngine:
         return len(self._states)
 
     def get_stats(self) -> dict[str, Any]:
-        """The counters of DESIGN.md section 5 (num_compilations: fresh XLA compilations of the
+        """The counters of docs/architecture.md (num_compilations: fresh XLA compilations of the
         step), plus num_compilation_cache_hits (loaded from the persistent cache instead),
         "recompilations" (each compilation after warm-up, with what was new) and "plan": the
         execution plan as a dict (platform, device_kind, attention, sampler_draw, dtype,

@@ -178,7 +178,7 @@ def make_request(
 
 
 def check_invariants(sched: Scheduler) -> None:
-    """DESIGN.md section 6, checked on the live structures."""
+    """docs/architecture.md, checked on the live structures."""
     kv = sched.kv_cache_manager
     pool = kv.block_pool
     holders = [0] * pool.num_blocks

@@ -1,5 +1,5 @@
 """Property test: random add / fork / abort / step sequences with random budgets, pools and
-block sizes. After every step the block accounting holds (DESIGN.md section 6); at the end
+block sizes. After every step the block accounting holds (docs/architecture.md); at the end
 everything is free, and every request produced exactly what the fake model gives it alone."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Shared helpers of the engine tests: a small engine configuration, random prompts, and the
-DESIGN.md section 6 check that nothing is held."""
+docs/architecture.md check that nothing is held."""
 
 from __future__ import annotations
 

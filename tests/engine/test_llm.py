@@ -1,5 +1,5 @@
 """End-to-end behaviour of LLM / LLMEngine on the built-in demo model: batch invariance, seeds,
-no compilation after warm-up, aborts, bad input, and the DESIGN.md section 6 invariants."""
+no compilation after warm-up, aborts, bad input, and the docs/architecture.md invariants."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
 
 Each process has 2 simulated CPU devices (XLA_FLAGS set by the caller); jax's distributed
 runtime joins them into one 4-device mesh, and both processes run the same engine on the same
-prompts, as DESIGN.md's multi-host recipe says (jaxserve/runner/sharding.py). The results file
+prompts, as the multi-host recipe says (jaxserve/runner/sharding.py). The results file
 gets what this process saw: device counts, the mesh's processes, the KV pages' sharding and the
 greedy tokens.
 """

@@ -1,6 +1,6 @@
 """What a request must satisfy before the scheduler queues it, and where its generation ends.
 
-Checked before anything is allocated (DESIGN.md section 7): a request that fails raises a
+Checked before anything is allocated (docs/architecture.md): a request that fails raises a
 ValueError naming the numbers, and the scheduler is left exactly as it was.
 """
 

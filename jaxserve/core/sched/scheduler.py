@@ -1,5 +1,5 @@
 """Scheduler: token-budget continuous batching with chunked prefill, prefix caching and
-preemption by recompute (DESIGN.md section 2).
+preemption by recompute (docs/architecture.md).
 
 There is no prefill or decode phase. Every request has ``num_computed_tokens`` and
 ``num_tokens``; each ``schedule()`` hands out ``max_num_batched_tokens`` so that requests catch
@@ -66,7 +66,7 @@ class Scheduler:
         self.running: list[Request] = []  # sorted by _sort_key: the last one is preempted first
         self._finished_req_ids: set[str] = set()  # since the last schedule(); for the runner
         self._num_added = 0  # arrival_index of the next request
-        # Stats (DESIGN.md section 5), monotonic except the peak.
+        # Stats (docs/architecture.md), monotonic except the peak.
         self.num_preemptions = 0
         self.num_steps = 0  # schedule() calls that scheduled at least one token
         self.peak_kv_slot_utilization = 0.0  # max over steps of live tokens / allocated slots
@@ -181,7 +181,7 @@ class Scheduler:
         return len(self.requests)
 
     def get_stats(self) -> dict[str, int | float]:
-        """Counters for LLM.get_stats() (DESIGN.md section 5), plus num_cow_copies."""
+        """Counters for LLM.get_stats() (docs/architecture.md), plus num_cow_copies."""
         kv = self.kv_cache_manager
         return {
             "num_kv_blocks": self.num_usable_blocks,
@@ -213,7 +213,7 @@ class Scheduler:
     # ----------------------------------------------------------------------------- schedule
 
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's tokens: running requests first, then waiting ones (DESIGN.md 2)."""
+        """Pick this step's tokens: running requests first, then waiting ones."""
         step = StepBatch(self.max_num_batched_tokens)
         self._schedule_running(step)
         if not step.preempted_req_ids:
