@@ -97,9 +97,7 @@ def hf_tensor_specs(a: ModelArchConfig) -> dict[str, TensorSpec]:
         "model.norm.weight": TensorSpec(("final_norm", "scale"), (a.hidden_size,), _identity),
     }
     if not a.tie_word_embeddings:
-        specs["lm_head.weight"] = TensorSpec(
-            ("lm_head",), (a.vocab_size, a.hidden_size), _identity
-        )
+        specs["lm_head.weight"] = TensorSpec(("lm_head",), (a.vocab_size, a.hidden_size), _identity)
     for i in range(a.num_layers):
         specs.update(_layer_specs(a, i))
     return specs
