@@ -325,7 +325,8 @@ def format_summary(
             f"{stats['peak_kv_slot_utilization']:.1%}",
             f"prefix cache hits:  {hit_rate} ({hits}/{queries} tokens)",
             f"engine:             {stats['num_steps']} steps, {stats['num_preemptions']} "
-            f"preemptions, {stats['num_compilations']} compilations",
+            f"preemptions, {stats['num_compilations']} compilations "
+            f"({stats.get('num_compilation_cache_hits', 0)} more loaded from the cache)",
         ]
     )
 

@@ -36,6 +36,7 @@ STATS = {
     "num_preemptions": 1,
     "num_steps": 7,
     "num_compilations": 3,
+    "num_compilation_cache_hits": 2,
     "peak_kv_slot_utilization": 0.5,
 }
 
@@ -221,7 +222,7 @@ def test_format_summary() -> None:
     assert "output throughput:  6.0 tokens/s" in summary
     assert "16/64 blocks in use (25.0%), peak slot utilization 50.0%" in summary
     assert "prefix cache hits:  25.0% (10/40 tokens)" in summary
-    assert "7 steps, 1 preemptions, 3 compilations" in summary
+    assert "7 steps, 1 preemptions, 3 compilations (2 more loaded from the cache)" in summary
     empty = format_summary([], {**STATS, "prefix_cache_queries": 0}, elapsed_s=0.1, load_s=0.0)
     assert "prefix cache hits:  n/a (10/0 tokens)" in empty
 
