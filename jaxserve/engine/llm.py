@@ -73,17 +73,16 @@ class LLM:
         checked = []
         for i, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True)):
             try:
-                text, token_ids, params = engine.check_request(prompt, params)
+                checked.append(engine.check_request(prompt, params))
             except (TypeError, ValueError) as e:
                 raise type(e)(f"prompts[{i}]: {e}") from None
-            checked.append(({"prompt": text, "prompt_token_ids": token_ids}, params))
         request_ids = [str(next(self._counter)) for _ in checked]
         # Ctrl-C is held to the next safe point (interrupts.py), and never interrupts the
         # abort that it triggers.
         with engine.exclusive(), defer_sigint() as interrupt:
             try:
-                for rid, (prompt, params) in zip(request_ids, checked, strict=True):
-                    engine.add_request(rid, prompt, params)
+                for rid, request in zip(request_ids, checked, strict=True):
+                    engine.add_request(rid, request)
                 return self._run(request_ids, use_tqdm, interrupt)
             except BaseException:
                 engine.abort_request(request_ids)

@@ -52,6 +52,15 @@ def _mix_seed(seed: int, index: int) -> int:
     return (z ^ (z >> 31)) & _MASK63
 
 
+@dataclasses.dataclass(frozen=True)
+class CheckedRequest:
+    """A prompt and its params as LLMEngine.check_request validated them."""
+
+    text: str | None  # the prompt text, None for token ids
+    token_ids: list[int]  # the prompt's token ids, in the vocabulary, within the limits
+    params: SamplingParams  # the engine's validated copy
+
+
 class LLMEngine:
     """The engine of docs/architecture.md. ``LLMEngine(model=..., **same_kwargs_as_LLM)``."""
 
@@ -155,10 +164,11 @@ class LLMEngine:
         return ids
 
     def check_request(
-        self, prompt: PromptType, params: SamplingParams | None = None, *, priority: int = 0
-    ) -> tuple[str | None, list[int], SamplingParams]:
-        """Everything ``add_request`` checks, without queueing: (text, token ids, the validated
-        copy of the params). Lets a caller refuse a whole batch before queueing any of it.
+        self, prompt: PromptType, params: SamplingParams | None = None
+    ) -> CheckedRequest:
+        """Everything ``add_request`` checks of a prompt and its params, without queueing:
+        lets a caller refuse a whole batch before queueing any of it, then queue the checked
+        requests without checking (or tokenizing) them again.
 
         Raises:
             TypeError / ValueError: naming the field, the value and the limit.
@@ -167,23 +177,20 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         params = params.clone()
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise TypeError(
-                f"priority must be an int, got {priority!r} ({type(priority).__name__})"
-            )
         text, token_ids = self.process_prompt(prompt)
         self.scheduler.check_prompt_length(len(token_ids))
-        return text, token_ids, params
+        return CheckedRequest(text, token_ids, params)
 
     def add_request(
         self,
         request_id: str,
-        prompt: PromptType,
+        prompt: PromptType | CheckedRequest,
         params: SamplingParams | None = None,
         *,
         priority: int = 0,
     ) -> None:
-        """Validate, tokenize and queue one request (n > 1: n scheduler requests).
+        """Validate, tokenize and queue one request (n > 1: n scheduler requests); a
+        CheckedRequest (check_request) carries its params and is queued as it is.
 
         The engine keeps a validated copy of ``params`` (SamplingParams.clone): changing the
         object afterwards does not reach the queued request.
@@ -193,27 +200,41 @@ class LLMEngine:
         """
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(
+                f"priority must be an int, got {priority!r} ({type(priority).__name__})"
+            )
+        if isinstance(prompt, CheckedRequest) and params is not None:
+            raise TypeError("params must be None with a CheckedRequest, which carries its own")
         with self._lock:
             if request_id in self._states:
                 raise ValueError(
                     f"request_id {request_id!r} is already in use by an unfinished request"
                 )
-            text, token_ids, params = self.check_request(prompt, params, priority=priority)
-            engine_ids = self._engine_ids(request_id, params.n)
-            state = RequestState(request_id, engine_ids, text, token_ids, params, self.tokenizer)
-            requests = self._make_requests(engine_ids, token_ids, params, priority)
-            added: list[str] = []
-            try:
-                for i, req in enumerate(requests):
-                    parent = requests[0].request_id if i else None
-                    self.scheduler.add_request(req, parent_req_id=parent)
-                    added.append(req.request_id)
-            except BaseException:
-                self.scheduler.abort_requests(added)
-                raise
-            self._states[request_id] = state
-            for i, engine_id in enumerate(engine_ids):
-                self._child_of[engine_id] = (request_id, i)
+            checked = prompt
+            if not isinstance(checked, CheckedRequest):
+                checked = self.check_request(prompt, params)
+            self._queue(request_id, checked, priority)
+
+    def _queue(self, request_id: str, checked: CheckedRequest, priority: int) -> None:
+        params, token_ids = checked.params, checked.token_ids
+        engine_ids = self._engine_ids(request_id, params.n)
+        state = RequestState(
+            request_id, engine_ids, checked.text, token_ids, params, self.tokenizer
+        )
+        requests = self._make_requests(engine_ids, token_ids, params, priority)
+        added: list[str] = []
+        try:
+            for i, req in enumerate(requests):
+                parent = requests[0].request_id if i else None
+                self.scheduler.add_request(req, parent_req_id=parent)
+                added.append(req.request_id)
+        except BaseException:
+            self.scheduler.abort_requests(added)
+            raise
+        self._states[request_id] = state
+        for i, engine_id in enumerate(engine_ids):
+            self._child_of[engine_id] = (request_id, i)
 
     def _engine_ids(self, request_id: str, n: int) -> list[str]:
         """The scheduler ids of a request's n samples: unique by construction (a counter), so
