@@ -42,7 +42,10 @@ SHAPE = dict(
     max_position_embeddings=2048,
     initializer_range=0.02,
 )
-ENGINE = dict(num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256)
+# No warm-up: this measures the loader (bench/startup.py measures warm-up and the cache).
+ENGINE = dict(
+    num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, warmup=False
+)
 
 # Runs in the measured process; argv: model, dtype, tensor_parallel_size, engine JSON.
 _CHILD = """

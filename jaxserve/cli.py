@@ -213,12 +213,15 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "revision",
         "download_dir",
         "tokenizer",
+        "compilation_cache_dir",
     )
     kwargs = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     if args.engine_seed is not None:
         kwargs["seed"] = args.engine_seed
     if args.no_prefix_caching:
         kwargs["enable_prefix_caching"] = False
+    if args.no_warmup:
+        kwargs["warmup"] = False
     return kwargs
 
 
@@ -450,6 +453,15 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     e.add_argument("--max-num-seqs", type=int)
     e.add_argument("--max-num-batched-tokens", type=int)
     e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="compile each batch shape when it first runs instead of all at start-up",
+    )
+    e.add_argument(
+        "--compilation-cache-dir",
+        help="the persistent compilation cache's folder (default ~/.cache/jaxserve/xla; '' off)",
+    )
     e.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS))
     e.add_argument("--tensor-parallel-size", type=int)
     e.add_argument("--revision", help="branch, tag or commit of a Hub model ID (default: main)")

@@ -159,7 +159,7 @@ class RunnerConfig:
 
     attention_backend: str = "auto"
     tensor_parallel_size: int = 1
-    warmup: bool = False  # compile every bucket at start-up
+    warmup: bool = True  # compile every step shape at start-up (False: on first use)
     # The plan checks its attention kernel once per process against the reference; on a
     # mismatch it takes the next implementation with a warning, or, when strict, raises.
     strict_kernels: bool = False

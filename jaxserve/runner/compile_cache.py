@@ -71,11 +71,19 @@ class CacheHits:
     _lock = threading.Lock()
     _count = 0
     _registered = False
+    _local = threading.local()  # the same count, of this thread's compilations only
 
     @classmethod
     def count(cls) -> int:
         cls._register()
         return cls._count
+
+    @classmethod
+    def count_in_thread(cls) -> int:
+        """Cache hits of compilations run by the calling thread (jax reports each in the thread
+        that compiles): what concurrent compilations tell apart with."""
+        cls._register()
+        return getattr(cls._local, "count", 0)
 
     @classmethod
     def _register(cls) -> None:
@@ -89,3 +97,4 @@ class CacheHits:
         if event == _HIT_EVENT:
             with cls._lock:
                 cls._count += 1
+            cls._local.count = getattr(cls._local, "count", 0) + 1

@@ -40,7 +40,12 @@ from jaxserve.runner.sampler import (
 )
 from jaxserve.runner.sampling_metadata import VARIANT_WIDTHS, SamplingInputs, SamplingMetadata
 from jaxserve.runner.sharding import ShardingPlan
-from jaxserve.runner.step_compiles import StepCompiles, TraceCounter
+from jaxserve.runner.step_compiles import (
+    Compilation,
+    StepCompiles,
+    TraceCounter,
+    compile_concurrently,
+)
 
 
 class ModelRunner:
@@ -102,7 +107,7 @@ class ModelRunner:
         traces = TraceCounter()
         self.compiles = compiles = StepCompiles("the engine step", traces)
         step_shardings, copy_shardings = _jit_shardings(sharding, model.arch.num_layers)
-        jitted = jax.jit(
+        self._jitted_step = jitted = jax.jit(
             functools.partial(_step_fn, model, traces, plan.sampler_draw),
             donate_argnums=(1,),
             **step_shardings,
@@ -110,10 +115,10 @@ class ModelRunner:
         self._step = lambda *args: compiles(jitted, args, STEP_ARGS)
         copy_traces = TraceCounter()
         self.copy_compiles = copies = StepCompiles("the copy-on-write block copy", copy_traces)
-        jitted_copy = jax.jit(
+        self._jitted_copy = jitted_copy = jax.jit(
             functools.partial(_copy_blocks, copy_traces), donate_argnums=(0,), **copy_shardings
         )
-        self._copy = lambda *args: copies(jitted_copy, args, ("kv_caches", "src", "dst"))
+        self._copy = lambda *args: copies(jitted_copy, args, COPY_ARGS)
         # Copies per step are padded to a power of two (null-block self-copies); a step copies
         # at most one block per request, so these are every size warm-up must compile.
         self.copy_sizes = tuple(1 << k for k in range((max_num_seqs - 1).bit_length() + 1))
@@ -171,40 +176,63 @@ class ModelRunner:
         return True
 
     # ---- compilation ------------------------------------------------------------------------
-    def warmup(self, shapes: list[tuple[int, int, int]] | None = None) -> int:
+    def warmup(self, shapes: list[tuple[int, int, int]] | None = None, workers: int = 1) -> int:
         """Compile the step for every (T, R, B) bucket (default: all of them) in both of its
-        variants (a batch without penalties or bans, and one with them: VARIANT_WIDTHS), by
-        running it on an all-padding batch: every token writes into the null block, nothing real
-        is touched. Every other sampling feature (greedy or sampled rows, seeds, logprobs,
-        prompt logprobs, min_tokens) runs in these same compiled steps. Then the copy-on-write
-        block copy (n > 1) for every size of copy_sizes, as null-block self-copies.
+        variants (a batch without penalties or bans, and one with them: VARIANT_WIDTHS), and
+        the copy-on-write block copy (n > 1) for every size of copy_sizes. Every other sampling
+        feature (greedy or sampled rows, seeds, logprobs, prompt logprobs, min_tokens) runs in
+        these same compiled steps.
+
+        With ``workers`` > 1 the compilations run that many at a time in threads first. Then
+        each call runs once on an all-padding batch (every token writes into the null block;
+        copies are null-block self-copies): nothing real is touched.
 
         Returns the number of compilations this caused (fresh or loaded from the cache);
         compilations after it are explained in the log (step_compiles.py).
         """
         before = self.num_compilations + self.num_compilation_cache_hits
-        for padded_tokens, padded_rows, width in shapes or self.buckets.all_shapes():
-            batch = PreparedBatch.padding(padded_tokens, padded_rows, width)
-            no_targets = np.full(padded_tokens, -1, np.int32)
-            for penalty_width, ban_width in VARIANT_WIDTHS:
-                md = SamplingMetadata.neutral(
-                    padded_rows, self.vocab_size, penalty_width=penalty_width, ban_width=ban_width
+        step_inputs = [
+            self._padding_step_inputs(padded_tokens, padded_rows, width, widths)
+            for padded_tokens, padded_rows, width in shapes or self.buckets.all_shapes()
+            for widths in VARIANT_WIDTHS
+        ]
+        copy_inputs = [(np.zeros(n, np.int32),) * 2 for n in self.copy_sizes]
+        if workers > 1:
+            jobs = [
+                Compilation(
+                    self.compiles, self._jitted_step, (self.params, self.kv_caches, *x), STEP_ARGS
                 )
-                self.kv_caches, out, _ = self._step(
-                    self.params,
-                    self.kv_caches,
-                    batch.input_ids,
-                    _attention_metadata(batch, self.rope_tables),
-                    batch.logits_indices,
-                    md,
-                    no_targets,
-                )
-        for size in self.copy_sizes:
-            null_pairs = np.zeros(size, np.int32)
-            self.kv_caches = self._copy(self.kv_caches, null_pairs, null_pairs)
+                for x in step_inputs
+            ] + [
+                Compilation(self.copy_compiles, self._jitted_copy, (self.kv_caches, *x), COPY_ARGS)
+                for x in copy_inputs
+            ]
+            compile_concurrently(jobs, workers)
+        for inputs in step_inputs:
+            self.kv_caches, out, _ = self._step(self.params, self.kv_caches, *inputs)
+        for inputs in copy_inputs:
+            self.kv_caches = self._copy(self.kv_caches, *inputs)
         jax.block_until_ready((out.token_ids, self.kv_caches))
         self.compiles.warmed_up = self.copy_compiles.warmed_up = True
         return self.num_compilations + self.num_compilation_cache_hits - before
+
+    def _padding_step_inputs(
+        self, padded_tokens: int, padded_rows: int, width: int, widths: tuple[int, int]
+    ) -> tuple[Any, ...]:
+        """The step's arguments after params and KV pages for an all-padding batch of this
+        bucket, with sampling lists of ``widths`` (penalty, ban)."""
+        batch = PreparedBatch.padding(padded_tokens, padded_rows, width)
+        penalty_width, ban_width = widths
+        md = SamplingMetadata.neutral(
+            padded_rows, self.vocab_size, penalty_width=penalty_width, ban_width=ban_width
+        )
+        return (
+            batch.input_ids,
+            _attention_metadata(batch, self.rope_tables),
+            batch.logits_indices,
+            md,
+            np.full(padded_tokens, -1, np.int32),  # no prompt-logprob targets
+        )
 
     # ---- per step -------------------------------------------------------------------------
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -347,6 +375,7 @@ STEP_ARGS = (  # the step's positional arguments, named for compilation explanat
     "sampling_metadata",
     "prompt_targets",
 )
+COPY_ARGS = ("kv_caches", "src", "dst")
 
 
 def _step_fn(

@@ -4,12 +4,19 @@ cache) and, once warm-up is done, explained.
 A compilation after warm-up costs seconds (minutes on TPU) in the middle of serving, so each one
 logs a warning that names the function and the arguments whose shape, dtype or static value no
 earlier compilation had, and is kept in ``events`` (get_stats()["recompilations"]).
+
+Warm-up compiles concurrently (``compile_concurrently``): each call is lowered and compiled
+ahead of time in a thread pool (XLA compiles without holding the GIL), and jax keeps the
+executable, so the later call with the same arguments runs it without tracing again.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -45,6 +52,7 @@ class StepCompiles:
         self.warmed_up = False  # set by the runner when its warm-up is done
         self.events: list[dict[str, Any]] = []  # compilations after warm-up, explained
         self._seen: list[Signature] = []
+        self._lock = threading.Lock()  # precompile runs in several threads at once
 
     def __call__(
         self, fn: Callable[..., Any], args: Sequence[Any], names: Sequence[str], **static: Any
@@ -56,7 +64,23 @@ class StepCompiles:
             self._compiled(signature(args, names, static), CacheHits.count() > hits)
         return out
 
+    def precompile(self, fn: Any, args: Sequence[Any], names: Sequence[str]) -> None:
+        """Lower and compile the jitted ``fn`` for ``args`` without running it (thread-safe);
+        a later ``self(fn, args, names)`` then runs the compiled executable. Nothing is done
+        for arguments compiled before."""
+        sig = signature(args, names, {})
+        with self._lock:
+            if sig in self._seen:
+                return
+        hits = CacheHits.count_in_thread()
+        fn.lower(*args).compile()
+        self._compiled(sig, CacheHits.count_in_thread() > hits)
+
     def _compiled(self, sig: Signature, from_cache: bool) -> None:
+        with self._lock:
+            self._record(sig, from_cache)
+
+    def _record(self, sig: Signature, from_cache: bool) -> None:
         if from_cache:
             self.num_cache_hits += 1
         else:
@@ -71,6 +95,29 @@ class StepCompiles:
                 "; ".join(f"{k}={v}" for k, v in new.items()),
             )
         self._seen.append(sig)
+
+
+@dataclass(frozen=True)
+class Compilation:
+    """One call to compile ahead of time: ``compiles.precompile(fn, args, names)``."""
+
+    compiles: StepCompiles
+    fn: Any  # a jax.jit-wrapped function
+    args: tuple[Any, ...]
+    names: tuple[str, ...]
+
+
+def compile_concurrently(jobs: Sequence[Compilation], workers: int) -> None:
+    """Compile every job, ``workers`` at a time. The first failure (or an interrupt) cancels
+    the jobs not yet started and is raised once the running ones are done: no thread outlives
+    the call."""
+    pool = ThreadPoolExecutor(max_workers=max(workers, 1), thread_name_prefix="jaxserve-compile")
+    try:
+        futures = [pool.submit(j.compiles.precompile, j.fn, j.args, j.names) for j in jobs]
+        for future in futures:
+            future.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def signature(args: Sequence[Any], names: Sequence[str], static: dict[str, Any]) -> Signature:

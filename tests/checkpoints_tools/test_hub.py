@@ -26,7 +26,9 @@ from jaxserve.config import EngineConfig
 REPO = "tiny-org/tiny-llama"
 MAIN = "a" * 40  # refs/main
 V2 = "0123456789abcdef0123456789abcdef01234567"  # refs/v2: another vocabulary
-SMALL = dict(block_size=8, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
+SMALL = dict(
+    block_size=8, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, warmup=False
+)
 
 
 @pytest.fixture(scope="module")

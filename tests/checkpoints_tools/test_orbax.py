@@ -26,7 +26,9 @@ from jaxserve.checkpoints_tools.orbax_checkpoint import MARKER_FILE, PARAMS_DIR,
 pytest.importorskip("torch")
 from jaxserve.checkpoints_tools.testing import write_tiny_hf_checkpoint  # noqa: E402
 
-ENGINE = dict(block_size=8, num_kv_blocks=8, max_num_seqs=2, max_num_batched_tokens=16)
+ENGINE = dict(
+    block_size=8, num_kv_blocks=8, max_num_seqs=2, max_num_batched_tokens=16, warmup=False
+)
 
 
 @pytest.fixture(scope="module")

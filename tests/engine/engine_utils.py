@@ -7,7 +7,9 @@ import random
 
 from jaxserve import LLMEngine
 
-SMALL = dict(block_size=8, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128)
+SMALL = dict(
+    block_size=8, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128, warmup=False
+)
 
 
 def random_prompts(n: int, seed: int, lo: int = 4, hi: int = 50) -> list[list[int]]:

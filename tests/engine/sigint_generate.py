@@ -55,6 +55,7 @@ def main() -> None:
         max_num_seqs=8,
         max_num_batched_tokens=32,
         max_model_len=128,
+        warmup=False,
     )
     rng = random.Random(0)
     shared = [rng.randrange(3, 1000) for _ in range(24)]

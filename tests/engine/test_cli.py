@@ -294,7 +294,7 @@ def test_generate_end_to_end(tmp_path: pathlib.Path, capsys: pytest.CaptureFixtu
 SMALL_ENGINE = [
     # One token bucket (16) and one request bucket (8): a single XLA compilation.
     "--max-model-len", "32", "--num-kv-blocks", "16", "--max-num-seqs", "8",
-    "--max-num-batched-tokens", "16",
+    "--max-num-batched-tokens", "16", "--no-warmup",
 ]  # fmt: skip
 
 

@@ -217,7 +217,7 @@ def test_plan_agrees_with_the_engine_on_cpu(capsys: pytest.CaptureFixture[str]) 
     assert plan["device_memory_bytes"] == 4 * GIB  # CacheConfig.cpu_memory_bytes
     assert plan["num_kv_blocks"] == plan["num_kv_blocks_fit"]  # not capped
     args = cli.build_parser().parse_args(["generate", "--prompt", "a", *flags])
-    llm = LLM("tiny-random-llama", **cli.engine_kwargs(args))
+    llm = LLM("tiny-random-llama", **cli.engine_kwargs(args), warmup=False)
     assert llm.engine.info.num_kv_blocks == plan["num_kv_blocks"]
     assert llm.get_stats()["num_kv_blocks"] * 16 == plan["max_kv_tokens"]
 

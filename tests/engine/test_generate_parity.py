@@ -63,6 +63,7 @@ def test_greedy_matches_transformers_under_scheduler_stress(checkpoint, prefix_c
         max_num_seqs=4,
         max_model_len=64,
         enable_prefix_caching=prefix_caching,
+        warmup=False,
     )
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -93,6 +94,7 @@ def test_prefix_caching_does_not_change_tokens(tmp_path):
             max_num_seqs=4,
             max_model_len=64,
             enable_prefix_caching=caching,
+            warmup=False,
         )
         # Twice, so the second pass hits the cache filled by the first.
         outs = llm.generate(prompts + prompts, params, use_tqdm=False)

@@ -50,6 +50,7 @@ def test_greedy_and_seeded_tokens_do_not_depend_on_the_batch(llm):
         max_num_seqs=6,
         max_num_batched_tokens=16,
         max_model_len=128,
+        warmup=False,
     )
     others = random_prompts(5, seed=2)
     other_params = [SamplingParams(temperature=0.7, max_tokens=20, ignore_eos=True)] * 5

@@ -35,6 +35,7 @@ def test_pallas_backend_matches_reference_and_transformers(tmp_path):
             max_num_seqs=4,
             max_model_len=64,
             attention_backend=backend,
+            warmup=False,
         )
         outs = llm.generate(prompts, params, use_tqdm=False)
         tokens[backend] = [o.outputs[0].token_ids for o in outs]

@@ -224,7 +224,9 @@ def test_dropped_llms_free_their_memory_without_the_cyclic_gc():
     gc.disable()  # freed by reference counting alone: nothing of the engine is in a cycle
     try:
         for _ in range(3):
-            llm = LLM("tiny-random-llama", num_kv_blocks=16, block_size=8, max_model_len=64)
+            llm = LLM(
+                "tiny-random-llama", num_kv_blocks=16, block_size=8, max_model_len=64, warmup=False
+            )
             llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
             runner = llm.engine.runner
             refs += [

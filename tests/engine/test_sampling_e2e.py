@@ -30,6 +30,7 @@ def hf_pair(tmp_path_factory):
         max_num_batched_tokens=16,
         max_num_seqs=4,
         max_model_len=64,
+        warmup=False,
     )
     return model, llm
 
@@ -102,6 +103,7 @@ def test_parallel_sampling_shares_blocks_with_copy_on_write():
         max_num_seqs=8,
         max_num_batched_tokens=64,
         max_model_len=128,
+        warmup=False,
     )
     prompt = list(range(10, 31))  # 21 tokens: blocks of 8, 8 and a partial one of 5
     params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=12, ignore_eos=True)
@@ -131,6 +133,7 @@ def test_parallel_sampling_shares_blocks_with_copy_on_write():
         max_num_seqs=8,
         max_num_batched_tokens=64,
         max_model_len=128,
+        warmup=False,
     )
     seeds = [11] + [_mix_seed(11, i) for i in (1, 2)]
     alone = llm.generate(
@@ -149,6 +152,7 @@ def test_chat_renders_the_template_and_generates():
         max_num_seqs=4,
         max_num_batched_tokens=64,
         max_model_len=128,
+        warmup=False,
     )
     messages = [{"role": "user", "content": "Hello there!"}]
     (out,) = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)

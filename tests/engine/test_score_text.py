@@ -46,7 +46,7 @@ def _hf_scores(folder: pathlib.Path, pairs) -> list[float]:
 
 
 def test_text_scores_match_transformers(checkpoint):
-    llm = LLM(str(checkpoint), dtype="float32", num_kv_blocks=32, block_size=8)
+    llm = LLM(str(checkpoint), dtype="float32", num_kv_blocks=32, block_size=8, warmup=False)
     prompts, conts = zip(*PAIRS, strict=True)
     ours = llm.score(list(prompts), list(conts))
     assert ours == pytest.approx(_hf_scores(checkpoint, PAIRS), abs=2e-3)
@@ -62,10 +62,10 @@ def test_text_scores_match_transformers(checkpoint):
 
 def test_tokenizer_argument_is_used(checkpoint, tmp_path):
     bare = write_tiny_hf_checkpoint(tmp_path / "bare", "llama", seed=3, with_tokenizer=False)
-    without = LLM(str(bare), num_kv_blocks=16, block_size=8)
+    without = LLM(str(bare), num_kv_blocks=16, block_size=8, warmup=False)
     with pytest.raises(ValueError, match="has no tokenizer"):
         without.generate("Hello", use_tqdm=False)
-    llm = LLM(str(bare), tokenizer=str(checkpoint), num_kv_blocks=16, block_size=8)
+    llm = LLM(str(bare), tokenizer=str(checkpoint), num_kv_blocks=16, block_size=8, warmup=False)
     (out,) = llm.generate("Hello", use_tqdm=False)
     expected = Tokenizer.from_file(str(checkpoint / "tokenizer.json")).encode("Hello").ids
     assert out.prompt_token_ids == expected

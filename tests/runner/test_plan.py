@@ -94,7 +94,7 @@ def _target(plan):
 
 def test_the_plan_is_logged_once_and_reported(caplog):
     with caplog.at_level(logging.INFO, logger="jaxserve"):
-        llm = LLM("tiny-random-llama", num_kv_blocks=8, max_model_len=32)
+        llm = LLM("tiny-random-llama", num_kv_blocks=8, max_model_len=32, warmup=False)
     lines = [r.getMessage() for r in caplog.records if "execution plan" in r.getMessage()]
     assert len(lines) == 1 and "platform=cpu" in lines[0]
     assert llm.get_stats()["plan"]["attention"] in lines[0]

@@ -52,6 +52,7 @@ ENGINE = dict(
     max_num_seqs=4,
     max_num_batched_tokens=16,
     max_model_len=16,
+    warmup=False,
 )
 
 
@@ -135,7 +136,7 @@ def run_parity(work: pathlib.Path) -> dict[str, Any]:
         results[family] = {}
         for tp in TP_SIZES:
             warm = family == "llama" and tp == 2
-            llm = LLM(str(folder), tensor_parallel_size=tp, warmup=warm, **ENGINE)
+            llm = LLM(str(folder), tensor_parallel_size=tp, **{**ENGINE, "warmup": warm})
             compiles.on = warm
             warmup_compilations = llm.get_stats()["num_compilations"]
             case = {
