@@ -19,7 +19,6 @@ Each request's first token and last useful token are timed from the step that re
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable
@@ -66,22 +65,8 @@ def build_engine(settings: EngineSettings):
 
 
 def reset_scheduler(engine, enable_prefix_caching: bool) -> None:
-    """Give the engine a fresh Scheduler (empty pool and prefix cache, zeroed counters).
-
-    The old scheduler's last finished requests are first handed to the runner by one empty
-    core step, so the runner's persistent batch holds no stale rows.
-    """
-    from jaxserve.core.sched.scheduler import Scheduler
-
-    if engine.has_unfinished_requests():
-        raise RuntimeError("reset_scheduler needs an idle engine")
-    engine.core.step()  # flush finished ids to the runner
-    if len(engine.runner.input_batch):
-        raise RuntimeError(f"runner still holds {len(engine.runner.input_batch)} rows")
-    cfg = engine.config
-    cache = dataclasses.replace(cfg.cache, enable_prefix_caching=enable_prefix_caching)
-    engine.scheduler = Scheduler(cfg.scheduler, cache, engine.info.num_kv_blocks)
-    engine.core.scheduler = engine.scheduler
+    """Give the engine a fresh Scheduler (empty pool and prefix cache, zeroed counters)."""
+    engine.core.reset_scheduler(enable_prefix_caching=enable_prefix_caching)
 
 
 @dataclass

@@ -42,7 +42,10 @@ EXIT_BAD_INPUT = 2  # argparse's own code for a bad command line
 # Fields of a JSONL line besides the SamplingParams fields.
 _PROMPT_FIELDS = ("prompt", "prompt_token_ids", "request_id")
 # SamplingParams constructor arguments (excludes the normalised views filled by __post_init__).
-SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.init)
+# output_kind is for streaming consumers (AsyncLLM); a JSONL job reads final outputs only.
+SAMPLING_FIELDS = tuple(
+    f.name for f in dataclasses.fields(SamplingParams) if f.init and f.name != "output_kind"
+)
 # SamplingParams fields with a command-line flag (--top-p -> top_p). Not --seed: it seeds the
 # engine, and one seed shared by every request would make equal prompts sample equal text.
 _SAMPLING_FLAGS = (
@@ -439,7 +442,13 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--frequency-penalty", type=float)
     s.add_argument("--repetition-penalty", type=float)
 
-    e = p.add_argument_group("engine (LLM arguments)")
+    add_engine_flags(p)
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """Add the engine flags (the LLM constructor arguments that ``engine_kwargs`` reads) to
+    ``parser`` as one group; shared by every subcommand that builds an engine."""
+    e = parser.add_argument_group("engine (LLM arguments)")
     e.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     e.add_argument("--max-model-len", type=int)
     e.add_argument("--block-size", type=int)
@@ -472,8 +481,10 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
         dest="engine_seed",
         metavar="SEED",
         type=int,
-        help="the engine's seed (LLM(seed=...)); a JSONL line's \"seed\" seeds one request",
+        help="the engine's seed (LLM(seed=...)); a request's own \"seed\" (a JSONL line's, an "
+        "API body's) seeds that request",
     )
+    return e
 
 
 def _lazy(module: str) -> AddParser:
@@ -486,6 +497,7 @@ SUBCOMMANDS: list[AddParser] = [
     add_generate_parser,
     _lazy("jaxserve.cli_convert"),
     _lazy("jaxserve.cli_plan"),
+    _lazy("jaxserve.cli_serve"),
 ]
 
 

@@ -92,6 +92,25 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """When things happened to one request, in time.monotonic() seconds (vLLM's names);
+    None until they happen."""
+
+    arrival_time: float  # the engine queued it
+    first_scheduled_time: float | None = None  # its first step began (queue time ends)
+    first_token_time: float | None = None  # its first output token came back
+    last_token_time: float | None = None  # its latest output token came back
+    finished_time: float | None = None  # its last sample finished
+    num_generation_tokens: int = 0  # output tokens so far, over all samples
+
+    @property
+    def time_in_queue(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+
+@dataclass
 class RequestOutput:
     """What the user gets back for one prompt (vLLM's names)."""
 
@@ -102,3 +121,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None

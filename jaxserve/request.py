@@ -54,6 +54,7 @@ class Request:
         "sampling_params",
         "eos_token_ids",
         "arrival_time",
+        "first_scheduled_time",
         "priority",
         "seed",
         "status",
@@ -92,6 +93,7 @@ class Request:
         self.sampling_params = sampling_params
         self.eos_token_ids = frozenset(eos_token_ids)  # may be empty (no EOS stop)
         self.arrival_time = arrival_time  # seconds, engine clock; FCFS order
+        self.first_scheduled_time: float | None = None  # time.monotonic(); scheduler-owned
         self.priority = priority  # lower value is served first (priority policy)
         self.seed = seed  # resolved sampling seed; filled in by the engine
         self.status = RequestStatus.WAITING  # mutated by the scheduler only

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field, replace
 
 MAX_LOGPROBS = 20  # top-N logprobs cap, as in vLLM's default max_logprobs
@@ -21,6 +22,15 @@ def _check_number(name: str, value: object) -> None:
         raise TypeError(
             f"SamplingParams.{name} must be a number, got {value!r} ({type(value).__name__})"
         )
+
+
+class RequestOutputKind(enum.Enum):
+    """What each streamed RequestOutput of a request holds (vLLM's names): everything so far,
+    only what is new since the previous one, or only the final output."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -54,6 +64,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Streaming (AsyncLLM.generate, LLM.stream); LLM.generate returns final outputs whatever
+    # this says, as vLLM's LLM does.
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Normalised views filled by __post_init__.
     stop_strings: tuple[str, ...] = field(default=(), init=False, repr=False)
     all_stop_token_ids: frozenset[int] = field(default=frozenset(), init=False, repr=False)
@@ -112,6 +125,11 @@ class SamplingParams:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"SamplingParams.{name} must be a bool, got {value!r}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise TypeError(
+                "SamplingParams.output_kind must be a RequestOutputKind "
+                f"({', '.join(k.name for k in RequestOutputKind)}), got {self.output_kind!r}"
+            )
 
     def clone(self) -> SamplingParams:
         """A validated copy of the current field values, sharing no list with this one.

@@ -1,26 +1,113 @@
-"""EngineCore: one engine step as a three-line recipe (docs/architecture.md)."""
+"""EngineCore: the one path from the engines (LLMEngine, and AsyncLLM through it) to the
+scheduler and the runner; one engine step is a three-line recipe (docs/architecture.md).
+
+It knows nothing of tokenizers, text or user request ids: it queues scheduler Requests, steps,
+aborts, and recovers from a failed step.
+"""
 
 from __future__ import annotations
 
-from typing import Protocol
+import dataclasses
+from collections.abc import Iterable
+from typing import Any, Protocol
 
+from jaxserve.config import EngineConfig
 from jaxserve.core.sched.output import SchedulerOutput
 from jaxserve.core.sched.scheduler import Scheduler
 from jaxserve.outputs import EngineCoreOutput, ModelRunnerOutput
+from jaxserve.request import Request, RequestStatus
 
 
 class Runner(Protocol):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
+    def reset(self) -> bool: ...
+
 
 class EngineCore:
-    """Wires a Scheduler to the runner it is given; knows nothing of tokenizers or text."""
+    """Wires a Scheduler to the runner it is given.
 
-    def __init__(self, scheduler: Scheduler, runner: Runner) -> None:
-        self.scheduler = scheduler
+    Args:
+        config: the resolved engine config (scheduler and cache settings).
+        runner: executes SchedulerOutputs (a ModelRunner).
+        num_kv_blocks: pages in the runner's pool, null block included.
+    """
+
+    def __init__(self, config: EngineConfig, runner: Runner, num_kv_blocks: int) -> None:
+        self.config = config
         self.runner = runner
+        self.num_kv_blocks = num_kv_blocks
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_kv_blocks)
 
     def step(self) -> list[EngineCoreOutput]:
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute_model(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    # ---- requests ---------------------------------------------------------------------------
+    def check_prompt_length(self, num_prompt_tokens: int) -> None:
+        """Raises ValueError when a prompt of this length cannot run (names the limit)."""
+        self.scheduler.check_prompt_length(num_prompt_tokens)
+
+    def add_requests(self, requests: list[Request]) -> None:
+        """Queue the samples of one user request, the first one the parent of the others
+        (parallel sampling forks its blocks); all or none are queued."""
+        added: list[str] = []
+        try:
+            for i, req in enumerate(requests):
+                parent = requests[0].request_id if i else None
+                self.scheduler.add_request(req, parent_req_id=parent)
+                added.append(req.request_id)
+        except BaseException:
+            self.scheduler.abort_requests(added)
+            raise
+
+    def abort_requests(self, req_ids: Iterable[str]) -> None:
+        self.scheduler.abort_requests(list(req_ids))
+
+    def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> None:
+        self.scheduler.finish_requests(list(req_ids), status)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- recovery and resets ----------------------------------------------------------------
+    def recover(self) -> list[str]:
+        """After a step that raised: abort every request and make the scheduler, the runner
+        and the KV pages agree again (pages the step left unusable are reallocated, and the
+        prefix cache that described them dropped). Returns the aborted scheduler ids."""
+        aborted = self.scheduler.abort_all_requests()
+        if self.runner.reset():
+            self.scheduler.reset_prefix_cache()
+        return aborted
+
+    def reset_scheduler(self, *, enable_prefix_caching: bool | None = None) -> None:
+        """A fresh scheduler (empty pool and prefix cache, zeroed counters), optionally with
+        prefix caching switched; benchmarks run several workloads on one compiled engine.
+
+        Raises:
+            RuntimeError: requests are unfinished, or the runner still holds rows.
+        """
+        if self.has_unfinished_requests():
+            raise RuntimeError("reset_scheduler needs an idle engine")
+        self.step()  # hands the last finished ids to the runner: its batch empties
+        held = getattr(self.runner, "input_batch", ())
+        if len(held):
+            raise RuntimeError(f"the runner still holds {len(held)} rows")
+        cache = self.config.cache
+        if enable_prefix_caching is not None:
+            cache = dataclasses.replace(cache, enable_prefix_caching=enable_prefix_caching)
+        self.config = dataclasses.replace(self.config, cache=cache)
+        self.scheduler = Scheduler(self.config.scheduler, cache, self.num_kv_blocks)
+
+    # ---- introspection ----------------------------------------------------------------------
+    def get_stats(self) -> dict[str, Any]:
+        """The scheduler's counters, the request counts and the runner's compilations."""
+        sched = self.scheduler
+        stats: dict[str, Any] = dict(sched.get_stats())
+        stats["num_requests_running"] = len(sched.running)
+        stats["num_requests_waiting"] = len(sched.waiting)
+        stats["num_compilations"] = self.runner.num_compilations
+        stats["num_compilation_cache_hits"] = self.runner.num_compilation_cache_hits
+        stats["recompilations"] = self.runner.recompilations
+        return stats

@@ -9,7 +9,6 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from jaxserve.engine.chat import missing_chat_template_error, render_chat
 from jaxserve.engine.interrupts import InterruptGuard, defer_sigint
 from jaxserve.engine.llm_engine import LLMEngine, PromptType
 from jaxserve.outputs import RequestOutput
@@ -143,25 +142,13 @@ class LLM:
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """Render each conversation with the tokenizer's chat template, then generate."""
-        info = self.engine.info.tokenizer
-        template = chat_template or info.chat_template
-        if template is None:
-            raise missing_chat_template_error(self.engine.config.model.model)
-        if self.engine.tokenizer is None:
-            raise ValueError("LLM.chat needs a tokenizer; the model has none")
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts = []
-        for conv in conversations:
-            text = render_chat(
-                conv,
-                template,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=info.bos_token or "",
-                eos_token=info.eos_token or "",
+        prompts = [
+            self.engine.render_chat_prompt(
+                conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt
             )
-            # The template writes the special tokens itself: tokenize without adding them again.
-            ids = self.engine.tokenizer.encode(text, add_special_tokens=False).ids
-            prompts.append({"prompt": text, "prompt_token_ids": ids})
+            for conv in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def score(
@@ -189,7 +176,7 @@ class LLM:
             try:
                 _, p_ids = self.engine.process_prompt(prompt)
                 _, c_ids = self.engine.process_prompt(cont, add_special_tokens=False)
-                self.engine.scheduler.check_prompt_length(len(p_ids) + len(c_ids))
+                self.engine.core.check_prompt_length(len(p_ids) + len(c_ids))
             except (TypeError, ValueError) as e:
                 raise type(e)(f"score: pairs[{i}] (prompt + continuation): {e}") from None
             joined.append(p_ids + c_ids)

@@ -31,12 +31,14 @@ import numpy as np
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.sched.scheduler import Scheduler
+from jaxserve.engine.chat import missing_chat_template_error, render_chat
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.interrupts import defer_sigint
 from jaxserve.engine.request_state import RequestState
 from jaxserve.outputs import RequestOutput
 from jaxserve.request import Request, RequestStatus
 from jaxserve.runner.factory import build_runner
+from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
@@ -66,12 +68,11 @@ class LLMEngine:
 
     def __init__(self, model: str = "tiny-random-llama", **kwargs: Any) -> None:
         config = EngineConfig.from_kwargs(model=model, **kwargs)
-        self.runner, info = build_runner(config)
+        runner, info = build_runner(config)
         self.config = info.config
         self.info = info
         self.tokenizer = info.tokenizer.tokenizer
-        self.scheduler = Scheduler(self.config.scheduler, self.config.cache, info.num_kv_blocks)
-        self.core = EngineCore(self.scheduler, self.runner)
+        self.core = EngineCore(self.config, runner, info.num_kv_blocks)
         self._states: dict[str, RequestState] = {}  # user request id -> state
         self._child_of: dict[str, tuple[str, int]] = {}  # scheduler id -> (user id, index)
         self._seed_rng = np.random.default_rng(self.config.model.seed)
@@ -80,6 +81,16 @@ class LLMEngine:
         # No gc.freeze() here: frozen objects are never collected, and a notebook that builds
         # a second LLM must get the first one's memory back. A process that owns its engine
         # for good (the CLI) may freeze after building it.
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The core's scheduler, for inspection (requests go through the core)."""
+        return self.core.scheduler
+
+    @property
+    def runner(self) -> ModelRunner:
+        """The core's runner, for inspection (steps go through the core)."""
+        return self.core.runner
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:
@@ -163,6 +174,38 @@ class LLMEngine:
             )
         return ids
 
+    def render_chat_prompt(
+        self,
+        messages: list[dict],
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> dict[str, Any]:
+        """One conversation rendered with the chat template (the tokenizer's, or
+        ``chat_template``) as a prompt dict {"prompt", "prompt_token_ids"}. Allocates nothing.
+
+        Raises:
+            ValueError: no chat template, no tokenizer, or messages the template refuses.
+            TypeError: messages that are not a list of dicts with str role and content.
+        """
+        info = self.info.tokenizer
+        template = chat_template or info.chat_template
+        if template is None:
+            raise missing_chat_template_error(self.config.model.model)
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer; the model has none")
+        text = render_chat(
+            messages,
+            template,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=info.bos_token or "",
+            eos_token=info.eos_token or "",
+        )
+        _check_unicode(text)
+        # The template writes the special tokens itself: tokenize without adding them again.
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        return {"prompt": text, "prompt_token_ids": ids}
+
     def check_request(
         self, prompt: PromptType, params: SamplingParams | None = None
     ) -> CheckedRequest:
@@ -178,7 +221,7 @@ class LLMEngine:
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         params = params.clone()
         text, token_ids = self.process_prompt(prompt)
-        self.scheduler.check_prompt_length(len(token_ids))
+        self.core.check_prompt_length(len(token_ids))
         return CheckedRequest(text, token_ids, params)
 
     def add_request(
@@ -219,19 +262,12 @@ class LLMEngine:
     def _queue(self, request_id: str, checked: CheckedRequest, priority: int) -> None:
         params, token_ids = checked.params, checked.token_ids
         engine_ids = self._engine_ids(request_id, params.n)
+        now = time.monotonic()
+        requests = self._make_requests(engine_ids, token_ids, params, priority, now)
         state = RequestState(
-            request_id, engine_ids, checked.text, token_ids, params, self.tokenizer
+            request_id, engine_ids, checked.text, token_ids, params, self.tokenizer, requests, now
         )
-        requests = self._make_requests(engine_ids, token_ids, params, priority)
-        added: list[str] = []
-        try:
-            for i, req in enumerate(requests):
-                parent = requests[0].request_id if i else None
-                self.scheduler.add_request(req, parent_req_id=parent)
-                added.append(req.request_id)
-        except BaseException:
-            self.scheduler.abort_requests(added)
-            raise
+        self.core.add_requests(requests)
         self._states[request_id] = state
         for i, engine_id in enumerate(engine_ids):
             self._child_of[engine_id] = (request_id, i)
@@ -244,12 +280,16 @@ class LLMEngine:
         return [f"{request_id}#{k}.{i}" for i in range(n)]
 
     def _make_requests(
-        self, engine_ids: list[str], token_ids: list[int], params: SamplingParams, priority: int
+        self,
+        engine_ids: list[str],
+        token_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        now: float,
     ) -> list[Request]:
         base = params.seed
         if base is None:
             base = int(self._seed_rng.integers(0, _MASK63, dtype=np.int64))
-        now = time.monotonic()
         requests = []
         for i, engine_id in enumerate(engine_ids):
             child = params
@@ -278,7 +318,7 @@ class LLMEngine:
                 state = self._states.pop(rid, None)
                 if state is None:
                     continue
-                self.scheduler.abort_requests(state.engine_ids)
+                self.core.abort_requests(state.engine_ids)
                 for engine_id in state.engine_ids:
                     self._child_of.pop(engine_id, None)
 
@@ -304,9 +344,7 @@ class LLMEngine:
 
     def _recover(self) -> None:
         """Abort everything and make the scheduler, the runner and the KV pages agree again."""
-        aborted = self.scheduler.abort_all_requests()
-        if self.runner.reset():
-            self.scheduler.reset_prefix_cache()
+        aborted = self.core.recover()
         self._states.clear()
         self._child_of.clear()
         logger.warning("engine step failed: aborted %d unfinished requests", len(aborted))
@@ -321,7 +359,7 @@ class LLMEngine:
             state = self._states[request_id]
             stop = state.apply(index, out)
             if stop is not None and not out.finished:
-                self.scheduler.finish_requests([out.req_id], RequestStatus.FINISHED_STOPPED)
+                self.core.finish_requests([out.req_id], RequestStatus.FINISHED_STOPPED)
             if out.finished or stop is not None:
                 del self._child_of[out.req_id]
             progressed[request_id] = state
@@ -343,14 +381,12 @@ class LLMEngine:
     def get_stats(self) -> dict[str, Any]:
         """The counters of docs/architecture.md (num_compilations: fresh XLA compilations of the
         step), plus num_compilation_cache_hits (loaded from the persistent cache instead),
-        "recompilations" (each compilation after warm-up, with what was new) and "plan": the
-        execution plan as a dict (platform, device_kind, attention, sampler_draw, dtype,
+        "recompilations" (each compilation after warm-up, with what was new),
+        num_requests_running / num_requests_waiting (scheduler requests: one per sample) and
+        "plan": the execution plan as a dict (platform, device_kind, attention, sampler_draw, dtype,
         kv_cache_dtype, tensor_parallel_size, ...)."""
         with self._lock:
-            stats: dict[str, Any] = dict(self.scheduler.get_stats())
-            stats["num_compilations"] = self.runner.num_compilations
-            stats["num_compilation_cache_hits"] = self.runner.num_compilation_cache_hits
-            stats["recompilations"] = self.runner.recompilations
+            stats = self.core.get_stats()
         stats["plan"] = self.info.plan.as_dict()
         return stats
 

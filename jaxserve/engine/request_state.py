@@ -6,7 +6,8 @@ into n scheduler requests, whose ids the engine makes: see LLMEngine._engine_ids
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.outputs import (
@@ -14,10 +15,12 @@ from jaxserve.outputs import (
     EngineCoreOutput,
     Logprob,
     PromptLogprobs,
+    RequestMetrics,
     RequestOutput,
     SampleLogprobs,
     TokenLogprobs,
 )
+from jaxserve.request import Request
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -65,8 +68,12 @@ class RequestState:
         prompt_token_ids: list[int],
         params: SamplingParams,
         tokenizer,
+        requests: list[Request],
+        arrival_time: float,
     ) -> None:
         self.request_id = request_id  # the user's id
+        self.requests = requests  # the scheduler's requests, by index (read for their times)
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.engine_ids = engine_ids  # the scheduler's id of each sample, by index
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -97,6 +104,12 @@ class RequestState:
         c = self.completions[index]
         if index == 0:
             self.num_cached_tokens = out.num_cached_tokens
+        if out.new_token_ids:
+            m = self.metrics
+            m.last_token_time = now = time.monotonic()
+            if m.first_token_time is None:
+                m.first_token_time = now
+            m.num_generation_tokens += len(out.new_token_ids)
         if out.new_prompt_logprobs and self.prompt_logprobs is not None:
             self.prompt_logprobs.extend(
                 to_logprob_dict(e, self.tokenizer) for e in out.new_prompt_logprobs
@@ -122,12 +135,20 @@ class RequestState:
                 c.finish_reason = "abort"
 
     def output(self) -> RequestOutput:
+        m = self.metrics
+        if m.first_scheduled_time is None:
+            times = [r.first_scheduled_time for r in self.requests]
+            m.first_scheduled_time = min((t for t in times if t is not None), default=None)
+        finished = self.finished
+        if finished and m.finished_time is None:
+            m.finished_time = time.monotonic()
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
             prompt_logprobs=self.prompt_logprobs,
             outputs=[c.output() for c in self.completions],
-            finished=self.finished,
+            finished=finished,
             num_cached_tokens=self.num_cached_tokens,
+            metrics=replace(m),
         )

@@ -16,6 +16,7 @@ the last prompt token to sample its own first token.
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Iterable
 
 from jaxserve.config import CacheConfig, SchedulerConfig
@@ -354,6 +355,7 @@ class Scheduler:
         rid = req.request_id
         if req.status == _WAITING:  # first schedule (a resumed one is PREEMPTED)
             req.num_cached_tokens = num_computed
+            req.first_scheduled_time = time.monotonic()
         req.status = _RUNNING
         req.num_computed_tokens = num_computed
         bisect.insort(self.running, req, key=self._sort_key)
