@@ -14,6 +14,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "LLM": "jaxserve.engine.llm",
     "LLMEngine": "jaxserve.engine.llm_engine",
+    "AsyncLLM": "jaxserve.engine.async_llm",
+    "RequestOutputKind": "jaxserve.sampling_params",
     "SamplingParams": "jaxserve.sampling_params",
     "RequestOutput": "jaxserve.outputs",
     "CompletionOutput": "jaxserve.outputs",
@@ -21,19 +23,22 @@ _LAZY = {
 }
 
 __all__ = [  # spelled out (not sorted(_LAZY)) so linters see the TYPE_CHECKING imports used
+    "AsyncLLM",
     "CompletionOutput",
     "LLM",
     "LLMEngine",
     "Logprob",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
+    from jaxserve.engine.async_llm import AsyncLLM
     from jaxserve.engine.llm import LLM
     from jaxserve.engine.llm_engine import LLMEngine
     from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
-    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 
 def __getattr__(name: str) -> Any:

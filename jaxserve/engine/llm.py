@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from jaxserve.engine.interrupts import InterruptGuard, defer_sigint
-from jaxserve.engine.llm_engine import LLMEngine, PromptType
+from jaxserve.engine.llm_engine import CheckedRequest, LLMEngine, PromptType
+from jaxserve.engine.streaming import OutputDelta
 from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
@@ -41,6 +42,10 @@ class LLM:
     def __init__(self, model: str = "tiny-random-llama", **kwargs: Any) -> None:
         self.engine = LLMEngine(model=model, **kwargs)
         self._counter = itertools.count()
+        # Requests of stream() calls, and their outputs stepped by another call (a generate()
+        # or stream() of another thread steps every request): taken by their own call.
+        self._streaming: set[str] = set()
+        self._mailbox: dict[str, RequestOutput] = {}
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -66,15 +71,8 @@ class LLM:
         Raises:
             TypeError / ValueError: a bad prompt or SamplingParams ("prompts[i]: ...").
         """
-        prompt_list = _as_prompt_list(prompts)
-        params_list = self._params_list(sampling_params, len(prompt_list))
+        checked = self._check_all(prompts, sampling_params)
         engine = self.engine
-        checked = []
-        for i, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True)):
-            try:
-                checked.append(engine.check_request(prompt, params))
-            except (TypeError, ValueError) as e:
-                raise type(e)(f"prompts[{i}]: {e}") from None
         request_ids = [str(next(self._counter)) for _ in checked]
         # Ctrl-C is held to the next safe point (interrupts.py), and never interrupts the
         # abort that it triggers.
@@ -86,6 +84,93 @@ class LLM:
             except BaseException:
                 engine.abort_request(request_ids)
                 raise
+
+    def stream(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Iterator[RequestOutput]:
+        """generate() as a generator, for notebooks: yields RequestOutputs as the engine steps,
+        the requests interleaved as they progress, each in the form of its params'
+        ``output_kind`` (CUMULATIVE: everything so far; DELTA: only what is new; FINAL_ONLY:
+        the finished output only)::
+
+            params = SamplingParams(max_tokens=64, output_kind=RequestOutputKind.DELTA)
+            for out in llm.stream("Once upon a time", params):
+                print(out.outputs[0].text, end="", flush=True)
+
+        Every prompt and params is checked before anything is queued (as generate()). Closing
+        the generator early (break, an error, Ctrl-C) aborts its unfinished requests. Calls
+        from other threads may run at the same time: each call gets its own outputs.
+
+        Raises:
+            TypeError / ValueError: a bad prompt or SamplingParams ("prompts[i]: ...").
+            RuntimeError: the requests were aborted by another caller.
+        """
+        checked = self._check_all(prompts, sampling_params)
+        engine = self.engine
+        request_ids = [str(next(self._counter)) for _ in checked]
+        with engine.exclusive(), defer_sigint():
+            try:
+                for rid, request in zip(request_ids, checked, strict=True):
+                    engine.add_request(rid, request)
+            except BaseException:
+                engine.abort_request(request_ids)
+                raise
+            self._streaming.update(request_ids)
+        kinds = {rid: c.params.output_kind for rid, c in zip(request_ids, checked, strict=True)}
+        deltas = {rid: OutputDelta() for rid, k in kinds.items() if k is RequestOutputKind.DELTA}
+        try:
+            while kinds:
+                for out in self._next_outputs(kinds):
+                    rid = out.request_id
+                    if out.finished:
+                        del kinds[rid]
+                    elif kinds[rid] is RequestOutputKind.FINAL_ONLY:
+                        continue
+                    yield deltas[rid].delta(out) if rid in deltas else out
+        finally:
+            with engine.exclusive(), defer_sigint():
+                engine.abort_request(list(kinds))
+                for rid in request_ids:
+                    self._streaming.discard(rid)
+                    self._mailbox.pop(rid, None)
+
+    def _next_outputs(self, pending: dict[str, Any]) -> list[RequestOutput]:
+        """The next outputs of ``pending`` requests: from the mailbox, or from one step (whose
+        outputs of other stream() calls go to the mailbox)."""
+        engine = self.engine
+        with engine.exclusive(), defer_sigint() as interrupt:
+            mine = [self._mailbox.pop(rid) for rid in pending if rid in self._mailbox]
+            if mine:
+                return mine
+            if not engine.has_unfinished_requests():
+                raise RuntimeError(
+                    f"{len(pending)} requests of this stream() were aborted by another caller"
+                )
+            for out in engine.step():
+                if out.request_id in pending:
+                    mine.append(out)
+                elif out.request_id in self._streaming:
+                    self._mailbox[out.request_id] = out
+            interrupt.check()
+        return mine
+
+    def _check_all(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+    ) -> list[CheckedRequest]:
+        """Every prompt and its params checked, or the first failure ("prompts[i]: ...")."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = self._params_list(sampling_params, len(prompt_list))
+        checked = []
+        for i, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True)):
+            try:
+                checked.append(self.engine.check_request(prompt, params))
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"prompts[{i}]: {e}") from None
+        return checked
 
     @staticmethod
     def _params_list(
@@ -115,9 +200,14 @@ class LLM:
         try:
             while pending:
                 interrupt.check()
-                for out in self.engine.step(finished_only=True):
+                streaming = self._streaming
+                for out in self.engine.step(finished_only=not streaming):
                     if out.request_id not in pending:
-                        continue  # a request added to the engine directly, not by this call
+                        if out.request_id in streaming:  # a stream() call's: its mailbox
+                            self._mailbox[out.request_id] = out
+                        continue  # else a request added to the engine directly
+                    if not out.finished:
+                        continue
                     pending.discard(out.request_id)
                     finished[out.request_id] = out
                     num_in += len(out.prompt_token_ids)

@@ -310,9 +310,11 @@ class LLMEngine:
             )
         return requests
 
-    def abort_request(self, request_id: str | Iterable[str]) -> None:
-        """Abort user requests (all their samples); unknown ids are ignored."""
+    def abort_request(self, request_id: str | Iterable[str]) -> list[RequestOutput]:
+        """Abort user requests (all their samples); unknown ids are ignored. Returns the final
+        output of each request aborted (its unfinished samples end with "abort")."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        aborted = []
         with self._lock, defer_sigint():
             for rid in ids:
                 state = self._states.pop(rid, None)
@@ -321,6 +323,9 @@ class LLMEngine:
                 self.core.abort_requests(state.engine_ids)
                 for engine_id in state.engine_ids:
                     self._child_of.pop(engine_id, None)
+                state.abort()
+                aborted.append(state)
+        return [state.output() for state in aborted]
 
     # ---- the loop ---------------------------------------------------------------------------
     def step(self, *, finished_only: bool = False) -> list[RequestOutput]:

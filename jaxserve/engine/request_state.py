@@ -46,12 +46,15 @@ class _CompletionState:
     stop_reason: int | str | None = None
 
     def output(self) -> CompletionOutput:
+        detok = self.detokenizer
         return CompletionOutput(
             index=self.index,
-            text=self.detokenizer.output_text,
+            # While running, the tail that may begin a stop string is held back: every text
+            # handed out is a prefix of the final one (streams can send differences).
+            text=detok.get_next_output_text(finished=detok.finished, delta=False),
             token_ids=list(self.token_ids),
             cumulative_logprob=self.cumulative_logprob,
-            logprobs=self.logprobs,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
         )

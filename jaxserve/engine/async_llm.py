@@ -1,0 +1,363 @@
+"""AsyncLLM: the engine for servers, as vLLM V1's. The engine loop runs in its own thread and
+never waits on a client; each request streams RequestOutputs to an asyncio consumer.
+
+    async for out in engine.generate(prompt, sampling_params, request_id):
+        ...                                  # as tokens arrive; output_kind picks the form
+
+Threads and hand-offs:
+
+    event loop (clients)                      engine thread ("jaxserve-engine")
+    generate(): check the request (tokenize,  drains the inbox between steps: adds, aborts
+      validate: raises before queueing),      steps the LLMEngine while anything is unfinished,
+      puts ("add", ...) in the inbox          sleeps on the inbox when idle
+    awaits its _Stream                   <--  _Stream.put(latest cumulative output)
+    consumer gone (cancelled, aclose,         ("abort", id) from the consumer's finally:
+      an error): puts ("abort", id)           the request's blocks are freed
+
+A stream keeps only the latest output (each is cumulative), so a slow consumer never makes the
+engine queue outputs; DELTA outputs are the difference from what the consumer last received.
+A step that raises aborts every request (LLMEngine's contract): each consumer gets EngineError,
+and the engine keeps serving new requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from jaxserve.engine.llm_engine import CheckedRequest, LLMEngine, PromptType
+from jaxserve.engine.metrics import EngineMetrics
+from jaxserve.engine.streaming import OutputDelta
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger("jaxserve")
+
+
+class QueueFullError(RuntimeError):
+    """max_waiting_requests requests already wait: try again later (a server's 503)."""
+
+
+class EngineError(RuntimeError):
+    """The engine could not finish the request: a step failed (every request running then was
+    aborted), or the engine is shut down."""
+
+
+class _Stream:
+    """One request's channel from the engine thread to its consumer's event loop. Holds the
+    latest output only; ``put`` and ``fail`` may be called from any thread."""
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, kind: RequestOutputKind, num_samples: int
+    ) -> None:
+        self.loop = loop
+        self.kind = kind
+        self.num_samples = num_samples
+        self._ready = asyncio.Event()
+        self._lock = threading.Lock()
+        self._latest: RequestOutput | None = None
+        self._error: BaseException | None = None
+
+    def put(self, out: RequestOutput) -> None:
+        with self._lock:
+            self._latest = out
+        self._wake()
+
+    def fail(self, error: BaseException) -> None:
+        with self._lock:
+            self._error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self._ready.set)
+        except RuntimeError:  # the consumer's loop is closed: nobody is listening
+            pass
+
+    async def get(self) -> RequestOutput:
+        """The latest output not yet taken (waits for one); raises the stream's error."""
+        while True:
+            # Look before waiting: the wake-up of an error that came right after an output
+            # may have been spent on that output.
+            with self._lock:
+                out, self._latest = self._latest, None
+                error = self._error
+            if out is not None:
+                return out
+            if error is not None:
+                raise error
+            await self._ready.wait()
+            self._ready.clear()
+
+
+class AsyncLLM:
+    """An engine for concurrent clients: ``AsyncLLM(model=..., **same_kwargs_as_LLM)``.
+
+    Args:
+        max_waiting_requests: refuse a new request (QueueFullError) while this many wait to
+            start (queued, not yet running); None: no bound.
+        served_model_name: the ``model_name`` label of the metrics (default: the model).
+    """
+
+    def __init__(
+        self,
+        model: str = "tiny-random-llama",
+        *,
+        max_waiting_requests: int | None = None,
+        served_model_name: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        _check_max_waiting(max_waiting_requests)
+        self._start(LLMEngine(model=model, **kwargs), max_waiting_requests, served_model_name)
+
+    @classmethod
+    def from_engine(
+        cls,
+        engine: LLMEngine,
+        *,
+        max_waiting_requests: int | None = None,
+        served_model_name: str | None = None,
+    ) -> AsyncLLM:
+        """Drive an LLMEngine already built (it must have no unfinished request, and nothing
+        else may step it while this runs)."""
+        _check_max_waiting(max_waiting_requests)
+        if engine.has_unfinished_requests():
+            raise ValueError("AsyncLLM.from_engine needs an engine with no unfinished request")
+        self = cls.__new__(cls)
+        self._start(engine, max_waiting_requests, served_model_name)
+        return self
+
+    def _start(
+        self, engine: LLMEngine, max_waiting: int | None, served_model_name: str | None
+    ) -> None:
+        self.engine = engine
+        self.max_waiting_requests = max_waiting
+        self.metrics = EngineMetrics(served_model_name or engine.config.model.model)
+        self._inbox: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._active: set[str] = set()  # request ids from generate() until they end
+        self._num_queued = 0  # in the inbox, not yet added to the engine
+        self._num_waiting = 0  # the scheduler's waiting count after the latest step
+        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._dead: BaseException | None = None
+        self._stopping = False
+        self.metrics.observe_stats(engine.get_stats())
+        self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
+        self._thread.start()
+
+    # ---- the client side --------------------------------------------------------------------
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    @property
+    def errored(self) -> bool:
+        return self._dead is not None
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_stats(self) -> dict[str, Any]:
+        return self.engine.get_stats()
+
+    async def generate(
+        self,
+        prompt: PromptType | CheckedRequest,
+        sampling_params: SamplingParams | None,
+        request_id: str,
+        *,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Queue one request and yield its outputs as they come (``output_kind`` of its
+        params: CUMULATIVE, DELTA or FINAL_ONLY); the last has ``finished`` set.
+
+        Raises (at the first iteration, before anything is queued):
+            TypeError / ValueError: a bad prompt, params, request_id or priority, or a
+                request_id in use by an unfinished request.
+            QueueFullError: max_waiting_requests requests already wait.
+        Raises later:
+            EngineError: a step failed (the request was aborted), or the engine shut down.
+
+        A consumer that stops early (aclose(), cancellation, an error) aborts the request.
+        """
+        checked = self._check(prompt, sampling_params, request_id, priority)
+        params = checked.params
+        stream = _Stream(asyncio.get_running_loop(), params.output_kind, params.n)
+        self._submit(request_id, ("add", request_id, checked, priority, stream))
+        sent = OutputDelta() if stream.kind is RequestOutputKind.DELTA else None
+        finished = False
+        try:
+            while not finished:
+                out = await stream.get()
+                finished = out.finished
+                if stream.kind is RequestOutputKind.FINAL_ONLY and not finished:
+                    continue
+                yield out if sent is None else sent.delta(out)
+        finally:
+            if not finished:
+                self._inbox.put(("abort", request_id))
+
+    def _check(
+        self,
+        prompt: PromptType | CheckedRequest,
+        params: SamplingParams | None,
+        request_id: str,
+        priority: int,
+    ) -> CheckedRequest:
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"priority must be an int, got {priority!r}")
+        if isinstance(prompt, CheckedRequest):
+            if params is not None:
+                raise TypeError("sampling_params must be None with a CheckedRequest")
+            return prompt
+        return self.engine.check_request(prompt, params)
+
+    def _submit(self, request_id: str, command: tuple) -> None:
+        """Queue an add command, or raise. Under the lock that shutdown() takes, so a command
+        is either in the inbox before shutdown's sentinel, or refused."""
+        limit = self.max_waiting_requests
+        with self._lock:
+            if self._dead is not None or self._stopping:
+                raise EngineError("the engine is not running" + _cause(self._dead))
+            if request_id in self._active:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            if limit is not None and self._num_queued + self._num_waiting >= limit:
+                raise QueueFullError(
+                    f"{self._num_queued + self._num_waiting} requests are waiting: at "
+                    f"max_waiting_requests={limit}; try again later"
+                )
+            self._active.add(request_id)
+            self._num_queued += 1
+            self._inbox.put(command)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request (its consumer gets a final output with finish_reason "abort");
+        an unknown or finished id is ignored."""
+        self._inbox.put(("abort", request_id))
+
+    def shutdown(self) -> None:
+        """Stop the engine thread (idempotent); unfinished requests fail with EngineError."""
+        with self._lock:
+            if self._stopping:
+                return
+            self._stopping = True
+            self._inbox.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    # ---- the engine thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                if not self._drain(block=not engine.has_unfinished_requests()):
+                    break
+                if engine.has_unfinished_requests():
+                    self._step()
+        except BaseException as e:  # a bug of the loop itself: nothing can be served
+            logger.exception("the engine loop stopped")
+            with self._lock:
+                self._dead = e
+        error = EngineError("the engine shut down" + _cause(self._dead))
+        engine.abort_request(list(self._streams))
+        while True:  # adds queued before the sentinel (none can come after it)
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if command is not None and command[0] == "add":
+                self._streams[command[1]] = command[4]
+        self._fail_all(error)
+
+    def _drain(self, block: bool) -> bool:
+        """Apply the inbox's commands (waiting for one when ``block``); False on shutdown."""
+        changed = False
+        while True:
+            try:
+                command = self._inbox.get(block=block and not changed)
+            except queue.Empty:
+                break
+            if command is None:
+                return False
+            changed = True
+            if command[0] == "add":
+                self._add(*command[1:])
+            else:
+                self._abort(command[1])
+        if changed:
+            self._observe_stats()
+        return True
+
+    def _add(self, request_id: str, checked: CheckedRequest, priority: int, stream: _Stream):
+
+        with self._lock:
+            self._num_queued -= 1
+        try:
+            self.engine.add_request(request_id, checked, priority=priority)
+        except Exception as e:  # checked before: only an engine fault lands here
+            self._end(request_id)
+            stream.fail(EngineError(f"could not queue the request ({e})"))
+            return
+        self._streams[request_id] = stream
+
+    def _abort(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return  # finished already, or never added
+        self._end(request_id)
+        self.metrics.observe_abort(request_id, stream.num_samples)
+        for out in self.engine.abort_request(request_id):
+            stream.put(out)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # the engine aborted everything and is ready again
+            self._fail_all(EngineError(f"the engine step failed ({type(e).__name__}: {e})"))
+            self._observe_stats()
+            return
+        for out in outputs:
+            self.metrics.observe_output(out)
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+                self._end(out.request_id)
+            stream.put(out)
+        self._observe_stats()
+
+    def _observe_stats(self) -> None:
+        stats = self.engine.core.get_stats()
+        self._num_waiting = stats["num_requests_waiting"]
+        self.metrics.observe_stats(stats)
+
+    def _end(self, request_id: str) -> None:
+        with self._lock:
+            self._active.discard(request_id)
+
+    def _fail_all(self, error: EngineError) -> None:
+        streams, self._streams = self._streams, {}
+        for request_id, stream in streams.items():
+            self._end(request_id)
+            self.metrics.observe_abort(request_id, stream.num_samples)
+            stream.fail(error)
+
+
+def _check_max_waiting(value: int | None) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"max_waiting_requests must be an int or None, got {value!r}")
+    if value < 1:
+        raise ValueError(f"max_waiting_requests must be >= 1, got {value}")
+
+
+def _cause(error: BaseException | None) -> str:
+    return "" if error is None else f" ({type(error).__name__}: {error})"
