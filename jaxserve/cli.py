@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING, Any
 
 from jaxserve.config import ATTENTION_BACKENDS
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
     from jaxserve.engine.llm_engine import LLMEngine
@@ -286,6 +286,12 @@ def output_records(request: PromptRequest, output: RequestOutput) -> list[dict[s
         }
         if request.params.logprobs is not None:
             record["logprobs"] = _logprobs_record(completion.logprobs or [])
+        if request.params.prompt_logprobs is not None:
+            # Per prompt position (the first has none: null), as the generated logprobs.
+            record["prompt_logprobs"] = [
+                None if position is None else _logprobs_record([position])[0]
+                for position in output.prompt_logprobs or []
+            ]
         records.append(record)
     return records
 
@@ -353,11 +359,21 @@ def check_requests(engine: LLMEngine, requests: Sequence[PromptRequest]) -> None
 
 def run_generate(args: argparse.Namespace) -> int:
     """``jaxserve generate``: the exit code (0, or 2 for bad input: a bad line or flag, a
-    missing or malformed model)."""
+    missing or malformed model).
+
+    With ``--output``, records are appended as requests finish (ResultsFile: crash-safe), and
+    a rerun of the same command skips the requests already in the file."""
     try:
         requests = collect_requests(args)
     except InputError as e:
         return _fail(str(e))
+    results = None
+    if args.output is not None:
+        try:
+            results = _open_results(args.output, requests)
+        except (OSError, ValueError) as e:
+            return _fail(f"--output: {e}")
+        requests = [r for r in requests if r.request_id not in results.done]
     from jaxserve.engine.llm import LLM  # jax loads here, not for --help or bad input
 
     try:
@@ -366,33 +382,71 @@ def run_generate(args: argparse.Namespace) -> int:
         load_s = time.perf_counter() - start
         check_requests(llm.engine, requests)
     except (OSError, TypeError, ValueError) as e:  # bad model or input (docs/architecture.md)
+        if results is not None:
+            results.close()
         return _fail(str(e))
+    try:
+        outputs, elapsed_s = _generate(llm, requests, results, progress=not args.no_progress)
+    finally:
+        if results is not None:
+            results.close()
+    if results is None:
+        for req, out in zip(requests, outputs, strict=True):
+            for record in output_records(req, out):
+                print(format_completion(record))
+    else:
+        print(f"already done:       {len(results.done)} requests (in {args.output})")
+    print(format_summary(outputs, llm.get_stats(), elapsed_s, load_s))
+    return 0
+
+
+def _open_results(path: str, requests: Sequence[PromptRequest]):
+    """The --output file, recovered: a request counts as done once all its n records are in."""
+    from jaxserve.jobs.results import ResultsFile
+
+    n_of = {r.request_id: r.params.n for r in requests}
+    return ResultsFile(
+        path,
+        key=lambda record: str(record["request_id"]),
+        expected=lambda request_id: n_of.get(request_id, 1),
+    )
+
+
+def _generate(llm, requests: Sequence[PromptRequest], results, *, progress: bool):
+    """Run the requests: (their outputs in input order, seconds). Each finished request's
+    records go to ``results`` (when given) at once."""
+    from tqdm.auto import tqdm
+
+    final = RequestOutputKind.FINAL_ONLY
+    params = [dataclasses.replace(r.params, output_kind=final) for r in requests]
+    by_id: dict[str, RequestOutput] = {}
+    bar = tqdm(total=len(requests), desc="Processed prompts", disable=not progress)
     # While the batch runs, keep the cyclic GC from rescanning the engine's many long-lived
     # objects at every collection (as vLLM's engine process does). A library LLM never
     # freezes (a notebook must get a dropped LLM back), so this ends with the run.
     gc.collect()
     gc.freeze()
+    start = time.perf_counter()
+    num_out = 0
     try:
-        start = time.perf_counter()
-        outputs = llm.generate(
-            [r.engine_prompt() for r in requests],
-            [r.params for r in requests],
-            use_tqdm=not args.no_progress,
-        )
-        elapsed_s = time.perf_counter() - start
+        if requests:
+            ids = [r.request_id for r in requests]
+            prompts = [r.engine_prompt() for r in requests]
+            index_of = {rid: i for i, rid in enumerate(ids)}
+            for out in llm.stream(prompts, params, request_ids=ids):
+                by_id[out.request_id] = out
+                num_out += sum(len(c.token_ids) for c in out.outputs)
+                if results is not None:
+                    request = requests[index_of[out.request_id]]
+                    results.append(*output_records(request, out))
+                elapsed = max(time.perf_counter() - start, 1e-9)
+                bar.set_postfix_str(f"out: {num_out / elapsed:.1f} tok/s", refresh=False)
+                bar.update(1)
     finally:
         gc.unfreeze()
-    records = [
-        rec for req, out in zip(requests, outputs, strict=True) for rec in output_records(req, out)
-    ]
-    if args.output is not None:
-        with open(args.output, "w", encoding="utf-8") as f:
-            write_jsonl(records, f)
-    else:
-        for record in records:
-            print(format_completion(record))
-    print(format_summary(outputs, llm.get_stats(), elapsed_s, load_s))
-    return 0
+        bar.close()
+    elapsed_s = time.perf_counter() - start
+    return [by_id[r.request_id] for r in requests], elapsed_s
 
 
 def _fail(message: str) -> int:

@@ -89,6 +89,8 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        request_ids: Sequence[str] | None = None,
     ) -> Iterator[RequestOutput]:
         """generate() as a generator, for notebooks: yields RequestOutputs as the engine steps,
         the requests interleaved as they progress, each in the form of its params'
@@ -103,13 +105,18 @@ class LLM:
         the generator early (break, an error, Ctrl-C) aborts its unfinished requests. Calls
         from other threads may run at the same time: each call gets its own outputs.
 
+        Args:
+            request_ids: the outputs' request ids, one per prompt (a job's own ids); default:
+                the LLM's counter, as generate().
+
         Raises:
-            TypeError / ValueError: a bad prompt or SamplingParams ("prompts[i]: ...").
+            TypeError / ValueError: a bad prompt or SamplingParams ("prompts[i]: ..."), bad or
+                repeated request ids, or an id in use by an unfinished request.
             RuntimeError: the requests were aborted by another caller.
         """
         checked = self._check_all(prompts, sampling_params)
         engine = self.engine
-        request_ids = [str(next(self._counter)) for _ in checked]
+        request_ids = self._request_ids(request_ids, len(checked))
         with engine.exclusive(), defer_sigint():
             try:
                 for rid, request in zip(request_ids, checked, strict=True):
@@ -136,6 +143,20 @@ class LLM:
                     self._streaming.discard(rid)
                     self._mailbox.pop(rid, None)
 
+    def _request_ids(self, given: Sequence[str] | None, n: int) -> list[str]:
+        if given is None:
+            return [str(next(self._counter)) for _ in range(n)]
+        ids = list(given)
+        if len(ids) != n:
+            raise ValueError(f"request_ids has {len(ids)} entries but there are {n} prompts")
+        for i, rid in enumerate(ids):
+            if not isinstance(rid, str):
+                raise TypeError(f"request_ids[{i}] must be a str, got {rid!r}")
+        if len(set(ids)) != n:
+            repeated = next(rid for rid in ids if ids.count(rid) > 1)
+            raise ValueError(f"request_ids must be unique; {repeated!r} repeats")
+        return ids
+
     def _next_outputs(self, pending: dict[str, Any]) -> list[RequestOutput]:
         """The next outputs of ``pending`` requests: from the mailbox, or from one step (whose
         outputs of other stream() calls go to the mailbox)."""
@@ -143,16 +164,25 @@ class LLM:
         with engine.exclusive(), defer_sigint() as interrupt:
             mine = [self._mailbox.pop(rid) for rid in pending if rid in self._mailbox]
             if mine:
+                self._streaming.difference_update(o.request_id for o in mine if o.finished)
                 return mine
             if not engine.has_unfinished_requests():
                 raise RuntimeError(
                     f"{len(pending)} requests of this stream() were aborted by another caller"
                 )
-            for out in engine.step():
+            # Only finished outputs are needed when every request of the stream() calls
+            # under way wants its final output only: skip building the others.
+            final_only = len(self._streaming) == len(pending) and all(
+                kind is RequestOutputKind.FINAL_ONLY for kind in pending.values()
+            )
+            for out in engine.step(finished_only=final_only):
                 if out.request_id in pending:
                     mine.append(out)
                 elif out.request_id in self._streaming:
                     self._mailbox[out.request_id] = out
+            for out in mine:
+                if out.finished:
+                    self._streaming.discard(out.request_id)
             interrupt.check()
         return mine
 
