@@ -143,6 +143,7 @@ class AsyncLLM:
         self._num_queued = 0  # in the inbox, not yet added to the engine
         self._num_waiting = 0  # the scheduler's waiting count after the latest step
         self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._num_incremental = 0  # streams in it that want more than their final output
         self._dead: BaseException | None = None
         self._stopping = False
         self.metrics.observe_stats(engine.get_stats())
@@ -272,7 +273,7 @@ class AsyncLLM:
             except queue.Empty:
                 break
             if command is not None and command[0] == "add":
-                self._streams[command[1]] = command[4]
+                self._track(command[1], command[4])
         self._fail_all(error)
 
     def _drain(self, block: bool) -> bool:
@@ -304,10 +305,20 @@ class AsyncLLM:
             self._end(request_id)
             stream.fail(EngineError(f"could not queue the request ({e})"))
             return
+        self._track(request_id, stream)
+
+    def _track(self, request_id: str, stream: _Stream) -> None:
         self._streams[request_id] = stream
+        self._num_incremental += stream.kind is not RequestOutputKind.FINAL_ONLY
+
+    def _untrack(self, request_id: str) -> _Stream | None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            self._num_incremental -= stream.kind is not RequestOutputKind.FINAL_ONLY
+        return stream
 
     def _abort(self, request_id: str) -> None:
-        stream = self._streams.pop(request_id, None)
+        stream = self._untrack(request_id)
         if stream is None:
             return  # finished already, or never added
         self._end(request_id)
@@ -317,7 +328,10 @@ class AsyncLLM:
 
     def _step(self) -> None:
         try:
-            outputs = self.engine.step()
+            # When every stream wants its final output only (a batch job), the engine skips
+            # building the outputs of requests still running (their latencies are then
+            # observed once, at the end).
+            outputs = self.engine.step(finished_only=self._num_incremental == 0)
         except Exception as e:  # the engine aborted everything and is ready again
             self._fail_all(EngineError(f"the engine step failed ({type(e).__name__}: {e})"))
             self._observe_stats()
@@ -328,7 +342,7 @@ class AsyncLLM:
             if stream is None:
                 continue
             if out.finished:
-                del self._streams[out.request_id]
+                self._untrack(out.request_id)
                 self._end(out.request_id)
             stream.put(out)
         self._observe_stats()
@@ -344,6 +358,7 @@ class AsyncLLM:
 
     def _fail_all(self, error: EngineError) -> None:
         streams, self._streams = self._streams, {}
+        self._num_incremental = 0
         for request_id, stream in streams.items():
             self._end(request_id)
             self.metrics.observe_abort(request_id, stream.num_samples)

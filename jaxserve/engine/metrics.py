@@ -10,7 +10,9 @@ prefix, in a registry of their own (one per engine: two engines in a process nev
 
 Fed by the engine loop (AsyncLLM): ``observe_stats`` after every step and every batch of new
 requests or aborts, ``observe_output`` with every RequestOutput, ``observe_abort`` for each
-request aborted before it finished.
+request aborted before it finished. While every request wants its final output only (a batch
+job), the loop sees finished outputs only: each request's inter-token latency is then its
+average, observed once per token.
 """
 
 from __future__ import annotations

@@ -1,0 +1,121 @@
+"""``jaxserve serve``: the OpenAI-compatible HTTP server (entrypoints/openai/api_server.py).
+
+    jaxserve serve --model M [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+                   [--served-model-name NAME] [--max-waiting-requests N] [engine flags]
+
+Serves /v1/models, /v1/completions, /v1/chat/completions, /health and /metrics. The API key is
+--api-key, else $JAXSERVE_API_KEY; without either the server needs none. The engine flags are
+``jaxserve generate``'s (cli.add_engine_flags). Exit status: 0 after a clean shutdown (SIGINT or
+SIGTERM), 2 bad input (a flag, a model that cannot be found or read).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from jaxserve.cli import EXIT_BAD_INPUT, add_engine_flags
+
+_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an int in [0, 65535], got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535] (0: any free port), got {port}")
+    return port
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``jaxserve serve``."""
+    p = subparsers.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a model over an OpenAI-compatible HTTP API: /v1/models, "
+        "/v1/completions, /v1/chat/completions (streaming included), /health and /metrics "
+        "(Prometheus). Exit status: 0 after a clean shutdown, 2 bad input.",
+    )
+    p.set_defaults(run=run)
+    p.add_argument(
+        "--model",
+        required=True,
+        help="a built-in model name, an HF or Orbax checkpoint folder, or a Hugging Face Hub "
+        "model ID (org/name; HF_HOME and HF_HUB_OFFLINE apply)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument(
+        "--port", type=_port, default=8000, help="port to listen on (default 8000; 0: any free)"
+    )
+    p.add_argument(
+        "--api-key",
+        help="require 'Authorization: Bearer KEY' on the /v1 routes (default: $JAXSERVE_API_KEY; "
+        "neither set: no key)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        help="the model name the API shows and requests give (default: --model)",
+    )
+    p.add_argument(
+        "--max-waiting-requests",
+        type=_positive_int,
+        metavar="N",
+        help="answer 503 to a request arriving while N requests already wait (default: no limit)",
+    )
+    p.add_argument(
+        "--uvicorn-log-level",
+        choices=_LOG_LEVELS,
+        default="info",
+        help="uvicorn's log level (default info)",
+    )
+    p.add_argument(
+        "--graceful-shutdown-timeout",
+        type=_positive_float,
+        default=10.0,
+        metavar="SECONDS",
+        help="on SIGINT / SIGTERM, how long open requests may finish before they are cut "
+        "(default 10)",
+    )
+    add_engine_flags(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``jaxserve serve``: 0 after a clean shutdown, 2 bad input."""
+    logger = logging.getLogger("jaxserve")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s jaxserve: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+    # fastapi, uvicorn and jax load here, not for --help or a bad flag.
+    from jaxserve.entrypoints.openai.api_server import run_server
+
+    try:
+        return run_server(args)
+    except (OSError, TypeError, ValueError) as e:  # bad model or engine flag (AsyncLLM(...))
+        print(f"jaxserve serve: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
