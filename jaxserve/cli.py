@@ -552,6 +552,7 @@ SUBCOMMANDS: list[AddParser] = [
     _lazy("jaxserve.cli_convert"),
     _lazy("jaxserve.cli_plan"),
     _lazy("jaxserve.cli_serve"),
+    _lazy("jaxserve.cli_run_batch"),
 ]
 
 

@@ -1,0 +1,109 @@
+"""``jaxserve run-batch``: a job in OpenAI's batch format (jobs/run_batch.py).
+
+    jaxserve run-batch -i IN.jsonl -o OUT.jsonl [--model M] [--served-model-name NAME]
+                       [--max-in-flight N] [--no-progress] [engine flags]
+
+Resumable: results are appended as requests finish; after a crash or ``kill -9`` the same
+command skips every custom_id already in OUT (a torn last line is dropped) and runs the rest.
+Exit status: 0 (every line has its output line, failed requests included), 2 bad input (a
+repeated custom_id, an unreadable file, a bad flag or model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from jaxserve.cli import EXIT_BAD_INPUT, add_engine_flags, engine_kwargs
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``jaxserve run-batch``."""
+    p = subparsers.add_parser(
+        "run-batch",
+        help="run a batch file in OpenAI's batch format (resumable)",
+        description="Run every request of an OpenAI batch file (/v1/completions, "
+        "/v1/chat/completions) and write one output line per request as it finishes. Rerun "
+        "the same command after an interruption to finish the rest.",
+    )
+    p.set_defaults(run=run)
+    p.add_argument("-i", "--input", required=True, help="the batch file (JSONL; '-': stdin)")
+    p.add_argument("-o", "--output", required=True, help="the results file (JSONL, appended)")
+    p.add_argument(
+        "--model",
+        default="tiny-random-llama",
+        help="a built-in model name, an HF or Orbax checkpoint folder, or a Hub model ID",
+    )
+    p.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        help="the name the requests' 'model' field must give (default: --model)",
+    )
+    p.add_argument(
+        "--max-in-flight",
+        type=int,
+        metavar="N",
+        help="requests handed to the engine at once (default: 4 x max_num_seqs)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_engine_flags(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from jaxserve.jobs.results import ResultsFile
+    from jaxserve.jobs.run_batch import BatchInputError, output_key, parse_batch_lines
+
+    if args.max_in_flight is not None and args.max_in_flight < 1:
+        return _fail(f"--max-in-flight must be >= 1, got {args.max_in_flight}")
+    try:
+        if args.input == "-":
+            lines = parse_batch_lines(sys.stdin, "<stdin>")
+        else:
+            with open(args.input, encoding="utf-8") as f:
+                lines = parse_batch_lines(f, args.input)
+        results = ResultsFile(args.output, key=output_key)
+    except OSError as e:
+        return _fail(f"cannot read {e.filename!r} ({e.strerror})")
+    except (BatchInputError, ValueError, UnicodeDecodeError) as e:
+        return _fail(str(e))
+    with results:
+        if all(item.key in results.done for item in lines):
+            print(f"nothing to do: all {len(lines)} requests are in {args.output}")
+            return 0
+        from jaxserve.engine.async_llm import AsyncLLM  # jax loads here
+
+        try:
+            engine = AsyncLLM(args.model, **engine_kwargs(args))
+        except (OSError, TypeError, ValueError) as e:
+            return _fail(str(e))
+        try:
+            summary = asyncio.run(_run(args, engine, lines, results))
+        finally:
+            engine.shutdown()
+    print(
+        f"requests: {summary.total} ({summary.done_before} done before this run, "
+        f"{summary.succeeded} succeeded, {summary.failed} failed)\n"
+        f"output tokens: {summary.output_tokens} in {summary.elapsed_s:.2f} s "
+        f"({summary.output_tokens / max(summary.elapsed_s, 1e-9):.1f} tokens/s)"
+    )
+    return 0
+
+
+async def _run(args, engine, lines, results):
+    from jaxserve.jobs.run_batch import run_batch
+
+    max_seqs = engine.engine.config.scheduler.max_num_seqs
+    return await run_batch(
+        engine,
+        lines,
+        results,
+        served_model_name=args.served_model_name or args.model,
+        max_in_flight=args.max_in_flight or 4 * max_seqs,
+        progress=not args.no_progress,
+    )
+
+
+def _fail(message: str) -> int:
+    print(f"jaxserve run-batch: error: {message}", file=sys.stderr)
+    return EXIT_BAD_INPUT

@@ -1,0 +1,150 @@
+"""jaxserve run-batch: OpenAI's batch format in and out, bad lines answered line by line, and a
+job killed with SIGKILL again and again that still ends with every line once."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from jaxserve import cli
+
+ENGINE = [
+    "--no-warmup", "--max-model-len", "128", "--max-num-seqs", "8",
+    "--max-num-batched-tokens", "64", "--num-kv-blocks", "96", "--block-size", "8",
+]  # fmt: skip
+MODEL = "tiny-random-llama"
+
+
+def _completion(custom_id: str, prompt, **body) -> dict:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0, **body}
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions", "body": body}
+
+
+def _write(path, items) -> None:
+    path.write_text("".join(i if isinstance(i, str) else json.dumps(i) + "\n" for i in items))
+
+
+def _records(path) -> dict:
+    return {
+        r["custom_id"] if r["custom_id"] is not None else f"line {r['error']['line']}": r
+        for r in map(json.loads, path.read_text().splitlines())
+    }
+
+
+def _run_batch_args(tmp_path, inp, out) -> list[str]:
+    cache = tmp_path / "xla"  # shared by the runs of a test: the later ones load, not compile
+    return ["run-batch", "-i", str(inp), "-o", str(out), "--no-progress", *ENGINE,
+            "--compilation-cache-dir", str(cache)]  # fmt: skip
+
+
+def test_every_line_is_answered_and_a_rerun_has_nothing_to_do(tmp_path, capsys):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    _write(
+        inp,
+        [
+            _completion("text", "The quick brown fox"),
+            _completion("ids", [1, 40, 41, 42], n=2, logprobs=2),
+            {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions", "body": chat},
+            _completion("bad-temp", "x", temperature=-1),
+            _completion("bad-model", "x", model="other"),
+            _completion("too-long", list(range(3, 300))),
+            {"custom_id": "url", "method": "POST", "url": "/v1/embeddings", "body": {}},
+            {"custom_id": "stream", "url": "/v1/completions", "body": {"stream": True}},
+            "\n",
+            "not json\n",
+            {"method": "POST", "url": "/v1/completions", "body": {}},
+        ],
+    )
+    assert cli.main(_run_batch_args(tmp_path, inp, out)) == 0
+    records = _records(out)
+    assert len(out.read_text().splitlines()) == len(records) == 10
+    ok = {k: r for k, r in records.items() if r["response"] and r["response"]["status_code"] == 200}
+    assert set(ok) == {"text", "ids", "chat"}
+    body = ok["ids"]["response"]["body"]
+    assert body["object"] == "text_completion" and len(body["choices"]) == 2
+    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 16, "total_tokens": 20}
+    assert len(body["choices"][0]["logprobs"]["top_logprobs"]) == 8
+    assert ok["chat"]["response"]["body"]["object"] == "chat.completion"
+    assert records["bad-temp"]["response"]["status_code"] == 400
+    assert "temperature" in records["bad-temp"]["response"]["body"]["error"]["message"]
+    assert records["bad-model"]["response"]["status_code"] == 404
+    assert records["too-long"]["response"]["status_code"] == 400
+    for key, words in (("url", "'url'"), ("stream", "stream"), ("line 10", "not valid JSON")):
+        assert records[key]["response"] is None and words in records[key]["error"]["message"]
+    assert "custom_id" in records["line 11"]["error"]["message"]
+    # The greedy text is what LLM.generate gives (the same engine, the same handlers' params).
+    from jaxserve import LLM, SamplingParams
+
+    llm = LLM(MODEL, warmup=False, max_model_len=128, num_kv_blocks=96, block_size=8)
+    (expected,) = llm.generate(
+        "The quick brown fox", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False
+    )
+    assert ok["text"]["response"]["body"]["choices"][0]["text"] == expected.outputs[0].text
+    capsys.readouterr()
+    assert cli.main(_run_batch_args(tmp_path, inp, out)) == 0
+    assert "nothing to do: all 10 requests" in capsys.readouterr().out
+
+
+def test_a_repeated_custom_id_is_refused_before_anything_runs(tmp_path, capsys):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write(inp, [_completion("a", "x"), _completion("b", "y"), _completion("a", "z")])
+    assert cli.main(_run_batch_args(tmp_path, inp, out)) == 2
+    assert "in.jsonl:3: custom_id 'a' repeats line 1" in capsys.readouterr().err
+    assert not out.exists() or out.read_text() == ""
+
+
+@pytest.mark.slow
+def test_a_job_killed_five_times_ends_with_every_line_once(tmp_path):
+    """200 lines; SIGKILL at 5 random moments, each time resumed; then compared with an
+    uninterrupted run of the same job."""
+    rng = random.Random(0)
+    inp = tmp_path / "in.jsonl"
+    prompts = [[rng.randrange(3, 1000) for _ in range(rng.randrange(4, 40))] for _ in range(200)]
+    _write(
+        inp,
+        [_completion(f"r{i}", p, max_tokens=rng.randrange(2, 12)) for i, p in enumerate(prompts)],
+    )
+    command = [sys.executable, "-m", "jaxserve.cli"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    reference = tmp_path / "reference.jsonl"
+    subprocess.run([*command, *_run_batch_args(tmp_path, inp, reference)], env=env, check=True,
+                   capture_output=True, timeout=600)  # fmt: skip
+    out = tmp_path / "out.jsonl"
+    kills = 0
+    deadline = time.monotonic() + 600
+    while kills < 5 and time.monotonic() < deadline:
+        before = len(out.read_text().splitlines()) if out.exists() else 0
+        target = before + rng.randrange(1, 30)  # kill once this many lines are out, or so
+        proc = subprocess.Popen([*command, *_run_batch_args(tmp_path, inp, out)], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        try:
+            while proc.poll() is None and time.monotonic() < deadline:
+                if out.exists() and len(out.read_bytes().split(b"\n")) > target:
+                    break
+                time.sleep(rng.uniform(0.0, 0.05))
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                kills += 1
+            proc.wait(timeout=60)
+        if proc.returncode == 0:
+            break  # it finished before the kill came
+    assert kills == 5
+    subprocess.run([*command, *_run_batch_args(tmp_path, inp, out)], env=env, check=True,
+                   capture_output=True, timeout=600)  # fmt: skip
+    lines = out.read_text().splitlines()
+    ids = [json.loads(line)["custom_id"] for line in lines]
+    assert len(lines) == 200 and sorted(ids) == sorted(f"r{i}" for i in range(200))
+
+    def texts(path):
+        return {k: r["response"]["body"]["choices"][0]["text"] for k, r in _records(path).items()}
+
+    assert texts(out) == texts(reference)
