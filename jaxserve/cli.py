@@ -553,6 +553,7 @@ SUBCOMMANDS: list[AddParser] = [
     _lazy("jaxserve.cli_plan"),
     _lazy("jaxserve.cli_serve"),
     _lazy("jaxserve.cli_run_batch"),
+    _lazy("jaxserve.cli_score"),
 ]
 
 

@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 
 from jaxserve.engine.interrupts import InterruptGuard, defer_sigint
 from jaxserve.engine.llm_engine import CheckedRequest, LLMEngine, PromptType
+from jaxserve.engine.scoring import SCORE_PARAMS, check_pairs, continuation_logprobs
 from jaxserve.engine.streaming import OutputDelta
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
@@ -287,25 +288,9 @@ class LLM:
             TypeError / ValueError: a bad prompt or continuation, or a pair longer than
                 max_model_len ("pairs[i]: ...").
         """
-        if len(prompts) != len(continuations):
-            raise ValueError(
-                f"score: {len(prompts)} prompts but {len(continuations)} continuations"
-            )
-        joined, spans = [], []
-        for i, (prompt, cont) in enumerate(zip(prompts, continuations, strict=True)):
-            try:
-                _, p_ids = self.engine.process_prompt(prompt)
-                _, c_ids = self.engine.process_prompt(cont, add_special_tokens=False)
-                self.engine.core.check_prompt_length(len(p_ids) + len(c_ids))
-            except (TypeError, ValueError) as e:
-                raise type(e)(f"score: pairs[{i}] (prompt + continuation): {e}") from None
-            joined.append(p_ids + c_ids)
-            spans.append((len(p_ids), len(c_ids)))
-        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-        outs = self.generate(joined, params, use_tqdm)
-        scores = []
-        for out, (num_prompt, _) in zip(outs, spans, strict=True):
-            lps = out.prompt_logprobs
-            ids = out.prompt_token_ids
-            scores.append(sum(lps[i][ids[i]].logprob for i in range(num_prompt, len(ids))))
-        return scores
+        pairs = check_pairs(self.engine, prompts, continuations)
+        outs = self.generate([p.token_ids for p in pairs], SCORE_PARAMS, use_tqdm)
+        return [
+            sum(continuation_logprobs(out, p.num_prompt_tokens))
+            for out, p in zip(outs, pairs, strict=True)
+        ]

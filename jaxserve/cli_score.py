@@ -1,0 +1,85 @@
+"""``jaxserve score``: the log-probability of continuations given prompts (jobs/score_job.py).
+
+    jaxserve score -i IN.jsonl -o OUT.jsonl [--model M] [--no-progress] [engine flags]
+
+Resumable as run-batch: records are appended as pairs finish, and a rerun skips the ids already
+in OUT. Exit status: 0, or 2 for bad input (a bad line, flag or model; nothing runs then).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from jaxserve.cli import EXIT_BAD_INPUT, add_engine_flags, engine_kwargs
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``jaxserve score``."""
+    p = subparsers.add_parser(
+        "score",
+        help="score continuations given prompts (log-probabilities; resumable)",
+        description="Write each JSONL line's continuation log-probability given its prompt, "
+        "per token and summed. Rerun the same command after an interruption to finish the rest.",
+    )
+    p.set_defaults(run=run)
+    p.add_argument("-i", "--input", required=True, help="the pairs (JSONL; '-': stdin)")
+    p.add_argument("-o", "--output", required=True, help="the results file (JSONL, appended)")
+    p.add_argument(
+        "--model",
+        default="tiny-random-llama",
+        help="a built-in model name, an HF or Orbax checkpoint folder, or a Hub model ID",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_engine_flags(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from jaxserve.jobs.results import ResultsFile
+    from jaxserve.jobs.score_job import ScoreInputError, parse_score_lines
+
+    try:
+        if args.input == "-":
+            lines = parse_score_lines(sys.stdin, "<stdin>")
+        else:
+            with open(args.input, encoding="utf-8") as f:
+                lines = parse_score_lines(f, args.input)
+        results = ResultsFile(args.output, key=lambda record: str(record["id"]))
+    except OSError as e:
+        return _fail(f"cannot read {e.filename!r} ({e.strerror})")
+    except (ScoreInputError, ValueError, UnicodeDecodeError) as e:
+        return _fail(str(e))
+    with results:
+        done_before = sum(item.id in results.done for item in lines)
+        if done_before == len(lines):
+            print(f"nothing to do: all {len(lines)} pairs are in {args.output}")
+            return 0
+        from tqdm.auto import tqdm
+
+        from jaxserve.engine.llm import LLM  # jax loads here
+        from jaxserve.jobs.score_job import score_lines
+
+        try:
+            llm = LLM(args.model, **engine_kwargs(args))
+        except (OSError, TypeError, ValueError) as e:
+            return _fail(str(e))
+        bar = tqdm(total=len(lines), initial=done_before, desc="Pairs", disable=args.no_progress)
+        start = time.perf_counter()
+        try:
+            for _ in score_lines(llm, lines, results):
+                bar.update(1)
+        except ScoreInputError as e:
+            return _fail(str(e))
+        finally:
+            bar.close()
+    print(
+        f"pairs: {len(lines)} ({done_before} done before this run, {len(lines) - done_before} "
+        f"scored in {time.perf_counter() - start:.2f} s)"
+    )
+    return 0
+
+
+def _fail(message: str) -> int:
+    print(f"jaxserve score: error: {message}", file=sys.stderr)
+    return EXIT_BAD_INPUT

@@ -1,0 +1,119 @@
+"""The score job: the log-probability of each line's continuation given its prompt.
+
+Input, one pair a line (``id`` optional: the line's 0-based index)::
+
+    {"id": "q1", "prompt": "The capital of France is", "continuation": " Paris"}
+    {"prompt_token_ids": [1, 40, 41], "continuation_token_ids": [42, 43]}
+
+Output, one line per pair, appended as pairs finish (ResultsFile: a rerun skips the ids
+already written)::
+
+    {"id": "q1", "logprob": -3.2, "token_logprobs": [-1.2, -2.0], "num_tokens": 2}
+
+Every line is checked (parsed, tokenized, its length checked) before any runs; a bad line stops
+the job with its line number.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from jaxserve.engine.llm import LLM
+from jaxserve.engine.scoring import SCORE_PARAMS, check_pair, continuation_logprobs
+from jaxserve.jobs.results import ResultsFile
+from jaxserve.sampling_params import RequestOutputKind
+
+_FIELDS = ("id", "prompt", "prompt_token_ids", "continuation", "continuation_token_ids")
+
+
+class ScoreInputError(ValueError):
+    """A bad input line (its source and line number lead the message)."""
+
+
+@dataclass(frozen=True)
+class ScoreLine:
+    id: str
+    prompt: str | dict[str, list[int]]  # as LLM prompts: text, or {"prompt_token_ids": ...}
+    continuation: str | dict[str, list[int]]
+    where: str  # its input line ("pairs.jsonl:3")
+
+
+def parse_score_lines(lines: Iterable[str], source: str) -> list[ScoreLine]:
+    """Raises ScoreInputError: not JSON, an unknown field, not exactly one prompt and one
+    continuation, an id that repeats, or no line at all."""
+    parsed: list[ScoreLine] = []
+    seen: dict[str, int] = {}  # id -> its line number
+    for number, text in enumerate(lines, start=1):
+        if not text.strip():
+            continue
+        where = f"{source}:{number}"
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ScoreInputError(f"{where}: not valid JSON ({e})") from None
+        if not isinstance(obj, dict):
+            raise ScoreInputError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        unknown = sorted(set(obj) - set(_FIELDS))
+        if unknown:
+            raise ScoreInputError(f"{where}: unknown field {unknown[0]!r} (allowed: {_FIELDS})")
+        item_id = obj.get("id", len(parsed))
+        if isinstance(item_id, bool) or not isinstance(item_id, (str, int)):
+            raise ScoreInputError(
+                f"{where}: field 'id' must be a string or an int, got {item_id!r}"
+            )
+        item_id = str(item_id)
+        if item_id in seen:
+            raise ScoreInputError(f"{where}: id {item_id!r} repeats line {seen[item_id]}")
+        seen[item_id] = number
+        prompt = _one_of(obj, "prompt", where)
+        continuation = _one_of(obj, "continuation", where)
+        parsed.append(ScoreLine(item_id, prompt, continuation, where))
+    if not parsed:
+        raise ScoreInputError(f"{source}: no lines to score")
+    return parsed
+
+
+def _one_of(obj: dict[str, Any], name: str, where: str) -> str | dict[str, list[int]]:
+    text, ids = obj.get(name), obj.get(f"{name}_token_ids")
+    if (text is None) == (ids is None):
+        raise ScoreInputError(f"{where}: give exactly one of '{name}' and '{name}_token_ids'")
+    if text is not None:
+        if not isinstance(text, str) or not text:
+            raise ScoreInputError(f"{where}: field '{name}' must be a non-empty string")
+        return text
+    return {"prompt_token_ids": ids}  # checked (type, vocabulary) by the engine
+
+
+def score_lines(llm: LLM, lines: list[ScoreLine], results: ResultsFile) -> Iterator[dict[str, Any]]:
+    """Score every line not in ``results.done``; yield (and append) each record as its pair
+    finishes.
+
+    Raises:
+        ScoreInputError: a pair the engine refuses (named by its input line), before any runs.
+    """
+    todo = [item for item in lines if item.id not in results.done]
+    pairs = []
+    for item in todo:
+        try:
+            pairs.append(check_pair(llm.engine, item.prompt, item.continuation))
+        except (TypeError, ValueError) as e:
+            raise ScoreInputError(f"{item.where} (prompt + continuation): {e}") from None
+    if not todo:
+        return
+    num_prompt = {item.id: p.num_prompt_tokens for item, p in zip(todo, pairs, strict=True)}
+    params = SCORE_PARAMS.clone()
+    params.output_kind = RequestOutputKind.FINAL_ONLY
+    outputs = llm.stream([p.token_ids for p in pairs], params, request_ids=[i.id for i in todo])
+    for out in outputs:
+        token_logprobs = continuation_logprobs(out, num_prompt[out.request_id])
+        record = {
+            "id": out.request_id,
+            "logprob": sum(token_logprobs),
+            "token_logprobs": token_logprobs,
+            "num_tokens": len(token_logprobs),
+        }
+        results.append(record)
+        yield record
