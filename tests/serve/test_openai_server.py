@@ -8,9 +8,9 @@ import json
 
 import openai
 import pytest
-from server_utils import MODEL, client, http, metrics, running_server
+from server_utils import MODEL, SMALL, client, http, metrics, running_server
 
-from jaxserve import AsyncLLM
+from jaxserve import LLM, AsyncLLM
 from jaxserve.entrypoints.openai.api_server import build_app
 
 KEY = "test-key"
@@ -239,14 +239,42 @@ def test_a_seed_makes_sampling_reproducible(oai):
     assert chat[0] == chat[1]
 
 
+def test_echo_with_max_tokens_0_returns_the_prompts_logprobs(oai, llm_engine):
+    """OpenAI's old way to score a prompt: echo, logprobs, max_tokens=0."""
+    from jaxserve.engine.scoring import SCORE_PARAMS, continuation_logprobs
+
+    ids = llm_engine.tokenizer.encode(PROMPT).ids
+    full = oai.completions.create(model=MODEL, prompt=PROMPT, echo=True, logprobs=2, max_tokens=0)
+    choice = full.choices[0]
+    assert choice.text == PROMPT and full.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None and all(len(t) == 2 for t in lp.top_logprobs[1:])
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    # The same numbers as scoring the prompt's tokens after its first one (an engine of its
+    # own: the server's is driven by its AsyncLLM).
+    (out,) = LLM("tiny-random-llama", **SMALL).generate(
+        [{"prompt_token_ids": ids}], SCORE_PARAMS, use_tqdm=False
+    )
+    expected = continuation_logprobs(out, 1)
+    assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-5)
+    # With generated tokens too: the prompt's text and logprobs, then the completion's.
+    both = oai.completions.create(model=MODEL, prompt=PROMPT, echo=True, logprobs=1, **GREEDY)
+    plain = oai.completions.create(model=MODEL, prompt=PROMPT, logprobs=1, **GREEDY)
+    assert both.choices[0].text == PROMPT + plain.choices[0].text
+    assert both.choices[0].logprobs.tokens[len(ids) :] == plain.choices[0].logprobs.tokens
+    assert both.usage == plain.usage
+
+
 BAD_REQUESTS = [
     ("completions", {"prompt": PROMPT, "extra_body": {"foo": 1}}, "foo", "unknown field"),
     ("completions", {"prompt": PROMPT, "temperature": -1.0}, "temperature", ">= 0, got -1"),
     ("completions", {"prompt": PROMPT, "temperature": "hot"}, "temperature", "'hot'"),
     ("completions", {"prompt": list(range(3, 203))}, "prompt", "max_model_len=128"),
     ("completions", {"prompt": PROMPT, "max_tokens": 200}, "max_tokens", "128"),
-    ("completions", {"prompt": PROMPT, "max_tokens": 0}, "max_tokens", ">= 1, got 0"),
-    ("completions", {"prompt": PROMPT, "echo": True}, "echo", "echo"),
+    ("completions", {"prompt": PROMPT, "max_tokens": 0}, "max_tokens", "only with echo=true"),
+    ("completions", {"prompt": PROMPT, "max_tokens": -1}, "max_tokens", ">= 1, got -1"),
+    ("completions", {"prompt": PROMPT, "echo": True, "stream": True}, "echo", "stream"),
     ("completions", {"prompt": PROMPT, "logit_bias": {"5": 1.0}}, "logit_bias", "not supported"),
     ("completions", {"prompt": PROMPT, "best_of": 3}, "best_of", "best_of"),
     ("completions", {"prompt": PROMPT, "logprobs": 21}, "logprobs", "[0, 20], got 21"),

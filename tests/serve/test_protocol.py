@@ -125,7 +125,8 @@ def test_chat_logprobs_and_max_completion_tokens_map_to_sampling_params():
         ({"prompt": "x", "suffix": "y"}, "suffix", "not supported"),
         ({"prompt": "x", "logit_bias": {"1": 2}}, "logit_bias", "logit bias"),
         ({"prompt": "x", "best_of": 2, "n": 1}, "best_of", "n (1)"),
-        ({"prompt": "x", "echo": True}, "echo", "echo"),
+        ({"prompt": "x", "echo": True, "stream": True}, "echo", "stream to false"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens", "only with echo=true"),
     ],
 )
 def test_bad_completion_bodies_name_the_field(body, param, says):
@@ -180,7 +181,7 @@ def test_a_body_that_is_not_an_object_is_refused():
         ("top_p", 0.0, "top_p", "top_p must be in (0, 1]"),
         ("stop", 5, "stop", "stop must be a str or a list of str"),
         ("min_tokens", 99, "min_tokens", "max_tokens=16"),
-        ("max_tokens", 0, "max_tokens", "max_tokens must be >= 1, got 0"),
+        ("max_tokens", -1, "max_tokens", "max_tokens must be >= 1, got -1"),
         ("logprobs", 21, "logprobs", "[0, 20], got 21"),
         ("stop_token_ids", [-1], "stop_token_ids", ">= 0"),
     ],

@@ -164,9 +164,23 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     """
     request = _parse(CompletionRequest, body, _REFUSED_COMPLETION)
     assert isinstance(request, CompletionRequest)
-    if request.echo:
-        raise OpenAIError("echo=true is not supported yet; leave echo out or false", param="echo")
+    if request.echo and request.stream:
+        raise OpenAIError(
+            "echo=true is answered without streaming only; set stream to false", param="echo"
+        )
+    if request.max_tokens == 0 and not request.echo:
+        raise OpenAIError(
+            "max_tokens=0 asks for no completion: only with echo=true (the prompt's own "
+            "logprobs); otherwise max_tokens must be >= 1",
+            param="max_tokens",
+        )
     return request
+
+
+def echo_only(request: CompletionRequest) -> bool:
+    """echo with max_tokens=0: the prompt (and its logprobs) alone, as OpenAI's completions
+    API scored prompts. The engine still samples one token, which the answer leaves out."""
+    return request.echo and request.max_tokens == 0
 
 
 def parse_chat_request(body: Any) -> ChatCompletionRequest:
@@ -464,6 +478,38 @@ def completion_logprobs(
         "top_logprobs": top_logprobs,
         "text_offset": offsets,
     }
+
+
+def echo_logprobs(
+    prompt_token_ids: list[int],
+    prompt_logprobs: PromptLogprobs,
+    num_top: int,
+    tokenizer: Any,
+) -> dict[str, list[Any]]:
+    """The completions logprobs object of an echoed prompt: its first token has none (null
+    token_logprobs and top_logprobs, as OpenAI's), each later one its own logprob and top-N."""
+    first = prompt_token_ids[0]
+    first_text = tokenizer.decode([first], skip_special_tokens=False) if tokenizer else None
+    rest = completion_logprobs(
+        [
+            _ordered(position, token)
+            for position, token in zip(prompt_logprobs[1:], prompt_token_ids[1:], strict=True)
+        ],
+        num_top,
+        tokenizer,
+        len(first_text or f"token_id:{first}"),
+    )
+    return {
+        "tokens": [first_text or f"token_id:{first}", *rest["tokens"]],
+        "token_logprobs": [None, *rest["token_logprobs"]],
+        "top_logprobs": [None, *rest["top_logprobs"]],
+        "text_offset": [0, *rest["text_offset"]],
+    }
+
+
+def _ordered(position: dict[int, Logprob], token_id: int) -> dict[int, Logprob]:
+    """A prompt position's logprobs with its own token first (as a sampled position has)."""
+    return {token_id: position[token_id], **position}
 
 
 def chat_logprobs(logprobs: SampleLogprobs, num_top: int, tokenizer: Any) -> dict[str, Any]:

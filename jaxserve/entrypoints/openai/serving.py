@@ -23,6 +23,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncGenerator
+from dataclasses import replace
 from typing import Any
 
 import jinja2
@@ -38,6 +39,8 @@ from jaxserve.entrypoints.openai.protocol import (
     chat_messages,
     completion_logprobs,
     completion_prompts,
+    echo_logprobs,
+    echo_only,
     num_logprobs,
     parse_chat_request,
     parse_completion_request,
@@ -198,6 +201,10 @@ class OpenAIServing:
         self._check_model(request.model)
         prompts = completion_prompts(request)
         params = self._params(request)
+        if request.echo and request.logprobs is not None:
+            # The echoed prompt's logprobs, as many top ones as the completion's.
+            top = max(request.logprobs, params.prompt_logprobs or 0)
+            params = replace(params, prompt_logprobs=top)
         checked = [
             self._check_prompt(
                 request, prompt, params, "prompt" if len(prompts) == 1 else f"prompt[{i}]"
@@ -220,6 +227,8 @@ class OpenAIServing:
         self, request: CompletionRequest, head: dict[str, Any], finals: list[RequestOutput]
     ) -> dict[str, Any]:
         n, num_top = request.n, request.logprobs
+        if request.echo:
+            finals = [self._echoed(request, final) for final in finals]
         choices = []
         for i, final in enumerate(finals):
             for c in final.outputs:
@@ -234,6 +243,16 @@ class OpenAIServing:
                     choice["logprobs"] = completion_logprobs(
                         c.logprobs or [], num_top, self._tokenizer
                     )
+                    if request.echo:
+                        choice["logprobs"] = _joined(
+                            echo_logprobs(
+                                final.prompt_token_ids,
+                                final.prompt_logprobs,
+                                num_top,
+                                self._tokenizer,
+                            ),
+                            choice["logprobs"],
+                        )
                 if request.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = prompt_logprobs_body(final.prompt_logprobs)
                 choices.append(choice)
@@ -286,6 +305,21 @@ class OpenAIServing:
         finally:
             outputs.close()
         yield SSE_DONE
+
+    def _echoed(self, request: CompletionRequest, final: RequestOutput) -> RequestOutput:
+        """``final`` with the prompt's text before each completion's; with max_tokens=0
+        (echo_only), the one token the engine sampled is left out."""
+        prompt = final.prompt
+        if prompt is None:
+            ids = final.prompt_token_ids
+            tokenizer = self._tokenizer
+            prompt = tokenizer.decode(ids, skip_special_tokens=False) if tokenizer else ""
+        completions = []
+        for c in final.outputs:
+            if echo_only(request):
+                c = replace(c, text="", token_ids=[], logprobs=[], cumulative_logprob=None)
+            completions.append(replace(c, text=prompt + c.text))
+        return replace(final, outputs=completions)
 
     # ---- /v1/chat/completions ------------------------------------------------------------------
     async def create_chat_completion(self, body: Any) -> dict[str, Any] | EventStream:
@@ -399,6 +433,8 @@ class OpenAIServing:
         # Without a limit, each prompt gets what the context leaves (_check_prompt); until then
         # the longest that may be, so that min_tokens is checked against something.
         max_tokens = self._max_model_len if requested is None else requested
+        if isinstance(request, CompletionRequest) and echo_only(request):
+            max_tokens = 1  # the engine samples one token, which the answer leaves out
         return sampling_params(request, max_tokens=max_tokens, output_kind=kind)
 
     def _check_prompt(
@@ -440,6 +476,17 @@ class OpenAIServing:
             "request %s: %d prompt(s), n=%d", response_id, len(checked), checked[0].params.n
         )
         return RequestOutputs(self.engine, requests)
+
+
+def _joined(prompt: dict[str, list[Any]], completion: dict[str, list[Any]]) -> dict[str, list]:
+    """An echoed prompt's logprobs object followed by its completion's (offsets shifted)."""
+    shift = len("".join(prompt["tokens"]))
+    return {
+        "tokens": prompt["tokens"] + completion["tokens"],
+        "token_logprobs": prompt["token_logprobs"] + completion["token_logprobs"],
+        "top_logprobs": prompt["top_logprobs"] + completion["top_logprobs"],
+        "text_offset": prompt["text_offset"] + [o + shift for o in completion["text_offset"]],
+    }
 
 
 def _usage(finals: list[RequestOutput]) -> dict[str, int]:
