@@ -345,3 +345,36 @@ def test_missing_or_malformed_model_exits_2(
     (broken / "config.json").write_text("{not json")
     assert cli.main(["generate", "--prompt", "a", "--model", str(broken)]) == 2
     assert f"{broken / 'config.json'}: malformed JSON" in capsys.readouterr().err
+
+
+def test_generate_resumes_after_an_interrupted_run(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An output left by a killed run (request a complete, b's n=2 group cut after one record,
+    a torn last line): the rerun keeps a, reruns b whole and c, each request's records once."""
+    prompts = tmp_path / "p.jsonl"
+    lines = [
+        {"prompt_token_ids": [5, 6, 7], "request_id": "a", "temperature": 0},
+        {"prompt_token_ids": [8, 9], "request_id": "b", "n": 2, "seed": 3},
+        {"prompt_token_ids": [10, 11, 12, 13], "request_id": "c", "prompt_logprobs": 1, "seed": 4},
+    ]
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "out.jsonl"
+    argv = ["generate", "--input", str(prompts), "--output", str(out), "--no-progress"]
+    assert cli.main([*argv, "--max-tokens", "3", *SMALL_ENGINE]) == 0
+    full = [json.loads(line) for line in out.read_text().splitlines()]
+    by_key = {(r["request_id"], r["index"]): r for r in full}
+    assert sorted(by_key) == [("a", 0), ("b", 0), ("b", 1), ("c", 0)]
+    prompt_logprobs = by_key[("c", 0)]["prompt_logprobs"]
+    assert prompt_logprobs[0] is None and len(prompt_logprobs) == 4
+    assert prompt_logprobs[1][0]["token_id"] == 11  # the prompt token first, then the top-1
+    survivor = [json.dumps(by_key[("a", 0)]), json.dumps(by_key[("b", 0)])]
+    out.write_text("\n".join(survivor) + '\n{"request_id": "c", "ind')
+    capsys.readouterr()
+    assert cli.main([*argv, "--max-tokens", "3", *SMALL_ENGINE]) == 0
+    assert "already done:       1 requests" in capsys.readouterr().out
+    again = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted((r["request_id"], r["index"]) for r in again) == sorted(by_key)
+    assert {(r["request_id"], r["index"]): r["token_ids"] for r in again} == {
+        k: r["token_ids"] for k, r in by_key.items()
+    }
