@@ -183,36 +183,35 @@ class ModelRunner:
         feature (greedy or sampled rows, seeds, logprobs, prompt logprobs, min_tokens) runs in
         these same compiled steps.
 
-        With ``workers`` > 1 the compilations run that many at a time in threads first. Then
-        each call runs once on an all-padding batch (every token writes into the null block;
-        copies are null-block self-copies): nothing real is touched.
+        Each is lowered and compiled ahead of time, ``workers`` at a time (threads: XLA
+        compiles without the GIL), for the arguments of an all-padding batch; nothing runs, and
+        the KV pages are not touched. jax keeps the executables, and the engine's calls with
+        the same shapes run them without tracing again (tests/runner/test_warmup.py).
 
         Returns the number of compilations this caused (fresh or loaded from the cache);
         compilations after it are explained in the log (step_compiles.py).
         """
         before = self.num_compilations + self.num_compilation_cache_hits
-        step_inputs = [
-            self._padding_step_inputs(padded_tokens, padded_rows, width, widths)
-            for padded_tokens, padded_rows, width in shapes or self.buckets.all_shapes()
+        jobs = [
+            Compilation(
+                self.compiles,
+                self._jitted_step,
+                (self.params, self.kv_caches, *self._padding_step_inputs(t, r, b, widths)),
+                STEP_ARGS,
+            )
+            for t, r, b in shapes or self.buckets.all_shapes()
             for widths in VARIANT_WIDTHS
         ]
-        copy_inputs = [(np.zeros(n, np.int32),) * 2 for n in self.copy_sizes]
-        if workers > 1:
-            jobs = [
-                Compilation(
-                    self.compiles, self._jitted_step, (self.params, self.kv_caches, *x), STEP_ARGS
-                )
-                for x in step_inputs
-            ] + [
-                Compilation(self.copy_compiles, self._jitted_copy, (self.kv_caches, *x), COPY_ARGS)
-                for x in copy_inputs
-            ]
-            compile_concurrently(jobs, workers)
-        for inputs in step_inputs:
-            self.kv_caches, out, _ = self._step(self.params, self.kv_caches, *inputs)
-        for inputs in copy_inputs:
-            self.kv_caches = self._copy(self.kv_caches, *inputs)
-        jax.block_until_ready((out.token_ids, self.kv_caches))
+        jobs += [
+            Compilation(
+                self.copy_compiles,
+                self._jitted_copy,
+                (self.kv_caches, *(np.zeros(n, np.int32),) * 2),
+                COPY_ARGS,
+            )
+            for n in self.copy_sizes
+        ]
+        compile_concurrently(jobs, workers)
         self.compiles.warmed_up = self.copy_compiles.warmed_up = True
         return self.num_compilations + self.num_compilation_cache_hits - before
 

@@ -5,8 +5,8 @@ A compilation after warm-up costs seconds (minutes on TPU) in the middle of serv
 logs a warning that names the function and the arguments whose shape, dtype or static value no
 earlier compilation had, and is kept in ``events`` (get_stats()["recompilations"]).
 
-Warm-up compiles concurrently (``compile_concurrently``): each call is lowered and compiled
-ahead of time in a thread pool (XLA compiles without holding the GIL), and jax keeps the
+Warm-up compiles ahead of time (``compile_concurrently``): each call is lowered and compiled,
+several at once in a thread pool (XLA compiles without holding the GIL), and jax keeps the
 executable, so the later call with the same arguments runs it without tracing again.
 """
 
@@ -111,7 +111,11 @@ def compile_concurrently(jobs: Sequence[Compilation], workers: int) -> None:
     """Compile every job, ``workers`` at a time. The first failure (or an interrupt) cancels
     the jobs not yet started and is raised once the running ones are done: no thread outlives
     the call."""
-    pool = ThreadPoolExecutor(max_workers=max(workers, 1), thread_name_prefix="jaxserve-compile")
+    if workers <= 1:  # in this thread: plain tracebacks, nothing to wait for
+        for job in jobs:
+            job.compiles.precompile(job.fn, job.args, job.names)
+        return
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="jaxserve-compile")
     try:
         futures = [pool.submit(j.compiles.precompile, j.fn, j.args, j.names) for j in jobs]
         for future in futures:
