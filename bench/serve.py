@@ -69,6 +69,7 @@ import _baselines  # noqa: E402
 import _datasets  # noqa: E402
 import throughput  # noqa: E402
 from _jaxserve_runs import poisson_arrivals  # noqa: E402
+from _machine import git_state, loadavg  # noqa: E402
 from _metrics import ModelShape, _percentiles  # noqa: E402
 
 CACHE = HERE / ".cache"
@@ -665,10 +666,6 @@ def _own_cpu_seconds() -> float:
     return t.user + t.system
 
 
-def _loadavg() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
-
-
 def _round_rate(x: float) -> float:
     """Two significant digits: rates that read well in the table."""
     return float(f"{x:.2g}")
@@ -688,7 +685,7 @@ class ServeBench:
         self.servers: dict[str, dict] = {}
         self.offline: dict | None = None
         self.notes: list[str] = []
-        self.load = {"start": _loadavg()}
+        self.load = {"start": loadavg()}
         self.wall_s: float | None = None
 
     # -- stages --
@@ -699,7 +696,7 @@ class ServeBench:
             print("offline: jaxserve LLM.generate (subprocess, warm-up on) ...", flush=True)
             try:
                 self.offline = run_offline(self.model, self.preset.engine, self.requests, a)
-                self.offline["loadavg_after"] = _loadavg()
+                self.offline["loadavg_after"] = loadavg()
                 print(
                     f"  offline {self.offline['elapsed_s']:.2f} s, "
                     f"{self.offline['output_tokens_per_s']:.1f} out tok/s "
@@ -713,7 +710,7 @@ class ServeBench:
         for name in a.servers:
             self.servers[name] = self._serve(name)
             self.save(partial=True)
-        self.load["end"] = _loadavg()
+        self.load["end"] = loadavg()
 
     def _server_process(self, name: str) -> ServerProcess | str:
         """The server to start, or why it is skipped."""
@@ -794,7 +791,7 @@ class ServeBench:
     def _run_rate(self, server: ServerProcess, rate: float) -> dict:
         a = self.args
         arrivals = poisson_arrivals(len(self.requests), rate, a.seed)
-        load_before = _loadavg()
+        load_before = loadavg()
         cpu_before, client_before = group_cpu_seconds(server.proc.pid), _own_cpu_seconds()
         records, itl, elapsed = asyncio.run(
             _run_load(
@@ -807,7 +804,7 @@ class ServeBench:
             )
         )
         s = summarize(rate, records, itl, elapsed)
-        s["loadavg_before"], s["loadavg_after"] = load_before, _loadavg()
+        s["loadavg_before"], s["loadavg_after"] = load_before, loadavg()
         s["cpu_s"] = _cpu_delta(cpu_before, group_cpu_seconds(server.proc.pid))
         s["cpu_s"]["client"] = _own_cpu_seconds() - client_before
         s["requests"] = [asdict(r) for r in records]
@@ -816,7 +813,7 @@ class ServeBench:
             f"{s['output_tokens_per_s']:7.1f} out tok/s  ttft p99 {_ms(s['ttft_ms_p99'])} ms  "
             f"itl p99 {_ms(s['itl_ms_p99'])} ms  ok {s['tokens_match']}/{s['num_requests']}  "
             f"cpu server {s['cpu_s']['server']:.0f} s client {s['cpu_s']['client']:.0f} s  "
-            f"load {load_before[0]}->{_loadavg()[0]}",
+            f"load {load_before[0]}->{loadavg()[0]}",
             flush=True,
         )
         return s
@@ -844,7 +841,7 @@ class ServeBench:
                 "python": platform.python_version(),
                 "loadavg": self.load,
             },
-            "git": throughput._git_state(),
+            "git": git_state(),
             "settings": {
                 "model": {
                     "name": m.name,

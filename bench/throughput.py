@@ -42,7 +42,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -54,6 +53,7 @@ sys.path.insert(0, str(HERE))
 import _baselines  # noqa: E402
 import _datasets  # noqa: E402
 import _jaxserve_runs  # noqa: E402
+from _machine import git_state, loadavg  # noqa: E402
 from _metrics import ModelShape, RunResult, machine_limits, utilization  # noqa: E402
 
 from jaxserve.runner.xla_flags import apply_cpu_workarounds  # noqa: E402
@@ -179,21 +179,6 @@ def ensure_checkpoint(preset: Preset, cache: Path = CACHE) -> Path:
     return folder
 
 
-def _loadavg() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
-
-
-def _git_state() -> dict:
-    def git(*a: str) -> str:
-        r = subprocess.run(["git", *a], cwd=HERE, capture_output=True, text=True)
-        return r.stdout.strip()
-
-    return {
-        "commit": git("rev-parse", "HEAD"),
-        "dirty_files": len(git("status", "--short").splitlines()),
-    }
-
-
 # ---- running ------------------------------------------------------------------------------
 
 
@@ -222,17 +207,17 @@ class Bench:
             for name in args.datasets
         }
         self.runs: dict[str, dict[str, list[RunResult]]] = {d: {} for d in self.datasets}
-        self.load: dict[str, list[float]] = {"start": _loadavg()}
+        self.load: dict[str, list[float]] = {"start": loadavg()}
         self.info: dict = {}
         self.wall_s: float | None = None
 
     def _add(self, dataset: str, result: RunResult) -> None:
-        result.extra["loadavg_after"] = _loadavg()
+        result.extra["loadavg_after"] = loadavg()
         self.runs[dataset].setdefault(result.engine, []).append(result)
         s = result.summary()
         print(
             f"  {dataset:9s} {result.engine:16s} {s['elapsed_s']:7.1f} s  "
-            f"{s['output_tokens_per_s']:8.1f} out tok/s  load {_loadavg()[0]}",
+            f"{s['output_tokens_per_s']:8.1f} out tok/s  load {loadavg()[0]}",
             flush=True,
         )
 
@@ -242,7 +227,7 @@ class Bench:
         baselines, transformers, jaxserve again. A failing baseline is recorded, not fatal;
         the results file is rewritten after every stage."""
         a = self.args
-        print(f"machine limits ... (load {_loadavg()})", flush=True)
+        print(f"machine limits ... (load {loadavg()})", flush=True)
         self.info["machine_limits"] = machine_limits(**self.preset.limits)
         print(f"jaxserve: building and warming up {self.model_dir.name} ...", flush=True)
         engine, warm_s, warm_compiles = _jaxserve_runs.build_engine(self.settings)
@@ -319,7 +304,7 @@ class Bench:
                 print(f"{label}: FAILED: {exc!r}", flush=True)
                 self.info.setdefault("failed", {})[label] = repr(exc)[-2000:]
             self.save(partial=True)
-        self.load["end"] = _loadavg()
+        self.load["end"] = loadavg()
 
     def save(self, partial: bool = False) -> dict:
         report = self.report()
@@ -401,7 +386,7 @@ class Bench:
                 "python": platform.python_version(),
                 "loadavg": self.load,
             },
-            "git": _git_state(),
+            "git": git_state(),
             "versions": _versions(),
             "model": {
                 "name": self.preset.model_name,
