@@ -499,6 +499,20 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     add_engine_flags(p)
 
 
+def add_job_flags(parser: argparse.ArgumentParser, input_help: str) -> None:
+    """The flags of a resumable JSONL job (run-batch, score): input, output, model, progress."""
+    parser.add_argument("-i", "--input", required=True, help=f"{input_help} (JSONL; '-': stdin)")
+    parser.add_argument(
+        "-o", "--output", required=True, help="the results file (JSONL, appended; resumable)"
+    )
+    parser.add_argument(
+        "--model",
+        default="tiny-random-llama",
+        help="a built-in model name, an HF or Orbax checkpoint folder, or a Hub model ID",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
 def add_engine_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """Add the engine flags (the LLM constructor arguments that ``engine_kwargs`` reads) to
     ``parser`` as one group; shared by every subcommand that builds an engine."""

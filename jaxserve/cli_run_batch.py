@@ -15,7 +15,7 @@ import argparse
 import asyncio
 import sys
 
-from jaxserve.cli import EXIT_BAD_INPUT, add_engine_flags, engine_kwargs
+from jaxserve.cli import EXIT_BAD_INPUT, add_engine_flags, add_job_flags, engine_kwargs
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -28,13 +28,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "the same command after an interruption to finish the rest.",
     )
     p.set_defaults(run=run)
-    p.add_argument("-i", "--input", required=True, help="the batch file (JSONL; '-': stdin)")
-    p.add_argument("-o", "--output", required=True, help="the results file (JSONL, appended)")
-    p.add_argument(
-        "--model",
-        default="tiny-random-llama",
-        help="a built-in model name, an HF or Orbax checkpoint folder, or a Hub model ID",
-    )
+    add_job_flags(p, "the batch file")
     p.add_argument(
         "--served-model-name",
         metavar="NAME",
@@ -46,7 +40,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         help="requests handed to the engine at once (default: 4 x max_num_seqs)",
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_engine_flags(p)
 
 

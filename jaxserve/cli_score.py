@@ -12,7 +12,7 @@ import argparse
 import sys
 import time
 
-from jaxserve.cli import EXIT_BAD_INPUT, add_engine_flags, engine_kwargs
+from jaxserve.cli import EXIT_BAD_INPUT, add_engine_flags, add_job_flags, engine_kwargs
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -24,14 +24,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "per token and summed. Rerun the same command after an interruption to finish the rest.",
     )
     p.set_defaults(run=run)
-    p.add_argument("-i", "--input", required=True, help="the pairs (JSONL; '-': stdin)")
-    p.add_argument("-o", "--output", required=True, help="the results file (JSONL, appended)")
-    p.add_argument(
-        "--model",
-        default="tiny-random-llama",
-        help="a built-in model name, an HF or Orbax checkpoint folder, or a Hub model ID",
-    )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_job_flags(p, "the pairs")
     add_engine_flags(p)
 
 
