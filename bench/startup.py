@@ -54,6 +54,7 @@ sys.path.insert(0, str(HERE))
 
 import _jaxserve_runs  # noqa: E402
 import throughput  # noqa: E402
+from _machine import git_state  # noqa: E402
 
 RESULTS = HERE / "results" / "startup.json"
 CACHE_ENV = "JAXSERVE_COMPILATION_CACHE_DIR"  # jaxserve/runner/compile_cache.py ENV_VAR
@@ -637,7 +638,7 @@ def main(argv: list[str] | None = None) -> dict:
             "jax_backend": jax.default_backend(),
             "loadavg": {"start": [round(x, 2) for x in os.getloadavg()]},
         },
-        "git": throughput._git_state(),
+        "git": git_state(),
     }
     t0 = time.perf_counter()
     print("1 demo: jaxserve generate twice", flush=True)

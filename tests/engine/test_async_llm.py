@@ -253,7 +253,14 @@ def test_metrics_count_tokens_and_requests_and_end_at_zero(engine, expected):
     before = engine.get_stats()
     run(collect(engine, prompts[4], params, "m1"))
     wait_idle(engine)
+    # The engine thread sets the gauges just after the step that freed the blocks: poll them.
+    deadline = time.monotonic() + 30
     text = engine.metrics.render().decode()
+    while "jaxserve:num_requests_running{" in text and time.monotonic() < deadline:
+        if 'jaxserve:kv_cache_usage_perc{model_name="tiny-random-llama"} 0.0' in text:
+            break
+        time.sleep(0.02)
+        text = engine.metrics.render().decode()
     for name in (
         "time_to_first_token_seconds",
         "inter_token_latency_seconds",
