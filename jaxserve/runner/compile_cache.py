@@ -9,9 +9,9 @@ Where it lives, first match wins:
     $XDG_CACHE_HOME/jaxserve/xla                   default (~/.cache/jaxserve/xla)
 
 When jaxserve sets the folder it also caches every compilation, however quick (jax's default
-skips those under a second, which on the CPU is most of them). ``CacheHits`` counts the
-compilations that were loaded from the cache (jax's monitoring event), so the runner can report
-fresh compilations and cache hits apart.
+skips those under a second, which on the CPU is most of them). ``CompileEvents`` counts
+compilations and the ones loaded from the cache (jax's monitoring events), so the runner can
+report fresh compilations and cache hits apart.
 """
 
 from __future__ import annotations
@@ -20,11 +20,13 @@ import logging
 import os
 import pathlib
 import threading
+from dataclasses import dataclass
 
 import jax
 
 ENV_VAR = "JAXSERVE_COMPILATION_CACHE_DIR"
 _HIT_EVENT = "/jax/compilation_cache/cache_hits"
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 logger = logging.getLogger("jaxserve")
 
@@ -64,37 +66,56 @@ def enable_compilation_cache(setting: str | None = None) -> str | None:
     return str(folder)
 
 
-class CacheHits:
-    """Compilations loaded from the persistent cache in this process, by any function (jax
-    reports them as events, not per function: callers take differences around their calls)."""
+class CompileEvents:
+    """XLA compilations in this process, counted from jax's monitoring events: one
+    ``/jax/core/compile/backend_compile_duration`` per compilation (fresh or loaded from the
+    persistent cache) and one ``/jax/compilation_cache/cache_hits`` per cache load.
+
+    jax reports each event in the thread that compiles, so the counts are kept per thread:
+    a caller takes differences around its own call (``Counts.since``) and sees only the
+    compilations that call caused, even while warm-up compiles in other threads. Nothing here
+    depends on the traced function running Python side effects.
+    """
 
     _lock = threading.Lock()
-    _count = 0
     _registered = False
-    _local = threading.local()  # the same count, of this thread's compilations only
+    _local = threading.local()
+
+    @dataclass(frozen=True)
+    class Counts:
+        compilations: int = 0  # fresh compilations and cache loads
+        cache_hits: int = 0  # of which loaded from the persistent cache
+
+        def since(self, before: CompileEvents.Counts) -> CompileEvents.Counts:
+            return CompileEvents.Counts(
+                self.compilations - before.compilations, self.cache_hits - before.cache_hits
+            )
 
     @classmethod
-    def count(cls) -> int:
+    def in_thread(cls) -> CompileEvents.Counts:
+        """The calling thread's counts so far."""
         cls._register()
-        return cls._count
-
-    @classmethod
-    def count_in_thread(cls) -> int:
-        """Cache hits of compilations run by the calling thread (jax reports each in the thread
-        that compiles): what concurrent compilations tell apart with."""
-        cls._register()
-        return getattr(cls._local, "count", 0)
+        return getattr(cls._local, "counts", cls.Counts())
 
     @classmethod
     def _register(cls) -> None:
         with cls._lock:
             if not cls._registered:
                 jax.monitoring.register_event_listener(cls._on_event)
+                jax.monitoring.register_event_duration_secs_listener(cls._on_duration)
                 cls._registered = True
+
+    @classmethod
+    def _bump(cls, compilations: int, cache_hits: int) -> None:
+        old = getattr(cls._local, "counts", cls.Counts())
+        cls._local.counts = cls.Counts(old.compilations + compilations, old.cache_hits + cache_hits)
 
     @classmethod
     def _on_event(cls, event: str, **kwargs) -> None:
         if event == _HIT_EVENT:
-            with cls._lock:
-                cls._count += 1
-            cls._local.count = getattr(cls._local, "count", 0) + 1
+            cls._bump(0, 1)
+
+    @classmethod
+    def _on_duration(cls, event: str, duration: float, **kwargs) -> None:
+        if event == _COMPILE_EVENT:
+            cls._bump(1, 0)

@@ -43,7 +43,6 @@ from jaxserve.runner.sharding import ShardingPlan
 from jaxserve.runner.step_compiles import (
     Compilation,
     StepCompiles,
-    TraceCounter,
     compile_concurrently,
 )
 
@@ -101,22 +100,20 @@ class ModelRunner:
             single_token_bucket=plan.single_token_bucket,
         )
         self.kv_caches = self._allocate_kv_caches()
-        # The jitted functions hold the model and a trace counter, never the runner: nothing
-        # of the runner is in a reference cycle, so dropping the last LLM frees its device
-        # memory at once, without waiting for the cyclic garbage collector.
-        traces = TraceCounter()
-        self.compiles = compiles = StepCompiles("the engine step", traces)
+        # The jitted functions hold the model, never the runner: nothing of the runner is in a
+        # reference cycle, so dropping the last LLM frees its device memory at once, without
+        # waiting for the cyclic garbage collector.
+        self.compiles = compiles = StepCompiles("the engine step")
         step_shardings, copy_shardings = _jit_shardings(sharding, model.arch.num_layers)
         self._jitted_step = jitted = jax.jit(
-            functools.partial(_step_fn, model, traces, plan.sampler_draw),
-            donate_argnums=(1,),
+            functools.partial(_step_fn, model, plan.sampler_draw),
+            donate_argnames=("kv_caches",),
             **step_shardings,
         )
         self._step = lambda *args: compiles(jitted, args, STEP_ARGS)
-        copy_traces = TraceCounter()
-        self.copy_compiles = copies = StepCompiles("the copy-on-write block copy", copy_traces)
+        self.copy_compiles = copies = StepCompiles("the copy-on-write block copy")
         self._jitted_copy = jitted_copy = jax.jit(
-            functools.partial(_copy_blocks, copy_traces), donate_argnums=(0,), **copy_shardings
+            _copy_blocks, donate_argnames=("kv_caches",), **copy_shardings
         )
         self._copy = lambda *args: copies(jitted_copy, args, COPY_ARGS)
         # Copies per step are padded to a power of two (null-block self-copies); a step copies
@@ -379,7 +376,6 @@ COPY_ARGS = ("kv_caches", "src", "dst")
 
 def _step_fn(
     model: CausalLM,
-    traces: TraceCounter,
     draw: str,
     params: Any,
     kv_caches: list[tuple[jax.Array, jax.Array]],
@@ -391,7 +387,6 @@ def _step_fn(
 ):
     """The jitted step: forward, logits at the R sampling rows, sample, and the prompt logprobs
     of the rows that owe them (the [T, V] logits only when some row does: a run-time test)."""
-    traces.count += 1  # runs once per trace: counts compilations
     kv_caches, hidden = model.forward(params, kv_caches, input_ids, md)  # [T, D]
     logits = model.compute_logits(params, hidden[logits_indices])  # f32[R, V]
     out = sample(logits, sampling_md, draw=draw)
@@ -464,7 +459,6 @@ def _jit_shardings(
     return step, dict(in_shardings=(kv, rep, rep), out_shardings=kv)
 
 
-def _copy_blocks(traces: TraceCounter, kv_caches, src: jax.Array, dst: jax.Array):
+def _copy_blocks(kv_caches, src: jax.Array, dst: jax.Array):
     """Copy-on-write: pages src[i] -> dst[i] in every layer (K and V). In place (donated)."""
-    traces.count += 1  # runs once per trace: counts compilations
     return [(k.at[:, dst].set(k[:, src]), v.at[:, dst].set(v[:, src])) for k, v in kv_caches]

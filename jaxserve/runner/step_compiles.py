@@ -21,32 +21,23 @@ from typing import Any
 
 import jax
 
-from jaxserve.runner.compile_cache import CacheHits
+from jaxserve.runner.compile_cache import CompileEvents
 
 logger = logging.getLogger("jaxserve")
 
 Signature = dict[str, str]  # argument name -> its shapes / dtypes, or its static value
 
 
-class TraceCounter:
-    """Traces of a jitted function; the traced function increments ``count`` (it runs once per
-    trace, never when a compiled executable is reused)."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-
 class StepCompiles:
-    """Runs a jitted function and keeps track of its compilations.
+    """Runs a jitted function and keeps track of its compilations (counted from jax's
+    compilation events in the calling thread: compile_cache.CompileEvents).
 
     Args:
         name: the function's name, for messages.
-        traces: the counter its traced body increments.
     """
 
-    def __init__(self, name: str, traces: TraceCounter) -> None:
+    def __init__(self, name: str) -> None:
         self.name = name
-        self.traces = traces
         self.num_fresh = 0  # compiled here
         self.num_cache_hits = 0  # loaded from the persistent compilation cache
         self.warmed_up = False  # set by the runner when its warm-up is done
@@ -58,10 +49,11 @@ class StepCompiles:
         self, fn: Callable[..., Any], args: Sequence[Any], names: Sequence[str], **static: Any
     ) -> Any:
         """``fn(*args, **static)``; ``names`` name the positional args (for explanations)."""
-        traces, hits = self.traces.count, CacheHits.count()
+        before = CompileEvents.in_thread()
         out = fn(*args, **static)
-        if self.traces.count != traces:
-            self._compiled(signature(args, names, static), CacheHits.count() > hits)
+        new = CompileEvents.in_thread().since(before)
+        if new.compilations:
+            self._compiled(signature(args, names, static), new.cache_hits > 0)
         return out
 
     def precompile(self, fn: Any, args: Sequence[Any], names: Sequence[str]) -> None:
@@ -72,9 +64,9 @@ class StepCompiles:
         with self._lock:
             if sig in self._seen:
                 return
-        hits = CacheHits.count_in_thread()
+        before = CompileEvents.in_thread()
         fn.lower(*args).compile()
-        self._compiled(sig, CacheHits.count_in_thread() > hits)
+        self._compiled(sig, CompileEvents.in_thread().since(before).cache_hits > 0)
 
     def _compiled(self, sig: Signature, from_cache: bool) -> None:
         with self._lock:

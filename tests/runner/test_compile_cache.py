@@ -71,3 +71,29 @@ def test_bad_value_is_refused():
 
     with pytest.raises(TypeError, match="compilation_cache_dir must be a folder path"):
         RunnerConfig(compilation_cache_dir=3)
+
+
+def test_compile_events_count_this_threads_compilations_only():
+    import threading
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxserve.runner.compile_cache import CompileEvents
+
+    fn = jax_jit_of(lambda x: jnp.sin(x) + 1)
+    before = CompileEvents.in_thread()
+    fn(np.ones(3, np.float32))
+    assert CompileEvents.in_thread().since(before).compilations == 1
+    fn(np.ones(3, np.float32))  # the same shape: reused, nothing compiled
+    assert CompileEvents.in_thread().since(before).compilations == 1
+    other = threading.Thread(target=lambda: fn(np.ones(5, np.float32)))
+    other.start()
+    other.join()
+    assert CompileEvents.in_thread().since(before).compilations == 1  # not this thread's
+
+
+def jax_jit_of(f):
+    import jax
+
+    return jax.jit(f)

@@ -11,13 +11,9 @@ import numpy as np
 import pytest
 
 from jaxserve import LLMEngine, SamplingParams
+from jaxserve.runner.compile_cache import CompileEvents
 from jaxserve.runner.sampling_metadata import VARIANT_WIDTHS
-from jaxserve.runner.step_compiles import (
-    Compilation,
-    StepCompiles,
-    TraceCounter,
-    compile_concurrently,
-)
+from jaxserve.runner.step_compiles import Compilation, StepCompiles, compile_concurrently
 
 ENGINE = dict(
     num_kv_blocks=48, block_size=8, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64
@@ -57,36 +53,36 @@ def test_concurrent_warmup_compiles_each_shape_once_and_the_engine_reuses_them()
 
 
 def test_concurrent_compilations_run_in_threads_and_are_reused_by_the_call():
-    traces, names = TraceCounter(), []
+    names = []
 
     def body(x):
-        traces.count += 1
-        names.append(threading.current_thread().name)
+        names.append(threading.current_thread().name)  # runs once per trace
         return jnp.tanh(x) * 2
 
     fn = jax.jit(body)
-    compiles = StepCompiles("body", traces)
+    compiles = StepCompiles("body")
     args = [(np.ones(n, np.float32),) for n in (3, 5, 7, 9)]
     compile_concurrently([Compilation(compiles, fn, a, ("x",)) for a in args], workers=2)
     assert compiles.num_fresh + compiles.num_cache_hits == 4
-    assert all(name.startswith("jaxserve-compile") for name in names)
+    assert len(names) == 4 and all(name.startswith("jaxserve-compile") for name in names)
+    before = CompileEvents.in_thread()
     for a in args:
         np.testing.assert_allclose(compiles(fn, a, ("x",)), np.tanh(a[0]) * 2, rtol=1e-6)
-    assert traces.count == 4  # the calls ran the executables compiled in the threads
+    # The calls ran the executables compiled in the threads: no trace, no compilation.
+    assert len(names) == 4 and CompileEvents.in_thread().since(before).compilations == 0
+    assert compiles.num_fresh + compiles.num_cache_hits == 4
     compile_concurrently([Compilation(compiles, fn, args[0], ("x",))], workers=2)
     assert compiles.num_fresh + compiles.num_cache_hits == 4  # seen: skipped
 
 
 def test_a_failed_compilation_is_raised_and_no_thread_outlives_the_call():
-    traces = TraceCounter()
-
     def body(x):
         if x.shape[0] == 5:
             raise ValueError("shape 5 does not trace")
         return x + 1
 
     fn = jax.jit(body)
-    compiles = StepCompiles("body", traces)
+    compiles = StepCompiles("body")
     jobs = [Compilation(compiles, fn, (np.ones(n, np.float32),), ("x",)) for n in range(1, 9)]
     with pytest.raises(ValueError, match="shape 5 does not trace"):
         compile_concurrently(jobs, workers=3)
