@@ -57,9 +57,9 @@ from jaxserve.runner.xla_flags import apply_cpu_workarounds  # noqa: E402
 
 
 class StepProbe:
-    """Times the parts of every LLMEngine.step of one engine and records the step's buckets.
+    """Records the phase times and buckets of every LLMEngine.step of one engine, through the
+    engine's public step tracer (LLMEngine.set_step_tracer, jaxserve/runner/step_trace.py).
 
-    Install after each reset_scheduler (the scheduler is a new object each run).
     finished_only: step(finished_only=True), as LLM.generate runs it (no RequestOutput per
     running request per step); False: every step's outputs, as a streaming caller gets them.
     """
@@ -69,85 +69,47 @@ class StepProbe:
         self.finished_only = finished_only
         self.records: list[dict] = []
         self._cur: dict = {}
-        runner = engine.runner
-        self._orig_execute = runner.execute_model
-        self._orig_step = runner._step
-        runner.execute_model = self._execute_model
-        runner._step = self._step
-        self.install_scheduler()
-
-    def install_scheduler(self) -> None:
-        sched = self.engine.scheduler
-        orig_schedule, orig_update = sched.schedule, sched.update_from_output
-
-        def schedule():
-            t0 = time.perf_counter()
-            out = orig_schedule()
-            self._cur["schedule"] = time.perf_counter() - t0
-            return out
-
-        def update(so, ro):
-            t0 = time.perf_counter()
-            out = orig_update(so, ro)
-            self._cur["update"] = time.perf_counter() - t0
-            return out
-
-        sched.schedule, sched.update_from_output = schedule, update
+        engine.set_step_tracer(self._record)
 
     def uninstall(self) -> None:
-        runner = self.engine.runner
-        runner.execute_model, runner._step = self._orig_execute, self._orig_step
+        self.engine.set_step_tracer(None)
 
-    def _execute_model(self, so):
-        t0 = time.perf_counter()
-        out = self._orig_execute(so)
-        self._cur["execute"] = time.perf_counter() - t0
-        return out
-
-    def _step(self, params, kv, input_ids, md, logits_indices, *rest, **kw):
-        import jax
-
-        t0 = time.perf_counter()
-        res = self._orig_step(params, kv, input_ids, md, logits_indices, *rest, **kw)
-        t1 = time.perf_counter()
-        jax.block_until_ready(res[1].token_ids)
-        t2 = time.perf_counter()
-        n = int(md.num_seqs[0])
-        qsl = np.asarray(md.query_start_loc)
-        q = np.diff(qsl[: n + 1]).astype(np.int64)
-        seq = np.asarray(md.seq_lens[:n], np.int64)
+    def _record(self, trace) -> None:
+        if not trace.padded_tokens:  # a step that ran no model
+            return
+        q, seq = trace.q_lens.astype(np.int64), trace.seq_lens.astype(np.int64)
         self._cur.update(
-            dispatch=t1 - t0,
-            device=t2 - t0,
-            T=int(input_ids.shape[0]),
-            R=int(md.block_tables.shape[0]),
-            B=int(md.block_tables.shape[1]),
-            tokens=int(qsl[n]),
-            rows=n,
+            schedule=trace.schedule_s,
+            execute=trace.execute_s,
+            update=trace.update_s,
+            dispatch=trace.dispatch_s,
+            device=trace.device_s,
+            T=trace.padded_tokens,
+            R=trace.padded_rows,
+            B=trace.table_width,
+            tokens=trace.num_tokens,
+            rows=trace.num_rows,
             decode_rows=int((q == 1).sum()),
             # Context positions attention really needs: token i of a row of q new tokens and
             # length L sees L - q + i + 1 positions.
             ctx=int((q * (2 * seq - q + 1) // 2).sum()),
-            attn_read=self._attention_reads(int(input_ids.shape[0]), md, int(seq.max(initial=0))),
-            all_greedy=bool((np.asarray(rest[0].temperature) <= 0).all()),
+            attn_read=self._attention_reads(trace),
+            all_greedy=trace.all_greedy,
         )
-        return res
 
-    def _attention_reads(self, num_tokens: int, md, longest: int) -> int:
+    def _attention_reads(self, trace) -> int:
         """Context positions the step's attention backend scores, summed over query rows:
         reference: every row, the whole bucketed width B x P; xla and cpu: see
         xla_scored_positions; others: as needed (reported as the needed count, via a negative
         marker resolved by the caller)."""
         backend = self.engine.info.plan.attention.name
-        width = int(md.block_tables.shape[1])
         bs = self.engine.runner.block_size
         if backend == "reference":
-            return num_tokens * width * bs
+            return trace.padded_tokens * trace.table_width * bs
         if backend in ("xla", "cpu"):
-            n = int(md.num_seqs[0])
-            q = np.diff(np.asarray(md.query_start_loc)[: n + 1])
-            kv = np.asarray(md.seq_lens[:n])
-            return xla_scored_positions(q, kv, bs, width, cpu_rows=backend == "cpu")
+            return xla_scored_positions(
+                trace.q_lens, trace.seq_lens, bs, trace.table_width, cpu_rows=backend == "cpu"
+            )
         return -1
 
     def step(self) -> list:
@@ -281,7 +243,6 @@ def step_microbench(engine, shape: ModelShape, limits: dict, cases, reps: int) -
     all have the given context length: greedy and sampled (temperature 1.0)."""
     import jax
 
-    from jaxserve.runner.model_runner import _attention_metadata
     from jaxserve.runner.sampling_metadata import SamplingMetadata
 
     runner = engine.runner
@@ -300,15 +261,7 @@ def step_microbench(engine, shape: ModelShape, limits: dict, cases, reps: int) -
             times = []
             for _ in range(reps + 1):
                 t0 = time.perf_counter()
-                runner.kv_caches, out, _ = runner._step(
-                    runner.params,
-                    runner.kv_caches,
-                    batch.input_ids,
-                    _attention_metadata(batch, runner.rope_tables),
-                    batch.logits_indices,
-                    smd,
-                    np.full(batch.input_ids.shape, -1, np.int32),  # no prompt logprobs
-                )
+                out, _ = runner.run_prepared(batch, smd)
                 jax.block_until_ready(out.token_ids)
                 times.append(time.perf_counter() - t0)
             row[f"{label}_ms"] = float(np.median(times[1:])) * 1e3

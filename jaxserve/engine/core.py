@@ -8,7 +8,8 @@ aborts, and recovers from a failed step.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from jaxserve.config import EngineConfig
@@ -16,12 +17,15 @@ from jaxserve.core.sched.output import SchedulerOutput
 from jaxserve.core.sched.scheduler import Scheduler
 from jaxserve.outputs import EngineCoreOutput, ModelRunnerOutput
 from jaxserve.request import Request, RequestStatus
+from jaxserve.runner.step_trace import StepTrace
 
 
 class Runner(Protocol):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
     def reset(self) -> bool: ...
+
+    trace: StepTrace | None  # filled in by execute_model while set
 
 
 class EngineCore:
@@ -38,11 +42,33 @@ class EngineCore:
         self.runner = runner
         self.num_kv_blocks = num_kv_blocks
         self.scheduler = Scheduler(config.scheduler, config.cache, num_kv_blocks)
+        # Called with each step's StepTrace while set (LLMEngine.set_step_tracer); None: off.
+        self.step_tracer: Callable[[StepTrace], None] | None = None
 
     def step(self) -> list[EngineCoreOutput]:
+        if self.step_tracer is not None:
+            return self._traced_step(self.step_tracer)
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute_model(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def _traced_step(self, tracer: Callable[[StepTrace], None]) -> list[EngineCoreOutput]:
+        """``step``, timed phase by phase; the runner fills in its part of the trace."""
+        trace = StepTrace()
+        t0 = time.perf_counter()
+        scheduler_output = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        self.runner.trace = trace
+        try:
+            runner_output = self.runner.execute_model(scheduler_output)
+        finally:
+            self.runner.trace = None
+        t2 = time.perf_counter()
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        trace.schedule_s, trace.execute_s = t1 - t0, t2 - t1
+        trace.update_s = time.perf_counter() - t2
+        tracer(trace)
+        return outputs
 
     # ---- requests ---------------------------------------------------------------------------
     def check_prompt_length(self, num_prompt_tokens: int) -> None:
@@ -80,6 +106,16 @@ class EngineCore:
         if self.runner.reset():
             self.scheduler.reset_prefix_cache()
         return aborted
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (the KV pages are not touched, only their hashes).
+
+        Returns:
+            False, changing nothing, while requests are unfinished (their blocks are in use).
+        """
+        if self.has_unfinished_requests():
+            return False
+        return self.scheduler.reset_prefix_cache()
 
     def reset_scheduler(self, *, enable_prefix_caching: bool | None = None) -> None:
         """A fresh scheduler (empty pool and prefix cache, zeroed counters), optionally with

@@ -54,6 +54,11 @@ class LLM:
     def get_stats(self) -> dict[str, Any]:
         return self.engine.get_stats()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (LLMEngine.reset_prefix_cache); False while requests
+        of another thread are unfinished."""
+        return self.engine.reset_prefix_cache()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],

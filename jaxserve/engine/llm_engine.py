@@ -24,7 +24,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -39,6 +39,7 @@ from jaxserve.outputs import RequestOutput
 from jaxserve.request import Request, RequestStatus
 from jaxserve.runner.factory import build_runner
 from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.runner.step_trace import StepTrace
 from jaxserve.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
@@ -382,6 +383,19 @@ class LLMEngine:
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._states)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, as vLLM's ``reset_prefix_cache``: later prompts are
+        computed again. Returns False, changing nothing, while requests are unfinished."""
+        with self._lock:
+            return self.core.reset_prefix_cache()
+
+    def set_step_tracer(self, tracer: Callable[[StepTrace], None] | None) -> None:
+        """Hand every later step's StepTrace (phase times, batch shape) to ``tracer``; None
+        turns tracing off. A traced step waits for the device before it returns (see
+        jaxserve/runner/step_trace.py): a profiling tool, not a serving mode."""
+        with self._lock:
+            self.core.step_tracer = tracer
 
     def get_stats(self) -> dict[str, Any]:
         """The counters of docs/architecture.md (num_compilations: fresh XLA compilations of the

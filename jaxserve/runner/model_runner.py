@@ -16,6 +16,7 @@ warm-up is explained (step_compiles.py).
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +46,7 @@ from jaxserve.runner.step_compiles import (
     StepCompiles,
     compile_concurrently,
 )
+from jaxserve.runner.step_trace import StepTrace
 
 
 class ModelRunner:
@@ -58,7 +60,10 @@ class ModelRunner:
         eos_token_ids: for min_tokens bans.
         sharding: where params, KV pages and step inputs live (tensor parallelism; the
             params must already be placed by it), or None: the default device.
-        plan: the execution plan (buckets, RoPE rows on the host or not, the sampler's draw).
+        plan: the execution plan (buckets, RoPE rows on the host or not, the sampler's draw,
+            the KV pages' dtype).
+        kv_scales: host f32[L, 2] (k_scale, v_scale) per layer of an FP8 KV cache
+            (runner/kv_scales.py), sent with every step's AttentionMetadata; None otherwise.
     """
 
     def __init__(
@@ -74,8 +79,10 @@ class ModelRunner:
         eos_token_ids: frozenset[int] = frozenset(),
         sharding: ShardingPlan | None = None,
         plan: ExecutionPlan,
+        kv_scales: np.ndarray | None = None,
     ) -> None:
         self.model = model
+        self.kv_scales = kv_scales
         self.params = params
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
@@ -119,6 +126,8 @@ class ModelRunner:
         # Copies per step are padded to a power of two (null-block self-copies); a step copies
         # at most one block per request, so these are every size warm-up must compile.
         self.copy_sizes = tuple(1 << k for k in range((max_num_seqs - 1).bit_length() + 1))
+        # The StepTrace the current step fills in, while the engine traces steps (None: off).
+        self.trace: StepTrace | None = None
 
     def _init_host_state(self) -> None:
         """Empty host mirrors: batch rows, sampling settings, logprob bookkeeping."""
@@ -135,7 +144,7 @@ class ModelRunner:
         return allocate_kv_caches(
             model.arch.num_layers,
             model.kv_cache_shape(self.num_kv_blocks, self.block_size),
-            model.dtype,
+            self.plan.kv_cache_dtype,
             None if self.sharding is None else self.sharding.kv_sharding,
         )
 
@@ -224,7 +233,7 @@ class ModelRunner:
         )
         return (
             batch.input_ids,
-            _attention_metadata(batch, self.rope_tables),
+            _attention_metadata(batch, self.rope_tables, self.kv_scales),
             batch.logits_indices,
             md,
             np.full(padded_tokens, -1, np.int32),  # no prompt-logprob targets
@@ -240,6 +249,7 @@ class ModelRunner:
             self.kv_caches = self._copy(self.kv_caches, pairs[:, 0], pairs[:, 1])
         if so.is_empty:
             return ModelRunnerOutput()
+        start = time.perf_counter()
         req_ids = list(so.num_scheduled_tokens)
         num_scheduled = np.fromiter(so.num_scheduled_tokens.values(), np.int32, len(req_ids))
         padded_tokens = self.buckets.padded_tokens(int(num_scheduled.sum()))
@@ -251,16 +261,50 @@ class ModelRunner:
         output_pos = ib.num_tokens[batch.slots] - ib.num_prompt_tokens[batch.slots]
         sampling_md = self.sampling.build(batch.slots, padded_rows, output_pos)
         targets = self._prompt_logprob_targets(batch)
+        if self.trace is not None:
+            self._trace_batch(batch, sampling_md, time.perf_counter() - start)
+        out, plp = self.run_prepared(batch, sampling_md, targets)
+        return self._collect(batch, out, plp)
+
+    def run_prepared(
+        self,
+        batch: PreparedBatch,
+        sampling_md: SamplingMetadata,
+        prompt_targets: np.ndarray | None = None,  # i32[T]; None: no prompt logprobs
+    ) -> tuple[Any, Any]:
+        """Run the jitted step on a prepared batch (its KV writes land in the pages).
+
+        The engine's path after the host arrays are built; benchmarks call it directly with
+        synthetic batches of a bucket's shape. Returns the sampler's output and the prompt
+        logprobs, on device.
+        """
+        if prompt_targets is None:
+            prompt_targets = np.full(batch.input_ids.shape, -1, np.int32)
+        start = time.perf_counter()
         self.kv_caches, out, plp = self._step(
             self.params,
             self.kv_caches,
             batch.input_ids,
-            _attention_metadata(batch, self.rope_tables),
+            _attention_metadata(batch, self.rope_tables, self.kv_scales),
             batch.logits_indices,
             sampling_md,
-            targets,
+            prompt_targets,
         )
-        return self._collect(batch, out, plp)
+        if self.trace is not None:
+            self.trace.dispatch_s = time.perf_counter() - start
+            jax.block_until_ready(out.token_ids)
+            self.trace.device_s = time.perf_counter() - start
+        return out, plp
+
+    def _trace_batch(self, batch: PreparedBatch, sampling_md: SamplingMetadata, secs: float):
+        rows = len(batch.req_ids)
+        trace = self.trace
+        trace.prepare_s = secs
+        trace.padded_tokens = int(batch.input_ids.shape[0])
+        trace.padded_rows, trace.table_width = (int(n) for n in batch.block_tables.shape)
+        trace.q_lens = np.array(batch.num_scheduled[:rows], np.int32)
+        trace.seq_lens = np.array(batch.seq_lens[:rows], np.int32)
+        trace.all_greedy = bool((np.asarray(sampling_md.temperature)[:rows] <= 0).all())
 
     def _update_states(self, so: SchedulerOutput) -> None:
         ib = self.input_batch
@@ -419,11 +463,14 @@ class _PromptLogprobsState:
 
 
 def _attention_metadata(
-    batch: PreparedBatch, rope_tables: tuple[np.ndarray, np.ndarray] | None
+    batch: PreparedBatch,
+    rope_tables: tuple[np.ndarray, np.ndarray] | None,
+    kv_scales: np.ndarray | None = None,
 ) -> AttentionMetadata:
     """The step's AttentionMetadata; with host RoPE tables (the CPU plan), each token's cos /
     sin rows gathered from them (positions past them clip; real tokens stay below
-    max_model_len), else none: the model computes them on device from the positions."""
+    max_model_len), else none: the model computes them on device from the positions. An FP8
+    KV cache's f32[L, 2] scales ride along (the same every step)."""
     rope = {}
     if rope_tables is not None:
         cos, sin = rope_tables
@@ -438,6 +485,7 @@ def _attention_metadata(
         seq_lens=batch.seq_lens,
         query_start_loc=batch.query_start_loc,
         num_seqs=batch.num_seqs,
+        kv_scales=kv_scales,
         **rope,
     )
 

@@ -269,3 +269,42 @@ def test_finished_only_steps_return_the_same_final_outputs():
         finals.append({o.request_id: o.outputs[0].token_ids for o in seen})
         assert_nothing_held(engine)
     assert finals[0] == finals[1]
+
+
+def test_reset_prefix_cache_forgets_prefixes_and_refuses_while_requests_run(llm):
+    prompt = list(range(5, 5 + 40))
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    first = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    hits = llm.get_stats()["prefix_cache_hits"]
+    llm.generate([prompt], params, use_tqdm=False)
+    assert llm.get_stats()["prefix_cache_hits"] > hits  # the prefix was cached
+    assert llm.reset_prefix_cache()
+    hits = llm.get_stats()["prefix_cache_hits"]
+    again = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.get_stats()["prefix_cache_hits"] == hits and again == first  # computed again
+    engine = llm.engine
+    engine.add_request("busy", prompt, params)
+    assert not engine.reset_prefix_cache()  # its blocks are in use: nothing changes
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_nothing_held(engine)
+
+
+def test_step_tracer_sees_every_step_and_the_batch_shapes(llm):
+    traces = []
+    llm.engine.set_step_tracer(traces.append)
+    try:
+        prompts = [list(range(3, 3 + n)) for n in (7, 12)]
+        llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
+    finally:
+        llm.engine.set_step_tracer(None)
+    ran = [t for t in traces if t.padded_tokens]
+    # 19 prompt tokens and 2 x 2 decode tokens (the last sampled token is never fed back).
+    assert sum(t.num_tokens for t in ran) == 7 + 12 + 2 * 2
+    for t in ran:
+        assert t.padded_tokens >= t.num_tokens and t.padded_rows >= t.num_rows
+        assert (t.seq_lens >= t.q_lens).all() and t.all_greedy
+        assert 0 < t.dispatch_s <= t.device_s <= t.execute_s <= t.total_s
+    n = len(traces)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(traces) == n  # off again
