@@ -4,6 +4,7 @@ beside every result (the machines are shared and noisy)."""
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 from pathlib import Path
 
@@ -22,4 +23,17 @@ def git_state() -> dict:
     return {
         "commit": git("rev-parse", "HEAD"),
         "dirty_files": len(git("status", "--short").splitlines()),
+    }
+
+
+def machine(load) -> dict:
+    """The machine's description for a result file: core counts, platform, Python, and the load
+    average the benchmark sampled (``load``, any JSON value)."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    return {
+        "cpus": os.cpu_count(),
+        "cpus_usable": usable,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "loadavg": load,
     }

@@ -48,7 +48,6 @@ import importlib.util
 import json
 import math
 import os
-import platform
 import re
 import shutil
 import subprocess
@@ -63,7 +62,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import _datasets  # noqa: E402
-from _machine import git_state, loadavg  # noqa: E402
+from _machine import git_state, loadavg, machine  # noqa: E402
 
 CACHE = HERE / ".cache"
 RESULTS = HERE / "results"
@@ -582,12 +581,7 @@ class Bench:
         report = {
             "preset": self.args.preset,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "machine": {
-                "cpus": os.cpu_count(),
-                "platform": platform.platform(),
-                "python": platform.python_version(),
-                "loadavg": self.load,
-            },
+            "machine": machine(self.load),
             "git": git_state(),
             "model": self.model,
             "engine": {k: v for k, v in self.engine.items()},

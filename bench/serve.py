@@ -47,7 +47,6 @@ import asyncio
 import json
 import math
 import os
-import platform
 import re
 import signal
 import socket
@@ -69,7 +68,7 @@ import _baselines  # noqa: E402
 import _datasets  # noqa: E402
 import throughput  # noqa: E402
 from _jaxserve_runs import poisson_arrivals  # noqa: E402
-from _machine import git_state, loadavg  # noqa: E402
+from _machine import git_state, loadavg, machine  # noqa: E402
 from _metrics import ModelShape, _percentiles  # noqa: E402
 
 CACHE = HERE / ".cache"
@@ -832,15 +831,7 @@ class ServeBench:
         report = {
             "preset": self.args.preset,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "machine": {
-                "cpus": os.cpu_count(),
-                "cpus_usable": len(os.sched_getaffinity(0))
-                if hasattr(os, "sched_getaffinity")
-                else None,
-                "platform": platform.platform(),
-                "python": platform.python_version(),
-                "loadavg": self.load,
-            },
+            "machine": machine(self.load),
             "git": git_state(),
             "settings": {
                 "model": {

@@ -40,8 +40,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -53,7 +51,7 @@ sys.path.insert(0, str(HERE))
 import _baselines  # noqa: E402
 import _datasets  # noqa: E402
 import _jaxserve_runs  # noqa: E402
-from _machine import git_state, loadavg  # noqa: E402
+from _machine import git_state, loadavg, machine  # noqa: E402
 from _metrics import ModelShape, RunResult, machine_limits, utilization  # noqa: E402
 
 from jaxserve.runner.xla_flags import apply_cpu_workarounds  # noqa: E402
@@ -380,12 +378,7 @@ class Bench:
         report = {
             "preset": self.args.preset,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "machine": {
-                "cpus": os.cpu_count(),
-                "platform": platform.platform(),
-                "python": platform.python_version(),
-                "loadavg": self.load,
-            },
+            "machine": machine(self.load),
             "git": git_state(),
             "versions": _versions(),
             "model": {

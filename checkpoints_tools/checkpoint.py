@@ -32,6 +32,8 @@ class LoadedCheckpoint:
     tokenizer: the tokenizer and its special tokens (TokenizerInfo.tokenizer may be None).
     generation_config: generation_config.json as a dict ({} when absent).
     path: the folder loaded from; None for a built-in model.
+    quantization: None, or "int8" / "fp8": the decoder's linear weights are 8-bit with f32
+        scales (models/quant.py); pass it to get_model.
     """
 
     arch: ModelArchConfig
@@ -42,6 +44,7 @@ class LoadedCheckpoint:
     tokenizer: TokenizerInfo
     generation_config: dict[str, Any] = field(default_factory=dict)
     path: str | None = None
+    quantization: str | None = None
 
 
 def resolve_dtype(dtype: str, config_dtype: object = None) -> np.dtype:

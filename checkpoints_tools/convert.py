@@ -275,6 +275,11 @@ def convert_hf_to_orbax(
             )
         cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
         ckpt = hf_loader.load_hf_checkpoint(source, dtype=dtype, param_sharding=lambda path: cpu)
+        if ckpt.quantization is not None:
+            raise ValueError(
+                f"{source} is a {ckpt.quantization} checkpoint: Orbax conversion of 8-bit "
+                "weights is not implemented; serve the Hugging Face folder itself"
+            )
         guard.check()  # a Ctrl-C dropped during loading (interrupt.py) stops here
         _publish(ckpt, source, output, overwrite, guard, orbax_ckpt)
         if guard.interrupted:

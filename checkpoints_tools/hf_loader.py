@@ -4,20 +4,26 @@ Loading is lazy and checked up front: first every safetensors header is read (na
 dtypes; no data) and checked against what the architecture needs, so a bad checkpoint fails
 before anything is allocated; then tensors are read one at a time, converted (cast, transposed,
 reshaped) and placed on device before the next is read, so host memory holds at most one
-tensor, never a second copy of the model.
+tensor, never a second copy of the model. Two cases hold a little more: a fused tensor (Phi-3's
+qkv_proj) is cut into its params from the one read, and per-expert MoE tensors are copied into
+a host buffer of their stacked param, which is placed once its last expert arrives (the
+buffer is one stacked param, e.g. one layer's experts_gate).
 
-Only floating-point weights (F16, BF16, F32, F64) are read: an integer or boolean weight is
-refused rather than cast (it is a quantized or corrupt checkpoint, and a cast would make
-nonsense weights), and FP8 checkpoints are refused as not supported yet. NaN or Inf values are
-reported in one warning after loading, from one on-device check per tensor.
+Only floating-point weights (F16, BF16, F32, F64) are cast: an integer or boolean weight is
+refused rather than cast (a cast would make nonsense weights), except the 8-bit linears of a
+checkpoint whose config.json declares them (quantization.py: FP8 / int8 weights with their
+scales, read as they are); LLM(quantization=...) quantizes a float checkpoint's linears tensor
+by tensor. NaN or Inf values are reported in one warning after loading, from one on-device
+check per tensor.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import pathlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +41,13 @@ from jaxserve.checkpoints_tools.checkpoint import (
     set_path,
 )
 from jaxserve.checkpoints_tools.hf_names import TensorSpec, hf_tensor_specs, is_ignorable
+from jaxserve.checkpoints_tools.quantization import (
+    STORED_DTYPES,
+    QuantizedLoad,
+    read_fp8_tensor,
+    read_quantization_config,
+    resolve_quantization,
+)
 from jaxserve.checkpoints_tools.tokenizer import load_tokenizer, read_json, read_optional_json
 from jaxserve.models import ModelArchConfig
 
@@ -106,7 +119,9 @@ def _scan_headers(files: Iterable[pathlib.Path]) -> dict[str, _Located]:
     return found
 
 
-def _check_dtypes(specs: dict[str, TensorSpec], found: dict[str, _Located]) -> None:
+def _check_dtypes(
+    specs: dict[str, TensorSpec], found: dict[str, _Located], quantized: set[str]
+) -> None:
     """Raise ValueError naming the tensor, file and dtype of a weight that is not floating point.
 
     Checked before missing or unexpected tensors: an FP8 checkpoint also has scale tensors the
@@ -114,11 +129,14 @@ def _check_dtypes(specs: dict[str, TensorSpec], found: dict[str, _Located]) -> N
     """
     for name in specs:
         located = found.get(name)
-        if located is None or located.dtype in FLOAT_DTYPES:
+        if located is None or located.dtype in FLOAT_DTYPES or name in quantized:
             continue
         where = f"tensor {name!r} in {located.file} has dtype {located.dtype}"
         if located.dtype.startswith("F8_"):
-            raise ValueError(f"{where}: quantized (FP8) checkpoints are not supported yet")
+            raise ValueError(
+                f"{where}, but config.json declares no FP8 quantization_config (a quantized "
+                "checkpoint says how its weights are scaled)"
+            )
         raise ValueError(
             f"{where}; only floating-point weights ({', '.join(FLOAT_DTYPES)}) are supported "
             "(an integer or boolean weight is not cast: is this a quantized checkpoint?)"
@@ -131,10 +149,12 @@ def _check_tensors(
     arch: ModelArchConfig,
     searched: pathlib.Path,
     weight_map: dict[str, str],
+    quant: QuantizedLoad | None,
 ) -> None:
     """Raise ValueError naming the tensor and file for a non-float, missing, extra or
-    mis-shaped tensor."""
-    _check_dtypes(specs, found)
+    mis-shaped tensor (8-bit linears and their scales: quantization.QuantizedLoad.check)."""
+    quantized = set() if quant is None else quant.check(arch, specs, found)
+    _check_dtypes(specs, found, quantized)
     missing = [name for name in specs if name not in found]
     if missing:
         name = missing[0]
@@ -143,7 +163,10 @@ def _check_tensors(
         if name in weight_map:
             where = f"{searched.parent / weight_map[name]} (where {searched.name} places it)"
         raise ValueError(f"missing tensor {name!r}{more} in {where}")
-    extra = sorted(n for n in found if n not in specs and not is_ignorable(n, arch))
+    scales = set() if quant is None else set(quant.scale_names(specs).values())
+    extra = sorted(
+        n for n in found if n not in specs and n not in scales and not is_ignorable(n, arch)
+    )
     if extra:
         raise ValueError(
             f"unexpected tensor {extra[0]!r} in {found[extra[0]].file} (not used by "
@@ -155,6 +178,14 @@ def _check_tensors(
             raise ValueError(
                 f"tensor {name!r} in {found[name].file} has shape {got}, expected {spec.hf_shape}"
             )
+
+
+@dataclass
+class _Stack:
+    """A stacked param's host buffer while its slices are read (hf_names.TensorSpec.stack)."""
+
+    value: np.ndarray  # [E, ...] in the load dtype
+    filled: set[int]  # slices copied so far
 
 
 @jax.jit
@@ -175,34 +206,92 @@ def _load_tensors(
     found: dict[str, _Located],
     dtype: np.dtype,
     param_sharding: ParamSharding | None,
+    quant: QuantizedLoad | None = None,
 ) -> tuple[dict[str, Any], dict[str, jax.Array]]:
-    """Read, convert and place every tensor of `specs`, one at a time.
+    """Read, convert and place every tensor of `specs`, one at a time (a quantized linear as
+    its 8-bit weight and f32 scale: quantization.QuantizedLoad.params).
 
     Returns:
         (params, {tensor name: device bool, whether all its values are finite}); the booleans
         are left on device so that checking costs no host round trip per tensor.
     """
     params: dict[str, Any] = {}
-    finite: dict[str, jax.Array] = {}
+    finite: dict[str, Any] = {}
+    stacks: dict[tuple[str, ...], _Stack] = {}
     by_file: dict[pathlib.Path, list[str]] = {}
     for name in specs:
         by_file.setdefault(found[name].file, []).append(name)
+
+    def put(path: tuple[str, ...], host: np.ndarray) -> jax.Array:
+        placed = place(host, path, param_sharding)
+        # device_put is asynchronous: wait, so the host copy is released before the next
+        # tensor is read, however slow the transfer.
+        set_path(params, path, placed.block_until_ready())
+        return _all_finite(placed)
+
+    linears = set() if quant is None else quant.linears(specs)
+    scale_names = {} if quant is None else quant.scale_names(specs)
+    scales = _read_scales(scale_names.values(), found)
     for file, names in by_file.items():
         with _open_safetensors(file) as f:
             for name in names:
                 spec = specs[name]
+                if name in linears:
+                    scale = scales.pop(scale_names[name]) if name in scale_names else None
+                    if found[name].dtype == STORED_DTYPES["fp8"]:
+                        tensor = read_fp8_tensor(file, name)
+                    else:
+                        tensor = _read_tensor(f, name, file)
+                    parts = quant.params(spec, tensor, scale)
+                    flags = [put(path, host) for path, host in parts]
+                    finite[name] = functools.reduce(jnp.logical_and, flags)
+                    continue
                 # Cast before converting: a bfloat16 target halves the transposed copy. A value
                 # beyond the target's range becomes Inf: _warn_non_finite names the tensor,
                 # numpy's own anonymous warning would not.
                 with np.errstate(over="ignore"):
-                    host = spec.convert(_read_tensor(f, name, file).astype(dtype, copy=False))
-                placed = place(host, spec.param_path, param_sharding)
-                # device_put is asynchronous: wait, so the host copy is released before the
-                # next tensor is read, however slow the transfer.
-                set_path(params, spec.param_path, placed.block_until_ready())
-                finite[name] = _all_finite(placed)
-                del host
+                    tensor = _read_tensor(f, name, file).astype(dtype, copy=False)
+                if spec.stack is not None:
+                    finite[name] = _stack_slice(stacks, spec, spec.convert(tensor), put)
+                    continue
+                flags = [put(part.param_path, part.convert(tensor)) for part in spec.targets()]
+                finite[name] = functools.reduce(jnp.logical_and, flags)
+                del tensor
+    assert not stacks, f"stacked params left incomplete: {sorted(stacks)}"  # specs list all E
     return params, finite
+
+
+def _read_scales(names: Iterable[str], found: dict[str, _Located]) -> dict[str, np.ndarray]:
+    """The stored 8-bit weights' scale tensors (small: one float per output channel at most),
+    read up front since a scale may sit in another file than its weight."""
+    by_file: dict[pathlib.Path, list[str]] = {}
+    for name in names:
+        by_file.setdefault(found[name].file, []).append(name)
+    scales = {}
+    for file, in_file in by_file.items():
+        with _open_safetensors(file) as f:
+            scales.update({name: _read_tensor(f, name, file) for name in in_file})
+    return scales
+
+
+def _stack_slice(
+    stacks: dict[tuple[str, ...], _Stack],
+    spec: TensorSpec,
+    host: np.ndarray,
+    put: Callable[[tuple[str, ...], np.ndarray], jax.Array],
+) -> bool:
+    """Copy one converted expert tensor into its stacked param's buffer; place the param when
+    its last slice arrives. Returns whether the slice is all finite (checked on the host: the
+    placed stack's check could not name the expert)."""
+    index, count = spec.stack
+    stack = stacks.get(spec.param_path)
+    if stack is None:
+        stack = stacks[spec.param_path] = _Stack(np.empty((count, *host.shape), host.dtype), set())
+    stack.value[index] = host
+    stack.filled.add(index)
+    if len(stack.filled) == count:
+        put(spec.param_path, stacks.pop(spec.param_path).value)
+    return bool(np.isfinite(host).all())
 
 
 def _warn_non_finite(
@@ -240,6 +329,7 @@ def load_hf_checkpoint(
     *,
     dtype: str = "auto",
     param_sharding: ParamSharding | None = None,
+    quantization: str | None = None,
 ) -> LoadedCheckpoint:
     """Load a Hugging Face checkpoint folder.
 
@@ -251,6 +341,9 @@ def load_hf_checkpoint(
             "float32", "bfloat16" or "float16".
         param_sharding: maps a param key path, e.g. ("layers_0", "attn", "q_proj"), to the
             jax.sharding.Sharding to place it in; None = default device.
+        quantization: None (the checkpoint's own precision: an FP8 / int8 checkpoint's
+            quantization_config applies), or "int8" / "fp8": quantize the decoder layers'
+            linear weights per output channel while loading (quantization.py).
 
     Returns:
         The checkpoint, its params on device. NaN or Inf weights are loaded, with one warning
@@ -261,7 +354,9 @@ def load_hf_checkpoint(
         ValueError: unknown dtype; unsupported architecture/rope type or a bad config value
             (key named); a missing, unexpected, mis-shaped, integer, boolean or FP8 tensor
             (tensor, file and dtype named); a truncated or corrupt safetensors file (file and,
-            when reading its data, tensor named); malformed JSON (file named).
+            when reading its data, tensor named); malformed JSON (file named); a
+            quantization_config the engine cannot honour (key named), a quantization that
+            differs from the checkpoint's own, or one of a MoE model.
         TypeError: a config.json value of the wrong type (key named).
     """
     folder = pathlib.Path(path)
@@ -269,13 +364,16 @@ def load_hf_checkpoint(
     config_dtype = cfg.get("dtype", cfg.get("torch_dtype"))
     np_dtype = resolve_dtype(dtype, config_dtype)
     arch = arch_from_config(cfg, folder / "config.json")
+    stored = read_quantization_config(cfg)
+    quantization = resolve_quantization(quantization, stored, str(folder))
+    quant = None if quantization is None else QuantizedLoad(quantization, stored)
     files, searched, weight_map = _weight_files(folder)
     found = _scan_headers(files)
-    specs = hf_tensor_specs(arch)
-    _check_tensors(specs, found, arch, searched, weight_map)
+    specs = hf_tensor_specs(arch, found)
+    _check_tensors(specs, found, arch, searched, weight_map, quant)
     generation_config = read_optional_json(folder / "generation_config.json")
     tokenizer = load_tokenizer(folder)
-    params, finite = _load_tensors(specs, found, np_dtype, param_sharding)
+    params, finite = _load_tensors(specs, found, np_dtype, param_sharding, quant)
     _warn_non_finite(finite, found, np_dtype)
     return LoadedCheckpoint(
         arch=arch,
@@ -286,4 +384,5 @@ def load_hf_checkpoint(
         tokenizer=tokenizer,
         generation_config=generation_config,
         path=str(folder),
+        quantization=quantization,
     )

@@ -22,6 +22,10 @@ import pathlib
 from jaxserve.checkpoints_tools import hub, orbax_checkpoint
 from jaxserve.checkpoints_tools.checkpoint import LoadedCheckpoint, ParamSharding, arch_from_config
 from jaxserve.checkpoints_tools.hf_loader import load_hf_checkpoint
+from jaxserve.checkpoints_tools.quantization import (
+    CheckpointQuantization,
+    read_quantization_config,
+)
 from jaxserve.checkpoints_tools.tiny_random import (
     TINY_RANDOM_LLAMA,
     make_tiny_random_llama,
@@ -105,25 +109,40 @@ def load_checkpoint(
     param_sharding: ParamSharding | None = None,
     revision: str | None = None,
     download_dir: str | os.PathLike[str] | None = None,
+    quantization: str | None = None,
 ) -> LoadedCheckpoint:
     """A built-in model by name ("tiny-random-llama"), else an Orbax or Hugging Face folder,
     else a Hugging Face Hub model ID (see resolve_model).
+
+    Args:
+        quantization: None, "int8" or "fp8" (load_hf_checkpoint); the built-in model's random
+            weights are quantized after they are drawn. Orbax folders hold float params only.
 
     Raises:
         FileNotFoundError: `model` is neither a built-in name, an existing folder nor a Hub
             model ID that resolves (see resolve_model).
         ValueError: revision / download_dir for a built-in model or a folder.
-        ValueError / FileNotFoundError: as load_orbax_checkpoint or load_hf_checkpoint.
+        ValueError / FileNotFoundError: as load_orbax_checkpoint or load_hf_checkpoint; a
+            quantization of an Orbax folder.
     """
     if str(model) == TINY_RANDOM_LLAMA:
         _refuse_hub_arguments(TINY_RANDOM_LLAMA, revision=revision, download_dir=download_dir)
-        return make_tiny_random_llama(dtype=dtype, param_sharding=param_sharding)
+        return make_tiny_random_llama(
+            dtype=dtype, param_sharding=param_sharding, quantization=quantization
+        )
     folder = _folder(model, revision=revision, download_dir=download_dir)
     if orbax_checkpoint.is_orbax_checkpoint(folder):
+        if quantization is not None:
+            raise ValueError(
+                f"quantization={quantization!r} is not implemented for Orbax checkpoints "
+                f"({folder}); load the Hugging Face checkpoint it was converted from"
+            )
         return orbax_checkpoint.load_orbax_checkpoint(
             folder, dtype=dtype, param_sharding=param_sharding
         )
-    return load_hf_checkpoint(folder, dtype=dtype, param_sharding=param_sharding)
+    return load_hf_checkpoint(
+        folder, dtype=dtype, param_sharding=param_sharding, quantization=quantization
+    )
 
 
 def load_arch(
@@ -177,3 +196,25 @@ def declared_dtype(
     config = read_json(folder / "config.json")
     value = config.get("dtype", config.get("torch_dtype"))
     return value if isinstance(value, str) else None
+
+
+def declared_quantization(
+    model: str | pathlib.Path,
+    *,
+    revision: str | None = None,
+    download_dir: str | os.PathLike[str] | None = None,
+) -> CheckpointQuantization | None:
+    """The 8-bit format a Hugging Face checkpoint's config.json declares (its
+    quantization_config), read without its weights; None for a float checkpoint, an Orbax
+    folder or the built-in model.
+
+    Raises:
+        ValueError: a quantization_config the engine cannot honour (key named).
+        FileNotFoundError / ValueError: as load_arch (call that first for its messages).
+    """
+    if str(model) == TINY_RANDOM_LLAMA:
+        return None
+    folder = _folder(model, revision=revision, download_dir=download_dir, files=hub.CONFIG_FILES)
+    if orbax_checkpoint.is_orbax_checkpoint(folder):
+        return None
+    return read_quantization_config(read_json(folder / "config.json"))

@@ -23,7 +23,62 @@ FAMILIES = {
     "mistral": "MistralConfig",
     "qwen2": "Qwen2Config",
     "qwen3": "Qwen3Config",
+    "gemma": "GemmaConfig",
+    "gemma2": "Gemma2Config",
+    "gemma3": "Gemma3TextConfig",
+    "mixtral": "MixtralConfig",
+    "qwen3_moe": "Qwen3MoeConfig",
+    "phi3": "Phi3Config",
 }
+
+# Family-specific tiny settings, under the caller's overrides. The Gemmas' class defaults are
+# full-size (head_dim 256, window 4096): head_dim stays D / N; a window of 4 matters within a
+# dozen tokens; query_pre_attn_scalar differs from head_dim; the soft caps are small enough to
+# bend the tiny model's scores and logits; Gemma 3 alternates local and global layers, the
+# global ones with a linear RoPE scaling.
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma": dict(head_dim=16),
+    "gemma2": dict(
+        head_dim=16,
+        sliding_window=4,
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=1.0,
+        final_logit_softcapping=2.0,
+    ),
+    "gemma3": dict(
+        head_dim=16,
+        sliding_window=4,
+        query_pre_attn_scalar=24,
+        sliding_window_pattern=2,
+        rope_theta=10000.0,
+        rope_local_base_freq=100.0,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+    ),
+    # MoE: 4 experts, top-2, narrow experts. Qwen3-MoE: layer 1 dense (mlp_only_layers), so
+    # both MLP kinds are exercised; norm_topk_prob is transformers' default (False).
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32),
+    "qwen3_moe": dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1]
+    ),
+    # LongRoPE with an original context of 8 tokens, so sequences of a dozen tokens are past it
+    # (long factors; max_position_embeddings 256 > 8 gives an attention factor > 1 too).
+    "phi3": dict(
+        original_max_position_embeddings=8,
+        rope_scaling=dict(
+            rope_type="longrope",
+            short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0],
+            long_factor=[1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 20.0],
+        ),
+    ),
+}
+
+# Multimodal checkpoints whose text tower jaxserve runs: family -> (transformers config class,
+# the text family whose tiny settings its text_config takes). Kept out of FAMILIES, which the
+# text-model tests run through.
+MULTIMODAL_FAMILIES = {"gemma3_multimodal": ("Gemma3Config", "gemma3")}
+_TINY_VISION = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28
+)
 
 # Tiny and fast, yet every axis distinct enough to catch a transposed or mis-split weight.
 TINY_DEFAULTS: dict[str, Any] = dict(
@@ -86,9 +141,12 @@ def write_tiny_hf_checkpoint(
     scales and biases are perturbed too, so no tensor is left at a neutral 1 or 0.
 
     Args:
-        family: "llama", "mistral", "qwen2" or "qwen3".
-        overrides: config fields over TINY_DEFAULTS (e.g. rope_scaling=..., head_dim=...,
-            tie_word_embeddings=True, sliding_window=4).
+        family: a key of FAMILIES ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2",
+            "gemma3", "mixtral", "qwen3_moe", "phi3") or of MULTIMODAL_FAMILIES (a tiny
+            vision tower around the text family's model).
+        overrides: config fields over TINY_DEFAULTS and FAMILY_DEFAULTS (e.g.
+            rope_scaling=..., head_dim=..., tie_word_embeddings=True, sliding_window=4); for a
+            multimodal family, fields of its text_config.
 
     Returns:
         The folder.
@@ -96,16 +154,24 @@ def write_tiny_hf_checkpoint(
     import torch
     import transformers
 
-    if family not in FAMILIES:
-        raise ValueError(f"family must be one of {sorted(FAMILIES)}, got {family!r}")
+    if family not in FAMILIES and family not in MULTIMODAL_FAMILIES:
+        known = sorted(FAMILIES) + sorted(MULTIMODAL_FAMILIES)
+        raise ValueError(f"family must be one of {known}, got {family!r}")
     folder = pathlib.Path(dirname)
     folder.mkdir(parents=True, exist_ok=True)
-    config = getattr(transformers, FAMILIES[family])(**(TINY_DEFAULTS | overrides))
+    if family in MULTIMODAL_FAMILIES:
+        config_class, text_family = MULTIMODAL_FAMILIES[family]
+        text = TINY_DEFAULTS | FAMILY_DEFAULTS.get(text_family, {}) | overrides
+        config = getattr(transformers, config_class)(text_config=text, vision_config=_TINY_VISION)
+    else:
+        fields = TINY_DEFAULTS | FAMILY_DEFAULTS.get(family, {}) | overrides
+        config = getattr(transformers, FAMILIES[family])(**fields)
+    text_config = config.get_text_config()
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _randomize_norms_and_biases(model, config.initializer_range)
+    _randomize_norms_and_biases(model, text_config.initializer_range)
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(str(folder), **kwargs)
     if with_tokenizer:
-        _write_tokenizer(folder, config.vocab_size)
+        _write_tokenizer(folder, text_config.vocab_size)
     return folder

@@ -77,16 +77,22 @@ def tiny_random_llama_arch(vocab_size: int = TINY_VOCAB_SIZE) -> ModelArchConfig
 
 
 def make_tiny_random_llama(
-    *, dtype: str = "auto", param_sharding: ParamSharding | None = None
+    *,
+    dtype: str = "auto",
+    param_sharding: ParamSharding | None = None,
+    quantization: str | None = None,
 ) -> LoadedCheckpoint:
     """Build the demo model in memory. Same params and tokenizer on every call.
 
     dtype: as for load_hf_checkpoint ("auto" = float32).
+    quantization: None, "int8" or "fp8": the same random weights, their linears quantized
+        (CausalLM.init_params).
     """
     np_dtype = resolve_dtype(dtype)
     tokenizer = build_tiny_tokenizer()
     arch = tiny_random_llama_arch(tokenizer.get_vocab_size())
-    params = get_model(arch, dtype=np_dtype).init_params(jax.random.key(_SEED))
+    model = get_model(arch, dtype=np_dtype, quantization=quantization)
+    params = model.init_params(jax.random.key(_SEED))
     if param_sharding is not None:
         params = jax.tree_util.tree_map_with_path(
             lambda path, x: place(x, tuple(k.key for k in path), param_sharding), params
@@ -106,4 +112,5 @@ def make_tiny_random_llama(
         ),
         generation_config={"bos_token_id": BOS_ID, "eos_token_id": EOS_ID},
         path=None,
+        quantization=quantization,
     )

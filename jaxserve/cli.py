@@ -4,8 +4,8 @@
 Adding a subcommand: write a module with ``add_parser(subparsers) -> None`` that calls
 ``subparsers.add_parser(name, ...)``, adds its arguments and ``set_defaults(run=...)`` with
 ``run(args: argparse.Namespace) -> int`` (the exit code); import jax and other heavy modules
-inside ``run``, so that ``jaxserve --help`` stays fast. Then append ``_lazy("that.module")`` to
-SUBCOMMANDS below.
+inside ``run``, so that ``jaxserve --help`` stays fast. Then append
+``lazy_subcommand("that.module")`` to SUBCOMMANDS below.
 
 ``jaxserve generate`` reads prompts (``--prompt``, repeatable, or ``--input`` JSONL), runs
 ``LLM.generate`` and writes one JSON object per completion (``--output``) or prints them, then a
@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING, Any
 
-from jaxserve.config import ATTENTION_BACKENDS
+from jaxserve.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, PREEMPTION_MODES, QUANTIZATIONS
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -217,6 +217,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "download_dir",
         "tokenizer",
         "compilation_cache_dir",
+        "kv_cache_dtype",
+        "kv_offloading_size",
+        "preemption_mode",
+        "quantization",
     )
     kwargs = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     if args.engine_seed is not None:
@@ -518,9 +522,32 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup
     ``parser`` as one group; shared by every subcommand that builds an engine."""
     e = parser.add_argument_group("engine (LLM arguments)")
     e.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    e.add_argument(
+        "--quantization",
+        choices=[q for q in QUANTIZATIONS if q is not None],
+        help="8-bit linear weights, quantized while loading: int8 (weight-only) or fp8 (e4m3); "
+        "default: the checkpoint's own (an FP8 / int8 checkpoint loads as it is)",
+    )
     e.add_argument("--max-model-len", type=int)
     e.add_argument("--block-size", type=int)
     e.add_argument("--num-kv-blocks", type=int)
+    e.add_argument(
+        "--kv-cache-dtype",
+        choices=list(KV_CACHE_DTYPES),
+        help="KV cache storage: auto (the model dtype) or FP8 (fp8 = fp8_e4m3, fp8_e5m2)",
+    )
+    e.add_argument(
+        "--kv-offloading-size",
+        type=float,
+        metavar="GIB",
+        help="GiB of host memory for a host KV tier (default 0: none)",
+    )
+    e.add_argument(
+        "--preemption-mode",
+        choices=list(PREEMPTION_MODES),
+        help="a preempted request's KV: recompute (default), swap to the host tier, or auto "
+        "(the cheaper of the two); swap and auto need --kv-offloading-size",
+    )
     e.add_argument("--memory-utilization", type=float)
     e.add_argument(
         "--gpu-memory-utilization",
@@ -555,7 +582,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup
     return e
 
 
-def _lazy(module: str) -> AddParser:
+def lazy_subcommand(module: str) -> AddParser:
     """A subcommand whose module is imported only when the parser is built."""
     return lambda subparsers: importlib.import_module(module).add_parser(subparsers)
 
@@ -563,11 +590,11 @@ def _lazy(module: str) -> AddParser:
 # One entry per subcommand, in --help order.
 SUBCOMMANDS: list[AddParser] = [
     add_generate_parser,
-    _lazy("jaxserve.cli_convert"),
-    _lazy("jaxserve.cli_plan"),
-    _lazy("jaxserve.cli_serve"),
-    _lazy("jaxserve.cli_run_batch"),
-    _lazy("jaxserve.cli_score"),
+    lazy_subcommand("jaxserve.cli_convert"),
+    lazy_subcommand("jaxserve.cli_plan"),
+    lazy_subcommand("jaxserve.cli_serve"),
+    lazy_subcommand("jaxserve.cli_run_batch"),
+    lazy_subcommand("jaxserve.cli_score"),
 ]
 
 

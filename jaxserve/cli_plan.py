@@ -27,7 +27,13 @@ import math
 import sys
 from typing import Any
 
-from jaxserve.config import DTYPES, EngineConfig
+from jaxserve.config import (
+    DTYPES,
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
+    EngineConfig,
+    kv_cache_storage_dtype,
+)
 
 EXIT_FITS = 0
 EXIT_DOES_NOT_FIT = 1
@@ -45,6 +51,8 @@ _ENGINE_FLAGS = (
     "max_num_seqs",
     "max_num_batched_tokens",
     "num_kv_blocks",
+    "kv_cache_dtype",
+    "quantization",
     "revision",
     "download_dir",
 )
@@ -73,9 +81,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=DTYPES, help="model dtype (default: auto)")
     p.add_argument(
         "--kv-cache-dtype",
-        choices=DTYPES,
-        default="auto",
-        help="the engine keeps the KV cache in the model dtype: auto, or that dtype",
+        choices=KV_CACHE_DTYPES,
+        help="auto (the model dtype, default) or an FP8 KV cache: fp8 (= fp8_e4m3), fp8_e5m2, "
+        "one byte per value",
+    )
+    p.add_argument(
+        "--quantization",
+        choices=[q for q in QUANTIZATIONS if q is not None],
+        help="8-bit linear weights (int8, fp8): 1 byte per weight plus f32 scales (default: "
+        "the checkpoint's own)",
     )
     p.add_argument("--tensor-parallel-size", type=int)
     p.add_argument("--max-model-len", type=int, help="default: max_position_embeddings")
@@ -155,7 +169,13 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
     config = engine_config(args)
     device_bytes = _flag_device_bytes(args.device_memory_gb)
     from jaxserve.checkpoints_tools.hub import CONFIG_FILES
-    from jaxserve.checkpoints_tools.load import declared_dtype, load_arch, resolve_model
+    from jaxserve.checkpoints_tools.load import (
+        declared_dtype,
+        declared_quantization,
+        load_arch,
+        resolve_model,
+    )
+    from jaxserve.checkpoints_tools.quantization import resolve_quantization
     from jaxserve.runner.memory_plan import memory_plan_for, resolve_max_model_len
     from jaxserve.runner.plan import resolve_dtype
 
@@ -172,7 +192,7 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
     else:
         platform, memory_source = args.platform or "gpu", "--device-memory-gb"
     dtype = resolve_dtype(config.model.dtype, declared, platform)
-    kv_cache_dtype = _kv_cache_dtype(args.kv_cache_dtype, dtype)
+    kv_cache_dtype = kv_cache_storage_dtype(config.cache.kv_cache_dtype, dtype)
     memory = memory_plan_for(
         config,
         arch,
@@ -180,6 +200,9 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
         kv_cache_dtype=kv_cache_dtype,
         max_model_len=resolve_max_model_len(config.model.max_model_len, arch),
         device_memory_bytes=device_bytes,
+        quantization=resolve_quantization(
+            config.model.quantization, declared_quantization(source), config.model.model
+        ),
     )
     return {
         "model": config.model.model,
@@ -232,20 +255,6 @@ def _local_device(platform: str | None, config: EngineConfig) -> tuple[str, int,
     return local, memory, f"bytes_limit of the local {device.device_kind}"
 
 
-def _kv_cache_dtype(requested: str, dtype: str) -> str:
-    """The KV cache dtype: the model's (the engine stores KV in the model dtype).
-
-    Raises:
-        PlanInputError: a dtype other than "auto" or the model's.
-    """
-    if requested in ("auto", dtype):
-        return dtype
-    raise PlanInputError(
-        f"--kv-cache-dtype {requested}: the engine keeps the KV cache in the model dtype "
-        f"({dtype}); give auto or {dtype}"
-    )
-
-
 def _bytes(n: int) -> str:
     human = f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / (1 << 20):.2f} MiB"
     return f"{n:,} bytes ({human})"
@@ -261,6 +270,7 @@ def format_report(report: dict[str, Any]) -> str:
             f"{r['dtype']} (requested {r['requested_dtype']}, declared {r['declared_dtype']}); "
             f"KV cache {r['kv_cache_dtype']}; platform {r['platform']}",
         ),
+        ("quantization", f"{r['quantization'] or 'none'} (8-bit decoder linear weights)"),
         ("tensor_parallel_size", _tp_line(r)),
         (
             "device memory",

@@ -10,6 +10,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# KV cache storage: "auto" keeps the model dtype; the others are vLLM's names of an FP8 KV
+# cache ("fp8" is "fp8_e4m3"), stored as the jnp dtype named here (kv_cache_storage_dtype).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+FP8_STORAGE_DTYPES = {
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
+}
+# 8-bit linear weights (vLLM's `quantization`): None keeps the checkpoint's (a quantized
+# checkpoint's own quantization_config applies); "int8" / "fp8" quantize a float checkpoint while
+# loading. Must match jaxserve.models.quant.QUANTIZATIONS (a test checks; no jax here).
+QUANTIZATIONS = (None, "int8", "fp8")
 # Must list jaxserve.pallas_kernels.ragged_paged_attention.BACKENDS (a test checks) plus "auto";
 # this module stays free of jax, so it cannot import them.
 ATTENTION_BACKENDS = (
@@ -24,6 +36,9 @@ ATTENTION_BACKENDS = (
     "pallas",
 )
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# What a preempted request's KV becomes: dropped and recomputed, kept in the host KV tier, or
+# whichever of the two costs less for that request (core/sched/preemption.py).
+PREEMPTION_MODES = ("recompute", "swap", "auto")
 # vLLM's names for settings that have another name here: LLM(gpu_memory_utilization=0.8) is
 # LLM(memory_utilization=0.8). Giving both, with different values, is an error.
 ARGUMENT_ALIASES = {"gpu_memory_utilization": "memory_utilization"}
@@ -74,6 +89,11 @@ class ModelConfig:
         built-in model or a folder, where it could not apply.
     download_dir: the Hugging Face cache folder for a Hub model ID (vLLM's name; None: the
         HF_HUB_CACHE / HF_HOME cache); refused for a built-in model or a folder.
+    quantization: QUANTIZATIONS. "int8" (weight-only, per output channel) or "fp8" (e4m3, per
+        output channel) store the decoder layers' linear weights in 8 bits, quantized tensor by
+        tensor while loading (the LM head and embeddings stay in `dtype`); a checkpoint that is
+        already FP8 / int8 (config.json's quantization_config) loads as it is, and a different
+        value than its own is refused. None: the checkpoint's own precision.
     """
 
     model: str = "tiny-random-llama"
@@ -83,6 +103,7 @@ class ModelConfig:
     tokenizer: str | None = None  # a folder with tokenizer.json; None: the model's own
     revision: str | None = None
     download_dir: str | None = None
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -94,6 +115,7 @@ class ModelConfig:
         _optional_name("ModelConfig", "tokenizer", self.tokenizer, "a folder path")
         _optional_name("ModelConfig", "revision", self.revision, "a branch, tag or commit")
         _optional_name("ModelConfig", "download_dir", self.download_dir, "a folder path")
+        _choice("ModelConfig", "quantization", self.quantization, QUANTIZATIONS)
 
 
 @dataclass(frozen=True)
@@ -107,6 +129,14 @@ class CacheConfig:
         cache (on CPU: of cpu_memory_bytes); vLLM's name, gpu_memory_utilization, is accepted
         by EngineConfig.from_kwargs. runner/memory_plan.py does the arithmetic.
     cpu_memory_bytes: the memory budget used on CPU, where there is no device memory to query.
+    kv_cache_dtype: "auto" (the model dtype) or an FP8 KV cache, KV_CACHE_DTYPES: pages of one
+        byte per value, quantized with one K and one V scale per layer (the checkpoint's
+        k_scale / v_scale tensors when it ships them, else 1.0, vLLM's default).
+    kv_offloading_size: GiB of host memory for the host KV tier (0: none). Cached blocks
+        evicted from the device pool are kept there and restored on a prefix hit.
+    preemption_mode: "recompute" (drop a preempted request's KV), "swap" (move it to the host
+        tier; recompute when the tier is full) or "auto" (per request, the cheaper of the two
+        by the measured rates); "swap" and "auto" need kv_offloading_size > 0.
     """
 
     block_size: int = 16
@@ -114,6 +144,9 @@ class CacheConfig:
     memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     cpu_memory_bytes: int = 4 << 30
+    kv_cache_dtype: str = "auto"
+    kv_offloading_size: float = 0.0
+    preemption_mode: str = "recompute"
 
     def __post_init__(self) -> None:
         _positive_int("CacheConfig", "block_size", self.block_size)
@@ -130,6 +163,29 @@ class CacheConfig:
                 f"{self.enable_prefix_caching!r}"
             )
         _positive_int("CacheConfig", "cpu_memory_bytes", self.cpu_memory_bytes)
+        _choice("CacheConfig", "kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        self._check_host_tier()
+
+    def _check_host_tier(self) -> None:
+        size = self.kv_offloading_size
+        if isinstance(size, bool) or not isinstance(size, (int, float)):
+            raise TypeError(f"CacheConfig.kv_offloading_size must be a number (GiB), got {size!r}")
+        if not 0.0 <= size < float("inf"):
+            raise ValueError(
+                f"CacheConfig.kv_offloading_size must be a finite number of GiB >= 0, got {size!r}"
+            )
+        _choice("CacheConfig", "preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        if self.preemption_mode != "recompute" and size == 0:
+            raise ValueError(
+                f"CacheConfig.preemption_mode={self.preemption_mode!r} needs a host KV tier: "
+                f"kv_offloading_size must be > 0 GiB, got {size!r}"
+            )
+        if size > 0 and self.preemption_mode == "recompute" and not self.enable_prefix_caching:
+            raise ValueError(
+                f"CacheConfig.kv_offloading_size={size!r} GiB would never be used: the host KV "
+                "tier keeps evicted prefix-cache blocks (enable_prefix_caching=False) and "
+                "swapped-out requests (preemption_mode='recompute'); turn one of them on"
+            )
 
 
 @dataclass(frozen=True)
@@ -212,6 +268,17 @@ class EngineConfig:
                 raise TypeError(f"unknown engine argument {key!r}; known: {known}")
             parts.setdefault(part, {})[key] = value
         return cls(**{part: owners[part](**vals) for part, vals in parts.items()})
+
+
+def kv_cache_storage_dtype(kv_cache_dtype: str, dtype: str) -> str:
+    """The dtype name the KV pages are stored in: the model's `dtype` (resolved, not "auto")
+    for "auto", else the FP8 dtype of FP8_STORAGE_DTYPES.
+
+    Raises:
+        ValueError: kv_cache_dtype not in KV_CACHE_DTYPES (the choices named).
+    """
+    _choice("CacheConfig", "kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
+    return dtype if kv_cache_dtype == "auto" else FP8_STORAGE_DTYPES[kv_cache_dtype]
 
 
 def _resolve_aliases(kwargs: dict[str, object]) -> dict[str, object]:

@@ -192,7 +192,7 @@ class RayProcessor:
         # pyarrow batches: list, string and struct columns round-trip exactly, and every input
         # column is handed back untouched (no pandas dtype conversion of ints with nulls).
         return ds.map_batches(
-            _EngineActor,
+            EngineActor,
             fn_constructor_kwargs=dict(
                 model=self.model,
                 engine_kwargs=self.engine_kwargs,
@@ -269,7 +269,7 @@ def build_processor(
     )
 
 
-class _EngineActor:
+class EngineActor:
     """The map_batches UDF: one LLM per Ray actor; each call generates for a whole batch."""
 
     def __init__(

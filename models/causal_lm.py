@@ -25,7 +25,8 @@ from jaxserve.models.arch_config import ModelArchConfig
 from jaxserve.models.attention_metadata import AttentionMetadata
 from jaxserve.models.decoder import Decoder
 from jaxserve.models.layers import KVCache
-from jaxserve.models.rope import rope_inv_freq, rope_tables
+from jaxserve.models.quant import INPUT_AXES, SCALE_SUFFIX, check_quantizable, quantize
+from jaxserve.models.rope import model_inv_freq, rope_tables
 from jaxserve.pallas_kernels.ragged_paged_attention import AttentionImpl
 
 REFERENCE = AttentionImpl("reference", "reference")
@@ -49,6 +50,17 @@ _TP_SPECS = {
     "gate_proj": PartitionSpec(None, TP_AXIS),  # [D, F]  column-parallel
     "up_proj": PartitionSpec(None, TP_AXIS),  # [D, F]
     "down_proj": PartitionSpec(TP_AXIS, None),  # [F, D]  row-parallel
+    # 8-bit weights' f32 scales (quant.py) shard with their output axis: q/k/v over heads,
+    # gate/up over F; o_proj_scale and down_proj_scale [D] are replicated, as o_bias.
+    "q_proj_scale": PartitionSpec(TP_AXIS, None),  # [N, H]
+    "k_proj_scale": PartitionSpec(TP_AXIS, None),  # [K, H]
+    "v_proj_scale": PartitionSpec(TP_AXIS, None),  # [K, H]
+    "gate_proj_scale": PartitionSpec(TP_AXIS),  # [F]
+    "up_proj_scale": PartitionSpec(TP_AXIS),  # [F]
+    # MoE (models/moe.py): every expert's F axis, as the dense MLP; the router is replicated.
+    "experts_gate": PartitionSpec(None, None, TP_AXIS),  # [E, D, F]  column-parallel
+    "experts_up": PartitionSpec(None, None, TP_AXIS),  # [E, D, F]
+    "experts_down": PartitionSpec(None, TP_AXIS, None),  # [E, F, D]  row-parallel
     "embed": PartitionSpec(TP_AXIS, None),  # [V, D]  vocab-sharded
     "lm_head": PartitionSpec(TP_AXIS, None),  # [V, D]  vocab-sharded logits
 }
@@ -61,17 +73,32 @@ class CausalLM:
     Params pytree (nested dicts of arrays in `dtype`):
         embed f[V, D]
         layers_{i} for i < L:
-            input_norm {scale f[D]}, post_attn_norm {scale f[D]}
+            input_norm {scale f[D]}, post_attn_norm {scale f[D]} (before the MLP)
+            [attn_out_norm {scale f[D]}, mlp_out_norm {scale f[D]}]  if arch.sandwich_norms
             attn {q_proj f[D, N, H], k_proj f[D, K, H], v_proj f[D, K, H], o_proj f[N, H, D],
                   [q_bias f[N, H], k_bias f[K, H], v_bias f[K, H]]  if arch.attention_bias
                   [o_bias f[D]]                                     if arch.attention_out_bias
                   [q_norm f[H], k_norm f[H]]                        if arch.qk_norm}
-            mlp {gate_proj f[D, F], up_proj f[D, F], down_proj f[F, D]}
+            mlp {gate_proj f[D, F], up_proj f[D, F], down_proj f[F, D]}  dense layers, or
+            moe {router f[D, E], experts_gate f[E, D, F], experts_up f[E, D, F],
+                 experts_down f[E, F, D]}  in arch.moe_layers (F = moe_intermediate_size)
         final_norm {scale f[D]}
         lm_head f[V, D]   absent when arch.tie_word_embeddings (logits use embed)
+
+    With `quantization` ("int8" / "fp8", quant.py) each dense layer's q/k/v/o_proj and
+    gate/up/down_proj is 8-bit (int8 / float8_e4m3fn) with a sibling f32 `{name}_scale` of its
+    output axes (q_proj_scale [N, H], o_proj_scale [D], gate/up_proj_scale [F],
+    down_proj_scale [D]); embed, lm_head, norms and biases stay in `dtype`.
     """
 
-    def __init__(self, arch: ModelArchConfig, dtype: Any, attention: AttentionImpl) -> None:
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        dtype: Any,
+        attention: AttentionImpl,
+        max_model_len: int | None = None,
+        quantization: str | None = None,
+    ) -> None:
         self.arch = arch
         self.dtype = jnp.dtype(dtype)
         if self.dtype not in [jnp.dtype(d) for d in PARAM_DTYPES]:
@@ -81,30 +108,37 @@ class CausalLM:
         if not isinstance(attention, AttentionImpl):
             raise TypeError(f"attention must be an AttentionImpl, got {attention!r}")
         self.attention = attention
-        self._module = Decoder(arch, self.dtype, attention)
+        check_quantizable(arch, quantization)
+        self.quantization = quantization
+        # The longest sequence served (None: max_position_embeddings): LongRoPE's factor set
+        # depends on it (rope._longrope_factors); nothing else does.
+        self.max_model_len = max_model_len
+        self._module = Decoder(arch, self.dtype, attention, max_model_len, quantization)
 
     def __repr__(self) -> str:
         return (
             f"CausalLM({self.arch.architecture}, dtype={self.dtype.name}, "
-            f"attention={self.attention.name!r})"
+            f"attention={self.attention.name!r}, quantization={self.quantization!r})"
         )
 
     def rope_tables(self, length: int) -> tuple[np.ndarray, np.ndarray]:
-        """Host f32[length, H // 2] cos / sin tables for positions < length: a runner gathers a
-        step's rows into AttentionMetadata.rope_cos / rope_sin (see rope.rope_tables)."""
-        a = self.arch
-        return rope_tables(rope_inv_freq(a.head_dim, a.rope_theta, a.rope_scaling), length)
+        """Host f32[length, Q * H // 2] cos / sin tables for positions < length (every RoPE
+        variant side by side): a runner gathers a step's rows into AttentionMetadata.rope_cos /
+        rope_sin (see rope.rope_tables)."""
+        return rope_tables(model_inv_freq(self.arch, self.max_model_len), length)
 
     def init_params(self, rng: jax.Array) -> dict[str, Any]:
         """Random params, deterministic in `rng`: matrices ~ normal(0, arch.initializer_range),
-        norm scales 1, biases 0 (the modules' declared initializers).
+        norm scales 1 (0 with arch.norm_unit_offset, which scales by 1 + w), biases 0 (the
+        modules' declared initializers).
 
         The normals come from one flat float32 stream sliced in the params' flattened order: one
         RNG kernel to compile instead of one per shape (threefry compiles take ~1 s each on
         CPU). The stream costs 4 bytes per parameter on top of the params while it lives.
-        Traceable: under jax.eval_shape it allocates nothing.
+        Traceable: under jax.eval_shape it allocates nothing. With a quantization the linear
+        weights are drawn in `dtype` and quantized (quant.quantize), as a checkpoint would be.
         """
-        return _init_fn(self.arch, self.dtype.name)(rng)
+        return _init_fn(self.arch, self.dtype.name, self.quantization)(rng)
 
     def forward(
         self,
@@ -140,22 +174,23 @@ class CausalLM:
 
     def param_shapes(self) -> dict[str, Any]:
         """The params pytree as jax.ShapeDtypeStruct leaves (allocates nothing)."""
-        return _param_shapes(self.arch, self.dtype.name)
+        return _param_shapes(self.arch, self.dtype.name, self.quantization)
 
     def param_partition_specs(self, tp_size: int | None = None) -> dict[str, Any]:
         """PartitionSpecs matching the params pytree, for TP over a mesh axis named "tp".
 
         Column-parallel (output axis sharded): q/k/v_proj and their biases (heads), gate_proj,
-        up_proj (F). Row-parallel (input axis sharded): o_proj (heads), down_proj (F).
-        Vocab-sharded: embed (V axis) and lm_head (V axis). Replicated: norms and o_bias.
+        up_proj, experts_gate, experts_up (F). Row-parallel (input axis sharded): o_proj
+        (heads), down_proj, experts_down (F). Vocab-sharded: embed (V axis) and lm_head (V
+        axis). Replicated: norms, o_bias and the MoE router.
 
         Args:
             tp_size: the size of the "tp" mesh axis. None: the full layout, which requires
                 tp | N, K, F, V. Given: a parameter whose sharded dimension tp does not divide is
                 replicated instead; every parameter of a group shares that dimension (N: q, o;
-                K: k, v; F: MLP; V: embed, lm_head), so a group is replicated as a whole. K < tp
-                (GQA on many devices) replicates the KV projections; kv_cache_partition_spec
-                replicates the pages to match.
+                K: k, v; F: MLP; the experts' F: MoE; V: embed, lm_head), so a group is
+                replicated as a whole. K < tp (GQA on many devices) replicates the KV
+                projections; kv_cache_partition_spec replicates the pages to match.
         """
 
         def spec(path: tuple[Any, ...], leaf: jax.ShapeDtypeStruct) -> PartitionSpec:
@@ -198,15 +233,15 @@ def _dummy_inputs(arch: ModelArchConfig, dtype: jnp.dtype) -> tuple[Any, ...]:
 
 
 @functools.lru_cache(maxsize=32)
-def _param_shapes(arch: ModelArchConfig, dtype: str) -> dict[str, Any]:
+def _param_shapes(arch: ModelArchConfig, dtype: str, quantization: str | None) -> dict[str, Any]:
     # Parameters do not depend on the attention implementation: trace with the pure-jnp one.
-    module = Decoder(arch, jnp.dtype(dtype), REFERENCE)
+    module = Decoder(arch, jnp.dtype(dtype), REFERENCE, quantization=quantization)
     init = lambda rng, *inputs: module.init(rng, *inputs)["params"]
     return jax.eval_shape(init, jax.random.key(0), *_dummy_inputs(arch, jnp.dtype(dtype)))
 
 
 _INIT_CHUNK = 1 << 20  # normals drawn per fixed-size chunk: one kernel, any model size
-_ONES = ("scale", "q_norm", "k_norm")  # norm scales
+_ONES = ("scale", "q_norm", "k_norm")  # norm scales: 1, or 0 with arch.norm_unit_offset
 _ZEROS = ("q_bias", "k_bias", "v_bias", "o_bias")
 _NORMAL = (
     "embed",
@@ -218,13 +253,26 @@ _NORMAL = (
     "gate_proj",
     "up_proj",
     "down_proj",
+    "router",
+    "experts_gate",
+    "experts_up",
+    "experts_down",
 )
 
 
 @functools.lru_cache(maxsize=32)
-def _init_fn(arch: ModelArchConfig, dtype: str) -> Callable[[jax.Array], Any]:
-    """A jitted rng -> params, cached per architecture so rebuilding a model recompiles nothing."""
-    shapes = _param_shapes(arch, dtype)
+def _init_fn(
+    arch: ModelArchConfig, dtype: str, quantization: str | None
+) -> Callable[[jax.Array], Any]:
+    """A jitted rng -> params, cached per architecture so rebuilding a model recompiles nothing.
+
+    With a quantization: the float params of the same rng, each linear weight quantized in the
+    same jit (so init_params(rng) quantized is quant.quantize of init_params(rng) unquantized).
+    """
+    if quantization is not None:
+        float_init = _init_fn(arch, dtype, None)
+        return jax.jit(lambda rng: _quantize_tree(float_init(rng), quantization))
+    shapes = _param_shapes(arch, dtype, None)
     paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
     names = [path[-1].key for path, _ in paths_leaves]
     unknown = set(names) - set(_ONES + _ZEROS + _NORMAL)
@@ -234,6 +282,7 @@ def _init_fn(arch: ModelArchConfig, dtype: str) -> Callable[[jax.Array], Any]:
         for name, (_, leaf) in zip(names, paths_leaves, strict=True)
     ]
     num_chunks = -(-sum(sizes) // _INIT_CHUNK)
+    one = 0.0 if arch.norm_unit_offset else 1.0  # the norms' neutral scale
 
     def init(rng: jax.Array) -> Any:
         chunk = lambda i: jax.random.normal(jax.random.fold_in(rng, i), (_INIT_CHUNK,))
@@ -244,7 +293,7 @@ def _init_fn(arch: ModelArchConfig, dtype: str) -> Callable[[jax.Array], Any]:
             if name in _NORMAL:
                 value = stream[offset : offset + size].reshape(leaf.shape)
             else:
-                value = jnp.full(leaf.shape, 1.0 if name in _ONES else 0.0)
+                value = jnp.full(leaf.shape, one if name in _ONES else 0.0)
             leaves.append(value.astype(leaf.dtype))
             offset += size
         return jax.tree_util.tree_unflatten(treedef, leaves)
@@ -252,16 +301,38 @@ def _init_fn(arch: ModelArchConfig, dtype: str) -> Callable[[jax.Array], Any]:
     return jax.jit(init)
 
 
+def _quantize_tree(tree: dict[str, Any], quantization: str) -> dict[str, Any]:
+    """Every linear weight of a float params tree (quant.INPUT_AXES names) as 8-bit + scale."""
+    out: dict[str, Any] = {}
+    for name, value in tree.items():
+        if isinstance(value, dict):
+            out[name] = _quantize_tree(value, quantization)
+        elif name in INPUT_AXES:
+            out[name], out[name + SCALE_SUFFIX] = quantize(value, INPUT_AXES[name], quantization)
+        else:
+            out[name] = value
+    return out
+
+
 def get_model(
-    arch: ModelArchConfig, *, dtype: Any = jnp.float32, attention: AttentionImpl = REFERENCE
+    arch: ModelArchConfig,
+    *,
+    dtype: Any = jnp.float32,
+    attention: AttentionImpl = REFERENCE,
+    max_model_len: int | None = None,
+    quantization: str | None = None,
 ) -> CausalLM:
     """The CausalLM of an architecture (every registered family shares one decoder).
 
     Args:
         attention: the implementation its layers call (the engine passes its execution plan's
             choice; the default is the pure-jnp reference, which runs anywhere).
+        max_model_len: the longest sequence the engine serves (None: max_position_embeddings);
+            it only picks LongRoPE's short or long factors (Phi-3, see rope.py).
+        quantization: None, or "int8" / "fp8": 8-bit linear weights (see CausalLM).
 
     Raises:
-        ValueError: dtype not float32/bfloat16/float16.
+        ValueError: dtype not float32/bfloat16/float16; an unknown quantization, or one of a
+            mixture-of-experts model (its experts are not quantized).
     """
-    return CausalLM(arch, dtype, attention)
+    return CausalLM(arch, dtype, attention, max_model_len, quantization)

@@ -1,9 +1,11 @@
-"""docs/architecture.md: the host side never reaches jax or flax, not even transitively, and the
-packages depend on each other only in the allowed direction."""
+"""docs/architecture.md: the host side never reaches jax or flax, not even transitively; the
+packages depend on each other only in the allowed direction and never import each other's
+private names; collecting the tests builds nothing."""
 
 from __future__ import annotations
 
 import ast
+import os
 import pathlib
 import subprocess
 import sys
@@ -21,9 +23,12 @@ HOST_MODULES = [
     "jaxserve.request",
     "jaxserve.core.kv_cache_utils",
     "jaxserve.core.block_pool",
+    "jaxserve.core.host_block_pool",
+    "jaxserve.core.kv_swap",
     "jaxserve.core.kv_cache_manager",
     "jaxserve.core.sched.output",
     "jaxserve.core.sched.scheduler",
+    "jaxserve.core.sched.preemption",
 ]
 
 # folder -> first-party packages it may import (besides itself).
@@ -93,3 +98,57 @@ def test_config_lists_every_attention_backend() -> None:
     from jaxserve.pallas_kernels.ragged_paged_attention import BACKENDS
 
     assert set(ATTENTION_BACKENDS) == {"auto", *BACKENDS}
+
+
+# Where each first-party module's source lives: a module is "inside" a package when the file
+# importing it sits in the same folder.
+_PACKAGE_FOLDERS = {
+    "jaxserve.models": ROOT / "models",
+    "jaxserve.pallas_kernels": ROOT / "pallas_kernels",
+    "jaxserve.checkpoints_tools": ROOT / "checkpoints_tools",
+    "jaxserve": ROOT / "jaxserve",
+}
+
+
+def _module_folder(module: str) -> pathlib.Path:
+    for prefix, folder in _PACKAGE_FOLDERS.items():
+        if module == prefix or module.startswith(prefix + "."):
+            parts = module[len(prefix) :].lstrip(".").split(".")
+            path = folder.joinpath(*parts)
+            return path if path.is_dir() else path.parent
+    raise AssertionError(module)
+
+
+def test_no_private_name_is_imported_across_packages() -> None:
+    """`from jaxserve.x.y import _name` only from a file in x/ itself: tests and benchmarks go
+    through the public surface, and a private name may change without notice."""
+    offenders = []
+    for top in ("jaxserve", "models", "pallas_kernels", "checkpoints_tools", "tests", "bench"):
+        for path in (ROOT / top).rglob("*.py"):
+            tree = ast.parse(path.read_text(), filename=str(path))
+            for node in ast.walk(tree):
+                if not (isinstance(node, ast.ImportFrom) and node.module and node.level == 0):
+                    continue
+                if not (node.module == "jaxserve" or node.module.startswith("jaxserve.")):
+                    continue
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                if private and _module_folder(node.module) != path.parent:
+                    offenders.append(f"{path.relative_to(ROOT)}: {node.module} {private}")
+    assert not offenders, offenders
+
+
+def test_collecting_the_tests_builds_nothing(tmp_path) -> None:
+    """`pytest --collect-only` compiles no C++ kernel and writes no cache: kernels are built
+    on first use, when a test that needs one runs."""
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "xdg"))
+    env.pop("JAXSERVE_CACHE_DIR", None)
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider"],
+        cwd=ROOT / "tests",
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert not (tmp_path / "xdg").exists() or not any((tmp_path / "xdg").rglob("*"))

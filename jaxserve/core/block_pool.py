@@ -6,13 +6,14 @@ Life of a block:
     held --free_blocks (last holder)--> free (tail of the queue); a hashed block stays in the map
     free, hashed --touch (prefix hit)--> held again, taken out of the middle of the queue
     free, hashed --get_new_blocks (reaches the head)--> evicted from the map, held by a new owner
+        (with a host KV tier, ``on_evict`` first queues a copy of it to host memory)
 
 So the prefix cache evicts lazily, in LRU order, only when a block is actually reused.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from jaxserve.core.kv_cache_utils import (
@@ -36,7 +37,12 @@ class BlockPool:
     ``cached_blocks`` has ``block_hash`` set to its key; at most one block per hash.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_caching: bool,
+        on_evict: Callable[[BlockHash, int], None] | None = None,
+    ) -> None:
         if num_blocks < 2:
             raise ValueError(
                 f"num_blocks must be >= 2 (block 0 is the reserved null block), got {num_blocks}"
@@ -44,6 +50,9 @@ class BlockPool:
         self.num_blocks = num_blocks  # including the null block
         self.num_usable_blocks = num_blocks - 1
         self.enable_caching = enable_caching
+        # Called with (hash, block_id) when a cached block is evicted to be reused, before the
+        # new owner writes it: the host tier keeps a copy (host_block_pool.py).
+        self.on_evict = on_evict
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]  # index = block_id
         self.null_block = self.blocks[0]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
@@ -119,6 +128,14 @@ class BlockPool:
             cached[block_hash] = block
             self.num_cached_total += 1
 
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+        """Enter one held, unhashed block whose contents are final (restored from the host
+        tier) under ``block_hash``; a hash already mapped leaves it private."""
+        if block.block_hash is None and block_hash not in self.cached_blocks:
+            block.block_hash = block_hash
+            self.cached_blocks[block_hash] = block
+            self.num_cached_total += 1
+
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         return self.cached_blocks.get(block_hash)
 
@@ -140,6 +157,8 @@ class BlockPool:
         return 1.0 - self.free_block_queue.num_free_blocks / self.num_usable_blocks
 
     def _evict(self, block: KVCacheBlock) -> None:
+        if self.on_evict is not None:
+            self.on_evict(block.block_hash, block.block_id)
         del self.cached_blocks[block.block_hash]
         block.block_hash = None
         self.num_evictions += 1

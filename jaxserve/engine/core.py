@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from jaxserve.config import EngineConfig
+from jaxserve.core.host_block_pool import HostTier
 from jaxserve.core.sched.output import SchedulerOutput
 from jaxserve.core.sched.scheduler import Scheduler
 from jaxserve.outputs import EngineCoreOutput, ModelRunnerOutput
@@ -25,6 +26,9 @@ class Runner(Protocol):
 
     def reset(self) -> bool: ...
 
+    @property
+    def is_idle(self) -> bool: ...
+
     trace: StepTrace | None  # filled in by execute_model while set
 
 
@@ -35,13 +39,21 @@ class EngineCore:
         config: the resolved engine config (scheduler and cache settings).
         runner: executes SchedulerOutputs (a ModelRunner).
         num_kv_blocks: pages in the runner's pool, null block included.
+        host_tier: the runner's host KV tier, or None.
     """
 
-    def __init__(self, config: EngineConfig, runner: Runner, num_kv_blocks: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: Runner,
+        num_kv_blocks: int,
+        host_tier: HostTier | None = None,
+    ) -> None:
         self.config = config
         self.runner = runner
         self.num_kv_blocks = num_kv_blocks
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_kv_blocks)
+        self.host_tier = host_tier
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_kv_blocks, host_tier)
         # Called with each step's StepTrace while set (LLMEngine.set_step_tracer); None: off.
         self.step_tracer: Callable[[StepTrace], None] | None = None
 
@@ -49,7 +61,12 @@ class EngineCore:
         if self.step_tracer is not None:
             return self._traced_step(self.step_tracer)
         scheduler_output = self.scheduler.schedule()
+        start = time.perf_counter()
         runner_output = self.runner.execute_model(scheduler_output)
+        # The runner returns once the sampled ids are on the host: the step's wall time, which
+        # "auto" preemption turns into a prefill rate (core/sched/preemption.py).
+        seconds = time.perf_counter() - start
+        self.scheduler.observe_step(scheduler_output.total_num_scheduled_tokens, seconds)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def _traced_step(self, tracer: Callable[[StepTrace], None]) -> list[EngineCoreOutput]:
@@ -64,6 +81,7 @@ class EngineCore:
         finally:
             self.runner.trace = None
         t2 = time.perf_counter()
+        self.scheduler.observe_step(scheduler_output.total_num_scheduled_tokens, t2 - t1)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         trace.schedule_s, trace.execute_s = t1 - t0, t2 - t1
         trace.update_s = time.perf_counter() - t2
@@ -127,14 +145,13 @@ class EngineCore:
         if self.has_unfinished_requests():
             raise RuntimeError("reset_scheduler needs an idle engine")
         self.step()  # hands the last finished ids to the runner: its batch empties
-        held = getattr(self.runner, "input_batch", ())
-        if len(held):
-            raise RuntimeError(f"the runner still holds {len(held)} rows")
+        if not self.runner.is_idle:
+            raise RuntimeError("reset_scheduler needs an idle engine: the runner holds requests")
         cache = self.config.cache
         if enable_prefix_caching is not None:
             cache = dataclasses.replace(cache, enable_prefix_caching=enable_prefix_caching)
         self.config = dataclasses.replace(self.config, cache=cache)
-        self.scheduler = Scheduler(self.config.scheduler, cache, self.num_kv_blocks)
+        self.scheduler = Scheduler(self.config.scheduler, cache, self.num_kv_blocks, self.host_tier)
 
     # ---- introspection ----------------------------------------------------------------------
     def get_stats(self) -> dict[str, Any]:

@@ -47,7 +47,7 @@ _MASK63 = (1 << 63) - 1
 logger = logging.getLogger("jaxserve")
 
 
-def _mix_seed(seed: int, index: int) -> int:
+def mix_seed(seed: int, index: int) -> int:
     """A distinct 63-bit seed for child `index` of a seeded n > 1 request (splitmix64)."""
     z = (seed + 0x9E3779B97F4A7C15 * (index + 1)) & 0xFFFFFFFFFFFFFFFF
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
@@ -73,7 +73,7 @@ class LLMEngine:
         self.config = info.config
         self.info = info
         self.tokenizer = info.tokenizer.tokenizer
-        self.core = EngineCore(self.config, runner, info.num_kv_blocks)
+        self.core = EngineCore(self.config, runner, info.num_kv_blocks, info.host_tier)
         self._states: dict[str, RequestState] = {}  # user request id -> state
         self._child_of: dict[str, tuple[str, int]] = {}  # scheduler id -> (user id, index)
         self._seed_rng = np.random.default_rng(self.config.model.seed)
@@ -306,7 +306,7 @@ class LLMEngine:
                     eos_token_ids=self.info.eos_token_ids,
                     arrival_time=now,
                     priority=priority,
-                    seed=base if i == 0 else _mix_seed(base, i),
+                    seed=base if i == 0 else mix_seed(base, i),
                 )
             )
         return requests

@@ -6,7 +6,7 @@ between them (6, 12, ..., 192) and a single token to T=1, so steady-state servin
 small, known set of compiled executables.
 R is tied to T (R = min(T, padded max_num_seqs)): every scheduled request has at least one
 token, so R <= T always holds, and tying them removes one bucket dimension (the extra logits
-rows cost ~R x D x V flops, small next to the T-token forward).
+rows cost R x D x V flops, small next to the T-token forward).
 """
 
 from __future__ import annotations
@@ -14,26 +14,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # The smallest T (but for the CPU's T=1, below). A step's dense layers cost about the same from
-# 2 to a few tokens (they read every weight once), but not up to 16: on the 2-core CPU the 57M
-# benchmark model's linear layers take 8.9 ms at T=4, 14.0 at T=8 and 17.8 at T=16, and the
-# tail of an offline run (a few long requests left) runs hundreds of steps with ~5 real tokens.
+# 2 to a few tokens (they read every weight once), but not up to 16, and the tail of an offline
+# run (a few long requests left) runs hundreds of steps with a handful of real tokens.
+# Measurements: docs/benchmarks.md, "Design measurements".
 MIN_TOKEN_BUCKET = 4
 
 # On the CPU, T buckets up to here also come at 3 * 2^k, between the powers of two: padding is
 # then under 1.5x instead of 2x. Steps this small are mostly decodes, and on the CPU their cost
 # follows the padded T (the dense layers, the logits rows, the sampler); larger steps are
-# prefill chunks that fill the token budget. Measured on the benchmark's ShareGPT run (mean 26
-# real tokens a step), four alternating runs each: 576 -> 584 output tok/s (means), for 6 more
-# buckets to compile at warm-up. On GPU / TPU such small steps are bound by reading the
-# weights, whatever T is: no midpoints there.
+# prefill chunks that fill the token budget. The price is a few more buckets to compile at
+# warm-up. On GPU / TPU such small steps are bound by reading the weights, whatever T is: no
+# midpoints there.
 MID_BUCKET_LIMIT = 256
 
 # On the CPU, T=1 below MIN_TOKEN_BUCKET: a step of one token (a single request decoding, as in
 # an interactive session or an offline run's last request) skips the dense layers' GEMMs of
-# padding rows. The 57M benchmark model's jitted step at context 1500 with one real token:
-# 10.7-11.5 ms at T=1 against 12.5-13.8 at T=4. Two or three tokens stay in T=4: XLA:CPU's
-# GEMMs of 2-3 rows are no faster than of 4 (the step at T=2 with two real tokens: 15.8-19.5
-# ms against 13.2-14.4 at T=4).
+# padding rows. Two or three tokens stay in T=4: XLA:CPU's GEMMs of 2-3 rows are no faster
+# than of 4.
 
 
 def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:

@@ -20,16 +20,25 @@ import jax
 
 from jaxserve.checkpoints_tools import LoadedCheckpoint, TokenizerInfo, load_checkpoint
 from jaxserve.checkpoints_tools.hub import CONFIG_FILES
-from jaxserve.checkpoints_tools.load import declared_dtype, load_arch, resolve_model
+from jaxserve.checkpoints_tools.load import (
+    declared_dtype,
+    declared_quantization,
+    load_arch,
+    resolve_model,
+)
+from jaxserve.checkpoints_tools.quantization import resolve_quantization
 from jaxserve.checkpoints_tools.tokenizer import load_tokenizer
 from jaxserve.config import EngineConfig
+from jaxserve.core.host_block_pool import HostTier
 from jaxserve.models import ModelArchConfig, get_model
 from jaxserve.runner.compile_cache import enable_compilation_cache
 from jaxserve.runner.kv_cache import device_memory_bytes
+from jaxserve.runner.kv_offload import KVOffloader, host_kv_blocks
+from jaxserve.runner.kv_scales import kv_scales_for
 from jaxserve.runner.memory_plan import MemoryPlan, memory_plan_for, resolve_max_model_len
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.plan import ExecutionPlan, make_plan
-from jaxserve.runner.sharding import make_mesh, per_device_bytes, plan_sharding
+from jaxserve.runner.sharding import ShardingPlan, make_mesh, per_device_bytes, plan_sharding
 from jaxserve.runner.xla_flags import apply_cpu_workarounds
 
 logger = logging.getLogger("jaxserve")
@@ -46,6 +55,7 @@ class RunnerInfo:
     num_kv_blocks: int  # null block included
     plan: ExecutionPlan
     memory: MemoryPlan | None = None  # None: explicit num_kv_blocks, device memory unknown
+    host_tier: HostTier | None = None  # the host KV tier (kv_offloading_size > 0), else None
 
 
 def replace_tokenizer(ckpt: LoadedCheckpoint, tokenizer: str) -> LoadedCheckpoint:
@@ -74,6 +84,7 @@ def _checked_memory_plan(
     plan: ExecutionPlan,
     device: jax.Device,
     max_model_len: int,
+    quantization: str | None,
 ) -> MemoryPlan | None:
     """The memory plan on `device`, checked: raises before any weight is read when the model
     cannot fit. None when the pool size is explicit and the device reports no memory limit
@@ -97,6 +108,7 @@ def _checked_memory_plan(
         kv_cache_dtype=plan.kv_cache_dtype,
         max_model_len=max_model_len,
         device_memory_bytes=memory_bytes,
+        quantization=quantization,
     )
     memory.check(config.model.model)
     logger.info(
@@ -134,7 +146,9 @@ def build_runner(config: EngineConfig) -> tuple[ModelRunner, RunnerInfo]:
         ValueError / FileNotFoundError: bad model name, path or checkpoint (from the loader;
             a Hub ID that does not resolve), revision / download_dir for a built-in model or
             a folder, an unknown backend, max_model_len beyond the model, a model that does
-            not fit (memory_plan.MemoryPlan.check: raised before any weight is read), more
+            not fit (memory_plan.MemoryPlan.check: raised before any weight is read), a
+            kv_offloading_size that holds no KV block or exceeds the machine's memory
+            (kv_offload.host_kv_blocks, also before any weight is read), more
             tensor-parallel devices than there are.
     """
     apply_cpu_workarounds()  # before jax starts its backends (make_mesh lists the devices)
@@ -154,23 +168,42 @@ def build_runner(config: EngineConfig) -> tuple[ModelRunner, RunnerInfo]:
     for reason in plan.attention_refused:
         logger.info("attention: passed over %s", reason)
     max_model_len = resolve_max_model_len(model_config.max_model_len, arch)
-    memory = _checked_memory_plan(config, arch, plan, mesh.devices.flat[0], max_model_len)
-    sharding = plan_sharding(get_model(arch), mesh)
+    # 8-bit weights: the checkpoint's own (quantization_config) or LLM(quantization=...)'s,
+    # quantized while loading; they change the param shapes, so the memory plan and the
+    # shardings see them too.
+    quantization = resolve_quantization(
+        model_config.quantization, declared_quantization(config_source), model_config.model
+    )
+    memory = _checked_memory_plan(
+        config, arch, plan, mesh.devices.flat[0], max_model_len, quantization
+    )
+    block_bytes = get_model(arch).kv_cache_bytes_per_block(
+        config.cache.block_size, plan.kv_cache_dtype
+    )
+    num_host_blocks = host_kv_blocks(config.cache.kv_offloading_size, block_bytes)
+    sharding = plan_sharding(get_model(arch, quantization=quantization), mesh)
     ckpt = load_checkpoint(
         model_config.model,
         dtype=plan.dtype,
         param_sharding=sharding.param_sharding,
+        quantization=quantization,
         **hub_arguments,
     )
     _compare_weights(ckpt, memory)
     if model_config.tokenizer is not None:
         ckpt = replace_tokenizer(ckpt, model_config.tokenizer)
-    model = get_model(ckpt.arch, dtype=ckpt.dtype, attention=plan.attention)
+    model = get_model(
+        ckpt.arch,
+        dtype=ckpt.dtype,
+        attention=plan.attention,
+        max_model_len=max_model_len,
+        quantization=ckpt.quantization,
+    )
     cache = config.cache
     num_kv_blocks = cache.num_kv_blocks if memory is None else memory.num_kv_blocks
     resolved = replace(
         config,
-        model=replace(config.model, max_model_len=max_model_len),
+        model=replace(config.model, max_model_len=max_model_len, quantization=quantization),
         cache=replace(cache, num_kv_blocks=num_kv_blocks),
         scheduler=replace(config.scheduler, max_model_len=max_model_len),
         runner=replace(config.runner, attention_backend=plan.attention.name),
@@ -186,9 +219,17 @@ def build_runner(config: EngineConfig) -> tuple[ModelRunner, RunnerInfo]:
         eos_token_ids=ckpt.eos_token_ids,
         sharding=sharding,
         plan=plan,
+        kv_scales=kv_scales_for(plan.kv_cache_dtype, ckpt.path, ckpt.arch.num_layers),
     )
+    host_tier = _attach_host_tier(runner, num_host_blocks, sharding)
     if config.runner.warmup:
         _warm_up(runner, plan.compile_workers)
+    if host_tier is not None and config.cache.preemption_mode == "auto":
+        # "auto" preemption weighs copies against recomputation: measure the copies once.
+        runner.kv_caches, bytes_per_s, latency_s = runner.kv_offload.measure_bandwidth(
+            runner.kv_caches
+        )
+        host_tier = replace(host_tier, swap_bytes_per_s=bytes_per_s, swap_latency_s=latency_s)
     info = RunnerInfo(
         config=resolved,
         vocab_size=ckpt.arch.vocab_size,
@@ -197,8 +238,31 @@ def build_runner(config: EngineConfig) -> tuple[ModelRunner, RunnerInfo]:
         num_kv_blocks=num_kv_blocks,
         plan=plan,
         memory=memory,
+        host_tier=host_tier,
     )
     return runner, info
+
+
+def _attach_host_tier(
+    runner: ModelRunner, num_host_blocks: int, sharding: ShardingPlan
+) -> HostTier | None:
+    """Give the runner its host KV tier (kv_offload.py) of ``num_host_blocks`` slots, allocated
+    here once (its size was checked before any weight was read: host_kv_blocks); None, and
+    nothing allocated, for 0."""
+    if num_host_blocks == 0:
+        return None
+    page_shape = runner.kv_caches[0][0].shape
+    offload = KVOffloader(
+        len(runner.kv_caches), page_shape, runner.kv_caches[0][0].dtype, num_host_blocks, sharding
+    )
+    runner.kv_offload = offload
+    logger.info(
+        "host KV tier: %d blocks of %d bytes (%.3g GiB)",
+        num_host_blocks,
+        offload.block_bytes,
+        num_host_blocks * offload.block_bytes / (1 << 30),
+    )
+    return HostTier(num_host_blocks, offload.block_bytes)
 
 
 def _warm_up(runner: ModelRunner, workers: int) -> None:

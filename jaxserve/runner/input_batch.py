@@ -114,9 +114,6 @@ class InputBatch:
         self.block_table[slot, start : start + len(block_ids)] = block_ids
         self.num_blocks[slot] = start + len(block_ids)
 
-    def replace_block(self, slot: int, index: int, block_id: int) -> None:
-        self.block_table[slot, index] = block_id
-
     def append_tokens(self, slots: np.ndarray, token_ids: np.ndarray) -> None:
         """Append one sampled token to each given slot (vectorised)."""
         self.token_ids[slots, self.num_tokens[slots]] = token_ids

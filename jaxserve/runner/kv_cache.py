@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-
-from jaxserve.runner.memory_plan import blocks_for_budget
 
 
 def device_memory_bytes(device: jax.Device, cpu_memory_bytes: int) -> int:
@@ -32,45 +29,15 @@ def device_memory_bytes(device: jax.Device, cpu_memory_bytes: int) -> int:
     return int(limit)
 
 
-def params_bytes(params) -> int:
-    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(params))
-
-
-def num_blocks_for_budget(
-    *,
-    budget_bytes: int,
-    weights_bytes: int,
-    bytes_per_block: int,
-    max_useful_blocks: int,
-    workspace_bytes: int = 0,
-) -> int:
-    """Blocks (null block included) that fit in budget - weights - workspace, capped at what
-    the engine can ever hold (max_num_seqs full-length sequences + the null block): the rule
-    of memory_plan.MemoryPlan.num_kv_blocks (which the engine uses), on plain numbers.
-
-    Raises:
-        ValueError: when not even two blocks (the null block and one usable) fit.
-    """
-    num_blocks = blocks_for_budget(
-        budget_bytes=budget_bytes,
-        used_bytes=weights_bytes + workspace_bytes,
-        bytes_per_block=bytes_per_block,
-        max_useful_blocks=max_useful_blocks,
-    )
-    if num_blocks < 2:
-        raise ValueError(
-            f"memory for the KV cache: {budget_bytes} bytes budget - {weights_bytes} bytes of "
-            f"weights - {workspace_bytes} bytes of workspace leaves room for {num_blocks} blocks "
-            f"of {bytes_per_block} bytes; need at least 2: raise memory_utilization or pass "
-            "num_kv_blocks"
-        )
-    return int(num_blocks)
-
-
 def allocate_kv_caches(
     num_layers: int, page_shape: tuple[int, ...], dtype, sharding=None
 ) -> list[tuple[jax.Array, jax.Array]]:
-    """Zeroed [K, S, P, H] K and V pages per layer, placed with `sharding` when given."""
+    """Zeroed [K, S, P, H] K and V pages per layer, placed with `sharding` when given.
+
+    `dtype` is the plan's kv_cache_dtype: the model dtype, or an FP8 dtype (one byte per
+    value; the per-layer scales live apart, runner/kv_scales.py), so a page stays a plain
+    slice of one array that a block copy moves as raw bytes.
+    """
 
     def zeros():
         return jnp.zeros(page_shape, dtype)

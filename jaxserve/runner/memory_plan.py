@@ -5,10 +5,14 @@ by build_runner (factory.py, before any weight is read), so that the two always 
 figure is per device: under tensor parallelism each of the N devices holds the same share.
 
     weights          the parameter shapes (CausalLM.param_shapes: eval_shape, allocates
-                     nothing) x the dtype's size; a parameter sharded by the model's
-                     param_partition_specs(tp) counts 1/tp, a replicated one whole
-    KV per token     2 (K and V) x layers x KV heads x head_dim x itemsize, / tp when tp
-                     divides the KV heads (the pages are sharded on K then, sharding.py)
+                     nothing) x each parameter's own itemsize (the model dtype; 1 byte for an
+                     8-bit linear weight plus 4 per f32 scale under a quantization); a
+                     parameter sharded by the model's param_partition_specs(tp) counts 1/tp,
+                     a replicated one whole
+    KV per token     2 (K and V) x layers x KV heads x head_dim x itemsize of the KV cache
+                     dtype (1 byte for FP8), / tp when tp divides the KV heads (the pages are
+                     sharded on K then, sharding.py)
+    KV scales        an FP8 KV cache's f32 k_scale and v_scale per layer (8 bytes a layer)
     workspace        a reserve for the step's live buffers besides weights and KV pages
                      (workspace_bytes below: activations of max_num_batched_tokens tokens,
                      f32 logits of max_num_seqs rows)
@@ -39,6 +43,8 @@ from jaxserve.config import EngineConfig
 from jaxserve.models import TP_AXIS, CausalLM, ModelArchConfig, get_model
 
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# KV pages: the model dtypes, or an FP8 KV cache (config.FP8_STORAGE_DTYPES).
+KV_DTYPE_SIZES = {**DTYPE_SIZES, "float8_e4m3fn": 1, "float8_e5m2": 1}
 GIB = 1 << 30
 
 # The workspace reserve (workspace_bytes). Per token of a step, in the model dtype: 4 hidden-
@@ -69,11 +75,13 @@ class MemoryPlan:
     weights_bytes_total: int  # every parameter once (the checkpoint in this dtype)
     kv_bytes_per_token: int  # per device
     kv_cache_sharded: bool  # the KV pages split over the tp devices (tp | KV heads)
+    kv_scales_bytes: int  # an FP8 KV cache's f32 (k_scale, v_scale) per layer; else 0
     workspace_bytes: int
     device_memory_bytes: int
     memory_utilization: float
     budget_bytes: int  # what weights + workspace + KV may take
     num_kv_blocks_requested: int | None  # an explicit pool size (CacheConfig.num_kv_blocks)
+    quantization: str | None = None  # 8-bit linear weights ("int8" / "fp8"), or None
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -87,7 +95,7 @@ class MemoryPlan:
     @property
     def kv_budget_bytes(self) -> int:
         """Bytes left for the KV cache (negative when weights + workspace exceed the budget)."""
-        return self.budget_bytes - self.weights_bytes - self.workspace_bytes
+        return self.budget_bytes - self._fixed_bytes
 
     @property
     def num_kv_blocks_fit(self) -> int:
@@ -118,10 +126,15 @@ class MemoryPlan:
     def _blocks(self, max_useful_blocks: int | None) -> int:
         return blocks_for_budget(
             budget_bytes=self.budget_bytes,
-            used_bytes=self.weights_bytes + self.workspace_bytes,
+            used_bytes=self._fixed_bytes,
             bytes_per_block=self.kv_bytes_per_block,
             max_useful_blocks=max_useful_blocks,
         )
+
+    @property
+    def _fixed_bytes(self) -> int:
+        """Everything but the KV pages: weights, workspace and the KV scales."""
+        return self.weights_bytes + self.workspace_bytes + self.kv_scales_bytes
 
     @property
     def fits(self) -> bool:
@@ -130,14 +143,16 @@ class MemoryPlan:
     def shortfall(self) -> str | None:
         """Why the model does not fit (with the numbers), or None when it does."""
         used = f"{self.weights_bytes} bytes of weights + {self.workspace_bytes} bytes of workspace"
+        if self.kv_scales_bytes:
+            used += f" + {self.kv_scales_bytes} bytes of KV scales"
         if self.num_kv_blocks_requested is not None:
             pool = self.num_kv_blocks_requested * self.kv_bytes_per_block
-            if self.weights_bytes + self.workspace_bytes + pool <= self.budget_bytes:
+            if self._fixed_bytes + pool <= self.budget_bytes:
                 return None
             return (
                 f"{used} + num_kv_blocks={self.num_kv_blocks_requested} x "
                 f"{self.kv_bytes_per_block} bytes = "
-                f"{self.weights_bytes + self.workspace_bytes + pool} bytes exceed the device's "
+                f"{self._fixed_bytes + pool} bytes exceed the device's "
                 f"{self.budget_bytes} bytes"
             )
         if self.kv_budget_bytes <= 0:
@@ -212,7 +227,8 @@ def resolve_max_model_len(requested: int | None, arch: ModelArchConfig) -> int:
 
 
 def weights_bytes(model: CausalLM, tensor_parallel_size: int) -> tuple[int, int]:
-    """(bytes on one device, bytes of every parameter once) of `model`'s params in its dtype,
+    """(bytes on one device, bytes of every parameter once) of `model`'s params, each in its
+    own dtype (the model dtype, or 8-bit weights and f32 scales under a quantization),
     under the model's tensor-parallel layout for `tensor_parallel_size` devices (a sharded
     dimension counts 1/tp, a replicated parameter whole). From shapes only: allocates nothing.
     """
@@ -221,10 +237,9 @@ def weights_bytes(model: CausalLM, tensor_parallel_size: int) -> tuple[int, int]
         model.param_partition_specs(tensor_parallel_size),
         is_leaf=lambda x: isinstance(x, PartitionSpec),
     )
-    itemsize = model.dtype.itemsize
     per_device = total = 0
     for leaf, spec in zip(shapes, specs, strict=True):
-        size = int(np.prod(leaf.shape)) * itemsize
+        size = int(np.prod(leaf.shape)) * leaf.dtype.itemsize
         total += size
         # param_partition_specs(tp) replicates any group tp does not divide: exact division.
         per_device += size // tensor_parallel_size if TP_AXIS in tuple(spec) else size
@@ -237,6 +252,12 @@ def kv_bytes_per_token(model: CausalLM, tensor_parallel_size: int, kv_cache_dtyp
     total = model.kv_cache_bytes_per_block(1, kv_cache_dtype)
     sharded = model.kv_cache_partition_spec(tensor_parallel_size)[0] == TP_AXIS
     return total // tensor_parallel_size if sharded else total
+
+
+def kv_scales_bytes(arch: ModelArchConfig, kv_cache_dtype: str) -> int:
+    """Bytes of an FP8 KV cache's scales: f32 (k_scale, v_scale) per layer, on every device
+    (replicated); 0 for a KV cache in a model dtype, which has none."""
+    return 0 if kv_cache_dtype in DTYPE_SIZES else 2 * 4 * arch.num_layers
 
 
 def workspace_bytes(
@@ -276,19 +297,24 @@ def plan_memory(
     device_memory_bytes: int,
     memory_utilization: float,
     num_kv_blocks: int | None = None,
+    quantization: str | None = None,
 ) -> MemoryPlan:
     """The MemoryPlan of `arch` in `dtype` (already resolved: not "auto") on devices of
     `device_memory_bytes` each. Reads no weights and allocates nothing.
 
     Args:
         num_kv_blocks: an explicit pool size (null block included), or None to size it.
+        quantization: None, "int8" or "fp8" (resolved: the checkpoint's own or the requested).
 
     Raises:
         TypeError / ValueError: a bad argument (named, with its value and limit).
     """
-    for name, value in (("dtype", dtype), ("kv_cache_dtype", kv_cache_dtype)):
-        if value not in DTYPE_SIZES:
-            raise ValueError(f"{name} must be one of {sorted(DTYPE_SIZES)}, got {value!r}")
+    for name, value, sizes in (
+        ("dtype", dtype, DTYPE_SIZES),
+        ("kv_cache_dtype", kv_cache_dtype, KV_DTYPE_SIZES),
+    ):
+        if value not in sizes:
+            raise ValueError(f"{name} must be one of {sorted(sizes)}, got {value!r}")
     for name, value in (
         ("tensor_parallel_size", tensor_parallel_size),
         ("block_size", block_size),
@@ -304,7 +330,7 @@ def plan_memory(
         isinstance(memory_utilization, (int, float)) and 0.0 < memory_utilization <= 1.0
     ):
         raise ValueError(f"memory_utilization must be in (0, 1], got {memory_utilization!r}")
-    model = get_model(arch, dtype=dtype)
+    model = get_model(arch, dtype=dtype, quantization=quantization)
     per_device, total = weights_bytes(model, tensor_parallel_size)
     # An explicit pool overrides memory_utilization (CacheConfig): it must fit in the device.
     budget = (
@@ -326,6 +352,7 @@ def plan_memory(
         weights_bytes_total=total,
         kv_bytes_per_token=kv_bytes_per_token(model, tensor_parallel_size, kv_cache_dtype),
         kv_cache_sharded=model.kv_cache_partition_spec(tensor_parallel_size)[0] == TP_AXIS,
+        kv_scales_bytes=kv_scales_bytes(arch, kv_cache_dtype),
         workspace_bytes=workspace_bytes(
             arch,
             dtype,
@@ -336,6 +363,7 @@ def plan_memory(
         memory_utilization=float(memory_utilization),
         budget_bytes=budget,
         num_kv_blocks_requested=num_kv_blocks,
+        quantization=quantization,
     )
 
 
@@ -347,6 +375,7 @@ def memory_plan_for(
     kv_cache_dtype: str,
     max_model_len: int,
     device_memory_bytes: int,
+    quantization: str | None = None,
 ) -> MemoryPlan:
     """The MemoryPlan of this engine configuration (tensor parallelism, block size, step
     budget, memory share, explicit pool) for `arch` in the resolved dtypes: what build_runner
@@ -364,6 +393,7 @@ def memory_plan_for(
         device_memory_bytes=device_memory_bytes,
         memory_utilization=cache.memory_utilization,
         num_kv_blocks=cache.num_kv_blocks,
+        quantization=quantization,
     )
 
 

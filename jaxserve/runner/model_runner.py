@@ -31,6 +31,7 @@ from jaxserve.outputs import ModelRunnerOutput
 from jaxserve.runner.buckets import BucketSpec
 from jaxserve.runner.input_batch import InputBatch, PreparedBatch
 from jaxserve.runner.kv_cache import allocate_kv_caches
+from jaxserve.runner.kv_offload import KVOffloader
 from jaxserve.runner.plan import ExecutionPlan
 from jaxserve.runner.sampler import (
     logprobs_width,
@@ -128,6 +129,8 @@ class ModelRunner:
         self.copy_sizes = tuple(1 << k for k in range((max_num_seqs - 1).bit_length() + 1))
         # The StepTrace the current step fills in, while the engine traces steps (None: off).
         self.trace: StepTrace | None = None
+        # The host KV tier's data side, set by the factory when kv_offloading_size > 0.
+        self.kv_offload: KVOffloader | None = None
 
     def _init_host_state(self) -> None:
         """Empty host mirrors: batch rows, sampling settings, logprob bookkeeping."""
@@ -149,19 +152,28 @@ class ModelRunner:
         )
 
     @property
+    def is_idle(self) -> bool:
+        """True when the runner holds no request: no batch row, no logprob bookkeeping."""
+        return not len(self.input_batch) and not self._prompt_logprobs and not self._num_logprobs
+
+    @property
     def num_compilations(self) -> int:
         """XLA compilations of the step and the block copy so far (not those loaded from the
         persistent compilation cache: num_compilation_cache_hits)."""
-        return self.compiles.num_fresh + self.copy_compiles.num_fresh
+        return sum(c.num_fresh for c in self._all_compiles())
 
     @property
     def num_compilation_cache_hits(self) -> int:
-        return self.compiles.num_cache_hits + self.copy_compiles.num_cache_hits
+        return sum(c.num_cache_hits for c in self._all_compiles())
 
     @property
     def recompilations(self) -> list[dict[str, Any]]:
         """Every compilation after warm-up, with what was new (step_compiles.py)."""
-        return [*self.compiles.events, *self.copy_compiles.events]
+        return [event for c in self._all_compiles() for event in c.events]
+
+    def _all_compiles(self) -> list[StepCompiles]:
+        offload = [self.kv_offload.compiles] if self.kv_offload is not None else []
+        return [self.compiles, self.copy_compiles, *offload]
 
     def reset(self) -> bool:
         """Forget every request: the recovery of an engine step that raised part-way.
@@ -217,8 +229,11 @@ class ModelRunner:
             )
             for n in self.copy_sizes
         ]
+        if self.kv_offload is not None:
+            jobs += self.kv_offload.compilations(self.kv_caches)
         compile_concurrently(jobs, workers)
-        self.compiles.warmed_up = self.copy_compiles.warmed_up = True
+        for compiles in self._all_compiles():
+            compiles.warmed_up = True
         return self.num_compilations + self.num_compilation_cache_hits - before
 
     def _padding_step_inputs(
@@ -242,6 +257,11 @@ class ModelRunner:
     # ---- per step -------------------------------------------------------------------------
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
+        if so.device_to_host or so.host_to_device:
+            # Before anything writes the pages: the step reuses the evicted blocks.
+            self.kv_caches = self.kv_offload.apply(
+                self.kv_caches, so.device_to_host, so.host_to_device
+            )
         if so.block_copies:
             # Pad to a power of two with null-block self-copies: few compiled shapes.
             pairs = np.zeros((1 << (len(so.block_copies) - 1).bit_length(), 2), np.int32)

@@ -6,6 +6,9 @@
     sampler draw            the C++ kernel on the CPU where it builds, XLA elsewhere
     dtype                   "auto": the checkpoint's; float32 checkpoints run in bfloat16 on
                             GPU and TPU (as vLLM does), stay float32 on the CPU
+    KV cache dtype          the model dtype, or FP8 (float8_e4m3fn / float8_e5m2) when the
+                            config asks for it: then attention is only chosen among the
+                            implementations that read FP8 pages (registry.KernelSpec.fp8_kv)
     buckets, RoPE rows      the CPU's extra token buckets (1 and 3 * 2^k) and host-gathered
                             RoPE rows; accelerators compute RoPE on device
     tensor parallelism      the mesh; attention runs per device inside shard_map
@@ -29,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, kv_cache_storage_dtype
 from jaxserve.models import TP_AXIS, ModelArchConfig
 from jaxserve.pallas_kernels.ragged_paged_attention import (
     AttentionImpl,
@@ -40,6 +43,7 @@ from jaxserve.pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention_reference,
     select_attention,
 )
+from jaxserve.pallas_kernels.ragged_paged_attention.kv_quant import is_fp8, quantize
 from jaxserve.pallas_kernels.ragged_paged_attention.testing import random_batch
 from jaxserve.pallas_kernels.sampling import cpu_draw
 
@@ -60,7 +64,7 @@ class ExecutionPlan:
     attention_refused: tuple[str, ...]  # why "auto" passed over each implementation before it
     sampler_draw: str  # "cpu" | "xla" (sampler.DRAWS)
     dtype: str  # params and activations
-    kv_cache_dtype: str
+    kv_cache_dtype: str  # of the KV pages: dtype, or "float8_e4m3fn" / "float8_e5m2"
     tensor_parallel_size: int
     host_rope: bool  # RoPE cos / sin rows gathered on the host into AttentionMetadata
     mid_token_buckets: bool  # token buckets at 3 * 2^k too (buckets.py)
@@ -113,6 +117,7 @@ def make_plan(
     facts = device_facts(mesh.devices.flat[0])
     platform = facts["platform"]
     dtype = resolve_dtype(config.model.dtype, declared_dtype, platform)
+    kv_cache_dtype = kv_cache_storage_dtype(config.cache.kv_cache_dtype, dtype)
     tp = config.runner.tensor_parallel_size
     target = Target(
         dtype=dtype,
@@ -120,8 +125,11 @@ def make_plan(
         num_kv_heads=arch.num_kv_heads,
         head_dim=arch.head_dim,
         page_size=config.cache.block_size,
+        # The local layers' window (full-attention layers need nothing more of a kernel).
         sliding_window=arch.sliding_window,
+        soft_cap=arch.attn_logit_softcap,
         tensor_parallel_size=tp,
+        kv_cache_dtype=None if kv_cache_dtype == dtype else kv_cache_dtype,
         **facts,
     )
     attention, refused = select_attention(config.runner.attention_backend, target)
@@ -139,7 +147,7 @@ def make_plan(
         attention_refused=tuple(refused),
         sampler_draw=_sampler_draw(platform),
         dtype=dtype,
-        kv_cache_dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
         tensor_parallel_size=tp,
         host_rope=on_cpu,
         mid_token_buckets=on_cpu,
@@ -191,9 +199,10 @@ def _checked(
 @functools.cache
 def self_check(attention: AttentionImpl, target: Target) -> str | None:
     """Run ``attention`` once on a small ragged batch of decodes and prefill chunks (the
-    target's heads, head dim, page size, dtype and options) against the reference; the error
-    found, or None. Cached per process. Plain XLA implementations and interpret mode are
-    trusted (the reference's own ops; tests cover interpret mode)."""
+    target's heads, head dim, page size, dtype and options; FP8 pages with scales when the
+    target's KV cache is FP8) against the reference; the error found, or None. Cached per
+    process. Plain XLA implementations and interpret mode are trusted (the reference's own
+    ops; tests cover interpret mode)."""
     if attention.kernel in ("reference", "xla") or attention.interpret:
         return None
     seqs = [(1, 5), (1, 40), (7, 30), (1, 64), (20, 20)]  # decodes and prefill chunks
@@ -215,6 +224,14 @@ def self_check(attention: AttentionImpl, target: Target) -> str | None:
         sliding_window=target.sliding_window,
         soft_cap=target.soft_cap,
     )
+    if is_fp8(target.kv_dtype):
+        # The same FP8 pages (and scales) for both: the kernel's dequantization is checked.
+        q, k_pages, v_pages, *metadata = batch
+        scales = dict(k_scale=jnp.float32(0.5), v_scale=jnp.float32(2.0))
+        k_pages = quantize(k_pages, scales["k_scale"], target.kv_dtype)
+        v_pages = quantize(v_pages, scales["v_scale"], target.kv_dtype)
+        batch = (q, k_pages, v_pages, *metadata)
+        options.update(scales)
     try:
         got = jax.jit(functools.partial(attention, **options))(*batch)
         want = jax.jit(functools.partial(ragged_paged_attention_reference, **options))(*batch)

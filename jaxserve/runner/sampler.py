@@ -181,11 +181,11 @@ def _apply_bans(x: jax.Array, banned: jax.Array) -> jax.Array:
 def _sample_random(x: jax.Array, md: SamplingMetadata, fast_top_k: int, draw: str) -> jax.Array:
     """Temperature, min-p, top-k, top-p, then an inverse-CDF draw per row. f32[R, V] -> i32[R].
 
-    Passes over [R, V] are the cost (a 2-core CPU: ~6 ms for a max, ~17 ms for an exp-sum at
-    R=256, V=32000), so nothing of size [R, V] is written besides the draw's exp: for t > 0
-    every mask is monotone in the logits, so min-p, top-k and top-p come down to one threshold
-    per row on the unscaled x, applied (with the temperature) inside the draw's exp pass (x / t
-    and a masked copy of x each cost a full pass: 8 ms at R=256)."""
+    Passes over [R, V] are the cost (memory-bound on every platform), so nothing of size
+    [R, V] is written besides the draw's exp: for t > 0 every mask is monotone in the logits,
+    so min-p, top-k and top-p come down to one threshold per row on the unscaled x, applied
+    (with the temperature) inside the draw's exp pass (x / t and a masked copy of x would each
+    cost a full pass)."""
     temperature = jnp.where(md.temperature > 0.0, md.temperature, 1.0)  # greedy rows: unused
     inv_t = 1.0 / temperature
     # min-p: p_i >= min_p * p_max  <=>  x_i / t >= x_max / t + log(min_p)
@@ -218,20 +218,22 @@ def _draw(
         return cpu_draw.cpu_draw(*args)
     if draw != "xla":
         raise ValueError(f"draw must be one of {DRAWS}, got {draw!r}")
-    return _xla_draw(*args)
+    return xla_draw(*args)
 
 
-def _xla_draw(x, uniform, inv_t, floor_offset, threshold) -> jax.Array:
+def xla_draw(x, uniform, inv_t, floor_offset, threshold) -> jax.Array:
+    """draw="xla" of ``_draw``, in XLA ops: the reference the C++ draw is tested
+    against (tests/pallas_kernels/test_cpu_draw.py)."""
     row_max = jnp.max(x, axis=-1)
     # min-p, top-k and top-p keep every row's maximum, so row_max is still the max.
     floor = jnp.maximum(row_max + floor_offset, threshold)
-    return _inverse_cdf_draw(x, uniform, row_max, inv_t, floor)
+    return inverse_cdf_draw(x, uniform, row_max, inv_t, floor)
 
 
 _DRAW_CHUNK = 256  # vocabulary entries per chunk of the two-level inverse-CDF draw
 
 
-def _inverse_cdf_draw(
+def inverse_cdf_draw(
     x: jax.Array,
     uniform: jax.Array,
     row_max: jax.Array,
@@ -241,9 +243,10 @@ def _inverse_cdf_draw(
     """Draw one token per row from softmax(x * inv_t) (inv_t f32[R], default 1) restricted to
     x >= threshold (f32[R], default: all) by inverting its CDF at `uniform`.
 
-    One uniform per row instead of V Gumbel variates: threefry noise for [256, 32000] costs
-    ~300 ms on a 2-core CPU, this ~35 ms. Two levels keep the cumulative sums short (and so
-    accurate in f32): pick a chunk of _DRAW_CHUNK tokens by the chunk masses, then a token in it.
+    One uniform per row instead of V Gumbel variates: generating [R, V] threefry noise costs
+    several times the whole draw (docs/benchmarks.md, "Design measurements"). Two levels keep
+    the cumulative sums short (and so accurate in f32): pick a chunk of _DRAW_CHUNK tokens by
+    the chunk masses, then a token in it.
     The first index whose cumulative mass exceeds the target always has positive probability;
     a clamp to the last positive entry guards the rounding case where the target reaches the
     total, so a masked token (-inf) is never drawn. row_max: x's max per row (any value >= the

@@ -22,13 +22,14 @@ The batch splits into two passes, each row handled by exactly one:
   those rows join the row pass (256 chunks of 8 tokens would otherwise cost 256 tiles of 128).
 
 With row_kernel="cpu" the row pass is the C++ kernel of cpu_rows.cc instead (f32 only): it
-streams each row's pages once, where XLA:CPU runs the row pass's tiny batched dots at a few
-GB/s (2.5-4x faster on decode batches, bench/attention_cpu.py); tiles stay XLA GEMMs.
+streams each row's pages once, where XLA:CPU runs the row pass's tiny batched dots far below
+the machine's memory bandwidth (bench/attention_cpu.py, docs/benchmarks.md); tiles stay XLA
+GEMMs.
 
 Memory per loop iteration is bounded by the tunables: [K, rows_per_block, C, H] gathered in the
 row pass, [K, C', H] and scores [K, tile_rows * G, C'] in the tile pass. Both passes keep the
-KV head as the leading (batch) dimension of their dots, which XLA:CPU runs about twice as fast
-as the token-major layout on prefill tiles.
+KV head as the leading (batch) dimension of their dots, which XLA:CPU runs faster than the
+token-major layout on prefill tiles.
 """
 
 from __future__ import annotations
@@ -46,9 +47,8 @@ from jaxserve.pallas_kernels.ragged_paged_attention.validation import validate_i
 _MASK_VALUE = -1e30
 # Defaults, tuned on the 2-core CPU (K=2, G=4, H=64, P=32) with bench/attention_cpu.py: row
 # blocks of 2 beat 8 on the decode batches there (a block computes its padding and its shorter
-# rows up to its longest; 2 decodes at ~1400 positions: 0.8 vs 1.7 ms a layer) except many
-# short chunks (69 vs 55 ms for 256 chunks of 8); 256-position tiles beat 512 for 256-token
-# prompts without losing on 2048-token ones.
+# rows up to its longest), except for many short chunks; 256-position tiles beat 512 for
+# 256-token prompts without losing on 2048-token ones (docs/benchmarks.md).
 ROWS_PER_BLOCK = 2
 ROW_CHUNK_POSITIONS = 128
 TILE_ROWS = 128
@@ -225,11 +225,16 @@ def ragged_paged_attention_chunked(
     tile_rows: int = TILE_ROWS,
     tile_pages_per_chunk: int | None = None,
     row_kernel: str = "xla",
+    k_scale: jax.Array | None = None,  # f32[] (kv_quant.py; None: 1)
+    v_scale: jax.Array | None = None,  # f32[]
 ) -> jax.Array:  # [T, N, H]
     """See the module docstring. Tunables (static): pages_per_chunk / rows_per_block for the
     row pass, tile_pages_per_chunk / tile_rows for the tile pass; chunk defaults come from
     ROW_CHUNK_POSITIONS and TILE_CHUNK_POSITIONS. row_kernel: "xla" (the row pass above) or
     "cpu" (the C++ kernel; f32 q and pages, CPU only).
+
+    FP8 pages are gathered as FP8 (a chunk at a time) and cast to f32 after the gather; the
+    scales multiply the f32 queries (k_scale) and the f32 output (v_scale), see kv_quant.py.
 
     Raises:
         ValueError: bad shapes / dtypes / options (validation.py), an unknown row_kernel, or
@@ -239,6 +244,7 @@ def ragged_paged_attention_chunked(
     validate_inputs(
         q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
     for name, value in (
         ("pages_per_chunk", pages_per_chunk),
@@ -281,11 +287,13 @@ def ragged_paged_attention_chunked(
     needed = jnp.where(valid & ~in_tile, q_pos + 1, 0)
     qg = q.reshape(num_tokens, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
     qg = qg.astype(jnp.float32)
+    if k_scale is not None:
+        qg = qg * k_scale  # q . (k_scale * k) as (k_scale * q) . k, in f32
     options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
 
     if row_kernel == "cpu":
         out = cpu_rows_attention(
-            q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs,
+            qg.reshape(q.shape), k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs,
             jnp.where(real, covered, 0), **options,
         ).reshape(qg.shape)  # fmt: skip
     else:
@@ -297,4 +305,7 @@ def ragged_paged_attention_chunked(
         qg, out, k_pages, v_pages, table, kv_lens, cu_q_lens, tiles, covered, pages=tile_pages,
         tq=tq, **options,
     )  # fmt: skip
-    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+    out = out.reshape(num_tokens, num_q_heads, head_dim)
+    if v_scale is not None:
+        out = out * v_scale  # softmax . (v_scale * v) as (softmax . v) * v_scale, in f32
+    return out.astype(q.dtype)

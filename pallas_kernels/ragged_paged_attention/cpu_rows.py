@@ -2,9 +2,9 @@
 as an XLA FFI custom call.
 
 XLA:CPU runs one decode row's attention as tiny batched dots ([G, H] x [H, C] per KV head)
-plus gathers of its pages, at a few GB/s; this kernel walks each row's pages directly and
-streams them once. The xla backend's tile pass keeps the prefill tiles (real GEMMs there).
-When it cannot be built (or JAXSERVE_CPU_KERNEL=0), `available()` is False and
+plus gathers of its pages, far below the memory bandwidth; this kernel walks each row's pages
+directly and streams them once. The xla backend's tile pass keeps the prefill tiles (real
+GEMMs there). When it cannot be built (or JAXSERVE_CPU_KERNEL=0), `available()` is False and
 `unavailable_reason()` says why; the engine then picks the plain xla backend.
 """
 

@@ -19,6 +19,10 @@ from the sliding window's start to its last row's causal limit, so never past kv
 splits > 1 the KV range is cut into `splits` parts whose partial (acc, max, sum) are merged by
 a small jnp combine step (flash decoding), for long contexts at small batch.
 
+FP8 pages (kv_quant.py) are loaded as FP8 and cast to q's dtype in the program; k_scale joins
+sm_scale on the scores and v_scale multiplies the f32 accumulator, both read from a small
+f32[2] input (ones when no scales are given), so a new scale never recompiles.
+
 Lowering: Triton compiler params select the Triton lowering (Mosaic GPU is the default since
 jax 0.9 and would reject this kernel). On CPU, interpret=True runs the same body in XLA.
 """
@@ -32,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from jaxserve.pallas_kernels.ragged_paged_attention.kv_quant import scales_or_ones
 from jaxserve.pallas_kernels.ragged_paged_attention.validation import (
     require_power_of_two,
     validate_inputs,
@@ -120,6 +125,7 @@ def _attention_kernel(
     q_ref,  # [T, N, H]
     k_pages_ref,  # [K, S, P, H] in HBM
     v_pages_ref,  # [K, S, P, H] in HBM
+    kv_scales_ref,  # f32[2] (k_scale, v_scale)
     o_ref,  # [T, N, H] (splits == 1) or f32[splits, T, N, H]
     *stat_refs,  # (row max, row sum) f32[splits, T, N] when splits > 1
     sm_scale: float,
@@ -171,6 +177,8 @@ def _attention_kernel(
         other=0,
     ).reshape(rows, head_dim)  # [M, H]
     row_pos = first_pos + token_off.reshape(rows)  # i32[M]
+    score_scale = sm_scale * kv_scales_ref[0]  # K = pages * k_scale (kv_quant.py)
+    v_scale = kv_scales_ref[1]
     row_pos_c = jnp.minimum(row_pos, max_pos)
 
     def tile_step(tile, carry):
@@ -179,11 +187,12 @@ def _attention_kernel(
             tile * pages_per_tile + jax.lax.iota(jnp.int32, pages_per_tile), width - 1
         )
         page_ids = jnp.clip(block_tables_ref[seq_c, page_idx], 0, num_pages - 1)
-        k = k_pages_ref[kv_head, page_ids, :, :].reshape(kv_tile, head_dim)  # [W, H]
-        v = v_pages_ref[kv_head, page_ids, :, :].reshape(kv_tile, head_dim)
+        # Pages in the compute dtype from here on (FP8 pages are cast after the load).
+        k = k_pages_ref[kv_head, page_ids, :, :].reshape(kv_tile, head_dim).astype(q.dtype)
+        v = v_pages_ref[kv_head, page_ids, :, :].reshape(kv_tile, head_dim).astype(q.dtype)
         s = (
             jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-            * sm_scale
+            * score_scale
         )  # [M, W]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
@@ -207,6 +216,7 @@ def _attention_kernel(
         jnp.zeros((rows,), jnp.float32),
     )
     acc, row_max, row_sum = jax.lax.fori_loop(tile_begin, tile_end, tile_step, init)
+    acc = acc * v_scale  # V = pages * v_scale, on the f32 accumulator
 
     rows_out = pl.ds(blk_start, block_q)
     if num_splits == 1:
@@ -295,6 +305,8 @@ def ragged_paged_attention_gpu(
     num_stages: int | None = None,
     interpret: bool = False,
     num_cores: int | None = None,
+    k_scale: jax.Array | None = None,  # f32[] (kv_quant.py; None: 1)
+    v_scale: jax.Array | None = None,  # f32[]
 ) -> jax.Array:  # [T, N, H]
     """Ragged paged attention on GPU (Triton lowering); same contract as the reference.
 
@@ -317,6 +329,8 @@ def ragged_paged_attention_gpu(
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
     overrides = dict(
         block_q=block_q,
@@ -356,13 +370,16 @@ def ragged_paged_attention_gpu(
         kernel,
         out_shape=out_shape,
         grid=(num_blocks, num_kv_heads, splits),
-        in_specs=[full, full, full, full, full, whole, whole],
+        in_specs=[full, full, full, full, full, whole, whole, full],
         compiler_params=None
         if interpret
         else pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="ragged_paged_attention_gpu",
-    )(kv_lens, block_tables, cu_q_lens, num_seqs, q, k_pages, v_pages)
+    )(
+        kv_lens, block_tables, cu_q_lens, num_seqs, q, k_pages, v_pages,
+        scales_or_ones(k_scale, v_scale),
+    )  # fmt: skip
     if splits == 1:
         return result
     return _combine_splits(*result, dtype=q.dtype)

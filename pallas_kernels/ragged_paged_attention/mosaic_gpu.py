@@ -39,6 +39,9 @@ causal (row position), sliding window and row validity. With splits > 1 each spl
 its normalised f32 partial output and log-sum-exp, merged by a jnp combine step.
 
 Supported, everything else refused with a ValueError:
+    FP8 KV pages (kv_quant.py) and KV scales are refused: WGMMA would need FP8 for both
+        operands, or a cast of every K / V tile from SMEM through registers back to SMEM, which
+        this kernel does not do. The registry refuses it for an FP8 KV cache (Triton runs).
     dtypes: q, k_pages, v_pages all bfloat16 or all float16 (WGMMA operand types). float32 is
         refused: Hopper tensor cores take f32 only as tf32 (10-bit mantissa, a silent
         precision loss against the f32 reference) and only K-major, which P V with V pages
@@ -74,6 +77,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxserve.pallas_kernels.ragged_paged_attention.kv_quant import is_fp8
 from jaxserve.pallas_kernels.ragged_paged_attention.reference import token_seq_ids
 from jaxserve.pallas_kernels.ragged_paged_attention.validation import validate_inputs
 
@@ -726,6 +730,8 @@ def ragged_paged_attention_mosaic_gpu(
     config: MosaicGpuConfig | None = None,
     num_cores: int | None = None,
     interpret: Any = False,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> jax.Array:  # [T, N, H]
     """Ragged paged attention on Hopper GPUs (Pallas Mosaic GPU); the contract of
     ragged_paged_attention_reference.
@@ -738,6 +744,7 @@ def ragged_paged_attention_mosaic_gpu(
             DEFAULT_NUM_CORES).
         interpret: True (or an InterpretGPUParams) runs jax's Mosaic GPU interpret mode on
             the current backend (CPU; slow, for tests); see the module docstring.
+        k_scale, v_scale: must be None (no FP8 KV cache here, see the module docstring).
 
     Returns:
         [T, N, H] in q's dtype; padding rows are zeros.
@@ -747,7 +754,7 @@ def ragged_paged_attention_mosaic_gpu(
             or float16 (float32 included), or q and pages of different dtypes; H not in
             {64, 128}; P not a multiple of 8 dividing block_kv; more than 64 query rows per
             tile; a config over the SMEM budget; a target GPU that is not compute
-            capability 9.0.
+            capability 9.0; FP8 pages or KV scales.
     """
     validate_inputs(
         q,
@@ -760,7 +767,14 @@ def ragged_paged_attention_mosaic_gpu(
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
+    if is_fp8(k_pages.dtype) or k_scale is not None:
+        raise ValueError(
+            f"the Mosaic GPU kernel cannot read an FP8 KV cache (k_pages dtype {k_pages.dtype}"
+            f"{', KV scales given' if k_scale is not None else ''}): use 'pallas_triton' or 'xla'"
+        )
     interpret_params = _interpret_params(interpret)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape

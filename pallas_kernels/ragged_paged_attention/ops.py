@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import jax
 
+from jaxserve.pallas_kernels.ragged_paged_attention.kv_quant import is_fp8
 from jaxserve.pallas_kernels.ragged_paged_attention.registry import (
     AMPERE,
     BLACKWELL,
@@ -76,6 +77,7 @@ def implementation_for(
         page_size=k_pages.shape[2],
         sliding_window=sliding_window,
         soft_cap=soft_cap,
+        kv_cache_dtype=k_pages.dtype.name if is_fp8(k_pages.dtype) else None,
         **facts,
     )
     return select_attention(backend, target)[0]
@@ -95,6 +97,8 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     backend: str = "reference",
     platform: str | None = None,
+    k_scale: jax.Array | None = None,  # f32[] of an FP8 KV cache (kv_quant.py)
+    v_scale: jax.Array | None = None,  # f32[]
 ) -> jax.Array:  # [T, N, H]
     """Attention of the ragged batch over the paged KV cache; see reference.py for semantics.
 
@@ -116,4 +120,6 @@ def ragged_paged_attention(
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )

@@ -21,6 +21,10 @@ raises a ValueError that lists the ones that can.
     "pallas_tpu"         tpu.py         TPU                         any platform
     "pallas_gpu"         the GPU kernel of this GPU's generation (Mosaic GPU, else Triton)
     "pallas"             the platform's Pallas kernel (on CPU: the Triton kernel, interpreted)
+
+An FP8 KV cache (kv_quant.py) is read by reference, xla, pallas_triton and pallas_tpu; the
+C++ row kernel ("cpu", f32 pages only) and Mosaic GPU (WGMMA on bf16 / f16 SMEM tiles) are
+refused for it, so "auto" takes xla on the CPU and Triton on Hopper.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ PLATFORMS = ("cpu", "gpu", "tpu")
 # Blackwell and newer (>= 10) and Ampere / Ada (8.x) run Triton; older ones the XLA ones.
 BLACKWELL, HOPPER, AMPERE, OLDER_GPU = "blackwell+", "hopper", "ampere-ada", "pre-ampere"
 ALL_DTYPES = ("float32", "bfloat16", "float16")
+FP8_KV_DTYPES = ("float8_e4m3fn", "float8_e5m2")  # KV page dtypes of an FP8 KV cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,10 +74,21 @@ class Target:
     device_kind: str = ""  # e.g. "NVIDIA H200", for messages
     num_cores: int | None = None  # GPU streaming multiprocessors, for kernel tuning
     tensor_parallel_size: int = 1
+    kv_cache_dtype: str | None = None  # of the KV pages: None (= dtype) or FP8_KV_DTYPES
 
     def __post_init__(self) -> None:
         if self.platform not in PLATFORMS:
             raise ValueError(f"Target.platform must be one of {PLATFORMS}, got {self.platform!r}")
+        kv_choices = (None, self.dtype, *FP8_KV_DTYPES)
+        if self.kv_cache_dtype not in kv_choices:
+            raise ValueError(
+                f"Target.kv_cache_dtype must be one of {kv_choices}, got {self.kv_cache_dtype!r}"
+            )
+
+    @property
+    def kv_dtype(self) -> str:
+        """The KV pages' dtype name."""
+        return self.kv_cache_dtype or self.dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +104,7 @@ class KernelSpec:
     soft_cap: bool = True
     length_bounded: bool = True  # its cost stops at each sequence's (or the batch's) length
     shard_map: bool = True  # runs per device inside shard_map under tensor parallelism
+    fp8_kv: bool = True  # reads FP8 KV pages (with their k_scale / v_scale)
     available: Callable[[], str | None] = lambda: None
 
 
@@ -105,7 +122,9 @@ _MOSAIC_GPU_MODULE = "jaxserve.pallas_kernels.ragged_paged_attention.mosaic_gpu"
 
 
 @functools.cache
-def _mosaic_gpu_kernel() -> Callable | None:
+def mosaic_gpu_kernel() -> Callable | None:
+    """The Mosaic GPU kernel function, or None when this jax has no Pallas Mosaic GPU backend
+    (imported on first use: the module needs jax's mosaic_gpu extras)."""
     try:
         return importlib.import_module(_MOSAIC_GPU_MODULE).ragged_paged_attention_mosaic_gpu
     except (ImportError, AttributeError):
@@ -113,7 +132,7 @@ def _mosaic_gpu_kernel() -> Callable | None:
 
 
 def _mosaic_gpu_available() -> str | None:
-    if _mosaic_gpu_kernel() is None:
+    if mosaic_gpu_kernel() is None:
         return "this jax has no Pallas Mosaic GPU backend"
     return None
 
@@ -122,13 +141,14 @@ KERNELS: dict[str, KernelSpec] = {
     # The reference is partitioned by GSPMD under tensor parallelism (plain XLA ops).
     "reference": KernelSpec(PLATFORMS, length_bounded=False, shard_map=False),
     "xla": KernelSpec(PLATFORMS),
-    "cpu": KernelSpec(("cpu",), dtypes=("float32",), available=_cpu_rows_available),
+    "cpu": KernelSpec(("cpu",), dtypes=("float32",), fp8_kv=False, available=_cpu_rows_available),
     # WGMMA takes half precision (float32 would run as tf32): float32 models take Triton.
     "mosaic_gpu": KernelSpec(
         ("gpu",),
         gpu_generations=(HOPPER,),
         interpretable=True,
         dtypes=("bfloat16", "float16"),
+        fp8_kv=False,
         available=_mosaic_gpu_available,
     ),
     "triton": KernelSpec(
@@ -206,17 +226,25 @@ class AttentionImpl:
         sm_scale: float,
         sliding_window: int | None = None,
         soft_cap: float | None = None,
+        k_scale: jax.Array | None = None,  # f32[] of an FP8 KV cache (kv_quant.py)
+        v_scale: jax.Array | None = None,  # f32[]
     ) -> jax.Array:  # [T, N, H]
         local = functools.partial(
             self._local, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap
         )
         args = (q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs)
+        # The scales travel as two more (replicated) positional arguments, or not at all.
+        args += () if k_scale is None and v_scale is None else (k_scale, v_scale)
         if self.mesh is None or not self.spec.shard_map:
             return local(*args)
-        return shard_heads(local, self.mesh, self.axis, q.shape[1], k_pages.shape[0])(*args)
+        heads = shard_heads(local, self.mesh, self.axis, q.shape[1], k_pages.shape[0], len(args))
+        return heads(*args)
 
     def _local(self, *args, sm_scale, sliding_window, soft_cap) -> jax.Array:
+        args, scales = args[:7], args[7:]
         options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+        if scales:
+            options.update(k_scale=scales[0], v_scale=scales[1])
         kernel = self.kernel
         if kernel == "reference":
             return ragged_paged_attention_reference(*args, **options)
@@ -229,18 +257,24 @@ class AttentionImpl:
                 *args, **options, interpret=self.interpret, num_cores=self.num_cores
             )
         if kernel == "mosaic_gpu":
-            return _mosaic_gpu_kernel()(
+            return mosaic_gpu_kernel()(
                 *args, **options, interpret=self.interpret, num_cores=self.num_cores
             )
         return ragged_paged_attention_tpu(*args, **options, interpret=self.interpret)
 
 
 def shard_heads(
-    fn: Callable[..., jax.Array], mesh: Mesh, axis: str, num_q_heads: int, num_kv_heads: int
+    fn: Callable[..., jax.Array],
+    mesh: Mesh,
+    axis: str,
+    num_q_heads: int,
+    num_kv_heads: int,
+    num_args: int = 7,
 ) -> Callable[..., jax.Array]:
     """``fn`` run per device inside shard_map: each device attends with its slice of the query
     heads over its slice of the KV heads (the model's tensor-parallel layout: heads sharded
-    where ``axis`` divides them, replicated where not). Metadata is replicated.
+    where ``axis`` divides them, replicated where not). Metadata is replicated, and so are the
+    arguments past the seventh (an FP8 cache's k_scale and v_scale: num_args 9).
 
     Raises:
         ValueError: the split does not nest (see head_split_refusal).
@@ -255,7 +289,7 @@ def shard_heads(
     return jax.shard_map(
         fn,
         mesh=mesh,
-        in_specs=(q_spec, kv_spec, kv_spec, rep, rep, rep, rep),
+        in_specs=(q_spec, kv_spec, kv_spec, *(rep,) * (num_args - 3)),
         out_specs=q_spec,
         check_vma=False,
     )
@@ -297,6 +331,8 @@ def refusal(name: str, kernel: str, target: Target, interpret: bool = False) -> 
             )
     if target.dtype not in spec.dtypes:
         return f"{name} takes {'/'.join(spec.dtypes)}, not {target.dtype}"
+    if target.kv_dtype in FP8_KV_DTYPES and not spec.fp8_kv:
+        return f"{name} cannot read an FP8 KV cache ({target.kv_dtype} pages)"
     if target.sliding_window is not None and not spec.sliding_window:
         return f"{name} has no sliding window"
     if target.soft_cap is not None and not spec.soft_cap:
@@ -322,7 +358,9 @@ def _shape_refusal(name: str, impl: AttentionImpl, target: Target) -> str | None
     dtype = jnp.dtype(target.dtype)
     num_rows, width = 8, 4
     i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
-    pages = jax.ShapeDtypeStruct((k, 16, target.page_size, target.head_dim), dtype)
+    pages = jax.ShapeDtypeStruct(
+        (k, 16, target.page_size, target.head_dim), jnp.dtype(target.kv_dtype)
+    )
     args = (
         jax.ShapeDtypeStruct((16, n, target.head_dim), dtype),
         pages,

@@ -16,6 +16,10 @@ buffers while the other is being computed on (double buffering, a DMA semaphore 
 K/V). Only pages the tile's rows can see are copied: from the sliding window's start to the
 causal limit of the last row, never past kv_len. Every DMA a program starts, it waits for, so
 programs are independent and both grid axes are parallel.
+
+FP8 pages (kv_quant.py) are copied as FP8 (half the DMA bytes of bf16) and cast to q's dtype
+once in VMEM; k_scale joins sm_scale on the scores and v_scale multiplies the f32 output,
+both read from an f32[2] SMEM input (ones when no scales are given): never recompiled.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from jaxserve.pallas_kernels.ragged_paged_attention.kv_quant import scales_or_ones
 from jaxserve.pallas_kernels.ragged_paged_attention.validation import validate_inputs
 
 MASK_VALUE = -1e30  # finite, so that masked rows never produce inf - inf
@@ -114,6 +119,7 @@ def _attention_kernel(
     q_ref,  # VMEM [M, H]
     k_hbm,  # HBM [K, S, P, H]
     v_hbm,  # HBM [K, S, P, H]
+    kv_scales_ref,  # SMEM f32[2] (k_scale, v_scale)
     o_ref,  # VMEM [M, H]
     k_buf,  # VMEM [2, pages_per_tile, P, H]
     v_buf,  # VMEM [2, pages_per_tile, P, H]
@@ -194,8 +200,9 @@ def _attention_kernel(
         kv_len = kv_lens_ref[seq_c]
         _, _, page_end = bounds(seq)
         fetched = (page_end - tile * pages_per_tile) * page_size  # columns copied this step
-        k = k_buf[slot].reshape(kv_tile, head_dim)
-        v = v_buf[slot].reshape(kv_tile, head_dim)
+        # Pages in the compute dtype from here on (FP8 pages are cast in VMEM).
+        k = k_buf[slot].astype(q_ref.dtype).reshape(kv_tile, head_dim)
+        v = v_buf[slot].astype(q_ref.dtype).reshape(kv_tile, head_dim)
         # Unfetched buffer rows hold stale or uninitialised data: zero V there (0 * NaN = NaN).
         v_row = jax.lax.broadcasted_iota(jnp.int32, (kv_tile, head_dim), 0)
         v = jnp.where(v_row < fetched, v, jnp.zeros_like(v))
@@ -203,7 +210,7 @@ def _attention_kernel(
             jax.lax.dot_general(
                 q_ref[...], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
             )
-            * sm_scale
+            * (sm_scale * kv_scales_ref[0])  # K = pages * k_scale (kv_quant.py)
         )  # [M, W]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
@@ -246,7 +253,7 @@ def _attention_kernel(
 
     row_sum = l_ref[...][:, :1]
     out = jnp.where(row_sum > 0, acc_ref[...] / jnp.where(row_sum > 0, row_sum, 1.0), 0.0)
-    o_ref[...] = out.astype(o_ref.dtype)
+    o_ref[...] = (out * kv_scales_ref[1]).astype(o_ref.dtype)  # V = pages * v_scale
 
 
 def _last_seq_starting_by(cu_q_lens_ref, num_seqs, token, num_slots: int):
@@ -303,6 +310,8 @@ def ragged_paged_attention_tpu(
     pages_per_tile: int | None = None,
     vmem_limit_bytes: int | None = None,
     interpret: bool | pltpu.InterpretParams = False,
+    k_scale: jax.Array | None = None,  # f32[] (kv_quant.py; None: 1)
+    v_scale: jax.Array | None = None,  # f32[]
 ) -> jax.Array:  # [T, N, H]
     """Ragged paged attention on TPU (Mosaic); same contract as the reference.
 
@@ -325,6 +334,8 @@ def ragged_paged_attention_tpu(
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
     config = default_tpu_config(q.shape, k_pages.shape, block_tables.shape)
     given = dict(block_q=block_q, pages_per_tile=pages_per_tile, vmem_limit_bytes=vmem_limit_bytes)
@@ -359,7 +370,7 @@ def ragged_paged_attention_tpu(
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
             grid=(num_kv_heads, num_q_blocks),
-            in_specs=[tile_spec, hbm, hbm],
+            in_specs=[tile_spec, hbm, hbm, pl.BlockSpec(memory_space=pltpu.SMEM)],
             out_specs=tile_spec,
             scratch_shapes=[
                 buf,
@@ -376,6 +387,9 @@ def ragged_paged_attention_tpu(
         ),
         interpret=interpret,
         name="ragged_paged_attention_tpu",
-    )(kv_lens, block_tables.reshape(num_slots * width), cu_q_lens, num_seqs, q_t, k_pages, v_pages)
+    )(
+        kv_lens, block_tables.reshape(num_slots * width), cu_q_lens, num_seqs, q_t, k_pages,
+        v_pages, scales_or_ones(k_scale, v_scale),
+    )  # fmt: skip
     out = out.reshape(num_kv_heads, num_tokens, group, head_dim).transpose(1, 0, 2, 3)
     return out.reshape(num_tokens, num_q_heads, head_dim)

@@ -10,7 +10,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxserve.pallas_kernels.ragged_paged_attention.kv_quant import FP8_DTYPES
+
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# KV pages: a float dtype (the model's), or an FP8 KV cache (kv_quant.py).
+KV_DTYPES = FLOAT_DTYPES + FP8_DTYPES
 
 
 def _require(ok: bool, message: str) -> None:
@@ -30,6 +34,8 @@ def validate_inputs(
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
+    k_scale: jax.Array | None = None,  # f32[] or None (kv_quant.py)
+    v_scale: jax.Array | None = None,  # f32[] or None
 ) -> None:
     """Check the shapes, dtypes and static options of one ragged paged attention call.
 
@@ -48,9 +54,22 @@ def validate_inputs(
     )
     _require(q.dtype in FLOAT_DTYPES, f"q dtype must be one of {FLOAT_DTYPES}, got {q.dtype}")
     _require(
-        k_pages.dtype in FLOAT_DTYPES,
-        f"k_pages dtype must be one of {FLOAT_DTYPES}, got {k_pages.dtype}",
+        k_pages.dtype in KV_DTYPES,
+        f"k_pages dtype must be one of {KV_DTYPES}, got {k_pages.dtype}",
     )
+    _require(
+        (k_scale is None) == (v_scale is None),
+        "k_scale and v_scale must be given together (or neither: scales of 1), got "
+        f"k_scale={'None' if k_scale is None else 'an array'}, "
+        f"v_scale={'None' if v_scale is None else 'an array'}",
+    )
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is not None:
+            shape, dtype = jnp.shape(scale), jnp.result_type(scale)
+            _require(
+                shape == () and dtype == jnp.float32,
+                f"{name} must be a float32 scalar (shape ()), got {dtype}{list(shape)}",
+            )
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, kv_head_dim = k_pages.shape
     _require(num_tokens >= 1, f"q must hold at least one token row, got T={num_tokens}")

@@ -2,8 +2,8 @@
 (see cpu_ffi.py) and called as an XLA FFI custom call.
 
 XLA:CPU runs the draw over the [R, V] logits as four passes (row max, the masked exp, the
-chunk sums, the cumulative sums), ~20 ms at R=256, V=32000 on a 2-core CPU; the kernel reads
-each row from memory once and once more from cache. When it cannot be built (or
+chunk sums, the cumulative sums), each from memory; the kernel reads each row from memory once
+and once more from cache. When it cannot be built (or
 JAXSERVE_CPU_KERNEL=0), `available()` is False and the sampler keeps its XLA draw.
 """
 

@@ -13,6 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+# A benchmark run end to end: the slow tier (test_bench_datasets.py stays in the fast one).
+pytestmark = pytest.mark.slow
+
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
 

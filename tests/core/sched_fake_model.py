@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.core.block_pool import BlockPool
+from jaxserve.core.host_block_pool import HostTier
 from jaxserve.core.sched.output import SchedulerOutput
 from jaxserve.core.sched.scheduler import Scheduler
 from jaxserve.outputs import EngineCoreOutput, ModelRunnerOutput, TokenLogprobs
@@ -45,7 +46,9 @@ class FakeRunner:
     applies block copies, samples at the end of each request's tokens.
 
     With ``pool`` given, it also checks that every written block is held by exactly one request
-    and not in the prefix cache (a hashed block's contents never change).
+    and not in the prefix cache (a hashed block's contents never change). The host KV tier is
+    a dict of slots; its copies run as the real runner's do: every device->host copy, then
+    every host->device copy, then the copy-on-write copies, then the forward.
     """
 
     def __init__(self, num_blocks: int, block_size: int, pool: BlockPool | None = None) -> None:
@@ -54,11 +57,16 @@ class FakeRunner:
         self.reqs: dict[str, _RunnerState] = {}
         self.pool = pool
         self.num_computed_tokens_total = 0  # tokens computed over all steps
+        self.host: dict[int, list[tuple[int, int] | None]] = {}  # host slot -> block contents
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         for rid in so.finished_req_ids | so.preempted_req_ids:
             self.reqs.pop(rid, None)
         bs = self.block_size
+        offloaded = [(slot, self.slots[b * bs : (b + 1) * bs]) for b, slot in so.device_to_host]
+        self.host.update(offloaded)
+        for slot, dst in so.host_to_device:
+            self.slots[dst * bs : (dst + 1) * bs] = self.host[slot]
         for src, dst in so.block_copies:
             self.slots[dst * bs : (dst + 1) * bs] = self.slots[src * bs : (src + 1) * bs]
         for new in so.scheduled_new_reqs:
@@ -205,8 +213,40 @@ def check_invariants(sched: Scheduler) -> None:
     assert not running_ids & waiting_ids
     assert running_ids | waiting_ids == set(sched.requests)
     assert set(kv.req_to_blocks) <= running_ids
-    keys = [sched._sort_key(r) for r in sched.running]
+    keys = [sched.sort_key(r) for r in sched.running]
     assert keys == sorted(keys)
+    for req in sched.waiting:
+        if not kv.is_swapped(req.request_id):
+            assert req.num_computed_tokens == 0, req
+    if sched.host_pool is not None:
+        check_host_invariants(sched)
+
+
+def check_host_invariants(sched: Scheduler) -> None:
+    """Every host slot in exactly one state (free, cached in the LRU, pinned), the hash map
+    consistent, pins counted by the swapped-out requests, no copy pending between steps."""
+    kv = sched.kv_cache_manager
+    host = sched.host_pool
+    assert not host.locked and not host.device_to_host and not host.host_to_device
+    free, lru = set(host.free), set(host.lru)
+    pinned = {s for s in range(host.num_blocks) if host.pins[s] > 0}
+    assert len(free) == len(host.free)
+    assert not free & lru and not free & pinned and not lru & pinned
+    assert free | lru | pinned == set(range(host.num_blocks))
+    assert all(host.slot_hash[s] is None for s in free)
+    assert all(host.slot_hash[s] is not None for s in lru)
+    hashed = {s for s in range(host.num_blocks) if host.slot_hash[s] is not None}
+    assert {host.hash_to_slot[h] for h in host.hash_to_slot} == hashed
+    assert all(host.slot_hash[s] == h for h, s in host.hash_to_slot.items())
+    holders = [0] * host.num_blocks
+    for rid, slots in kv.swap.swapped.items():
+        req = sched.requests[rid]
+        assert req.status == RequestStatus.PREEMPTED and req in list(sched.waiting), req
+        assert rid not in kv.req_to_blocks
+        assert len(slots) == -(-req.num_computed_tokens // kv.block_size) > 0, req
+        for slot in slots:
+            holders[slot] += 1
+    assert holders == host.pins
 
 
 def check_all_free(sched: Scheduler) -> None:
@@ -259,7 +299,12 @@ def make_scheduler(
     max_model_len: int = 256,
     caching: bool = True,
     policy: str = "fcfs",
+    num_host_blocks: int = 0,
+    preemption_mode: str = "recompute",
 ) -> tuple[Scheduler, FakeRunner]:
+    """A scheduler and a fake runner over the same pool; ``num_host_blocks`` > 0 adds a host
+    KV tier (its GiB figure is nominal: the host tier's size is the block count)."""
+    host = HostTier(num_host_blocks, block_bytes=1) if num_host_blocks else None
     sched = Scheduler(
         SchedulerConfig(
             max_num_seqs=max_seqs,
@@ -267,8 +312,14 @@ def make_scheduler(
             max_model_len=max_model_len,
             policy=policy,
         ),
-        CacheConfig(block_size=block_size, enable_prefix_caching=caching),
+        CacheConfig(
+            block_size=block_size,
+            enable_prefix_caching=caching,
+            kv_offloading_size=1.0 if num_host_blocks else 0.0,
+            preemption_mode=preemption_mode,
+        ),
         num_blocks,
+        host,
     )
     return sched, FakeRunner(num_blocks, block_size, sched.kv_cache_manager.block_pool)
 

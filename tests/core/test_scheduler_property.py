@@ -1,6 +1,8 @@
-"""Property test: random add / fork / abort / step sequences with random budgets, pools and
-block sizes. After every step the block accounting holds (docs/architecture.md); at the end
-everything is free, and every request produced exactly what the fake model gives it alone."""
+"""Property test: random add / fork / abort / step sequences with random budgets, pools, block
+sizes, host KV tiers and preemption modes. After every step the block accounting of both tiers
+holds (docs/architecture.md); at the end everything is free, and every request produced exactly
+what the fake model gives it alone (the fake model reads its KV back through the block tables,
+so a block restored from the host with the wrong contents changes the output)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from sched_fake_model import (
 )
 
 from jaxserve.config import CacheConfig, SchedulerConfig
+from jaxserve.core.host_block_pool import HostTier
 from jaxserve.core.sched.scheduler import Scheduler
 from jaxserve.outputs import EngineCoreOutput
 
@@ -72,10 +75,28 @@ class _Harness:
     policy=st.sampled_from(["fcfs", "priority"]),
     specs=st.lists(_request_spec, min_size=1, max_size=8),
     ops=st.lists(_op, max_size=30),
+    host_blocks=st.integers(0, 10),
+    mode=st.sampled_from(["recompute", "swap", "auto"]),
 )
 def test_random_workloads_keep_invariants_and_outputs(
-    block_size, num_blocks, budget, max_seqs, max_model_len, caching, policy, specs, ops
+    block_size,
+    num_blocks,
+    budget,
+    max_seqs,
+    max_model_len,
+    caching,
+    policy,
+    specs,
+    ops,
+    host_blocks,
+    mode,
 ) -> None:
+    # "auto" with unit rates swaps a victim when it would copy fewer blocks than it has
+    # tokens to recompute: both choices occur. A host tier needs a use (CacheConfig refuses one
+    # with neither prefix caching nor swapping).
+    if not caching and mode == "recompute":
+        host_blocks = 0
+    host = HostTier(host_blocks, block_bytes=1, swap_bytes_per_s=1.0) if host_blocks else None
     sched = Scheduler(
         SchedulerConfig(
             max_num_seqs=max_seqs,
@@ -83,9 +104,16 @@ def test_random_workloads_keep_invariants_and_outputs(
             max_model_len=max_model_len,
             policy=policy,
         ),
-        CacheConfig(block_size=block_size, enable_prefix_caching=caching),
+        CacheConfig(
+            block_size=block_size,
+            enable_prefix_caching=caching,
+            kv_offloading_size=1.0 if host_blocks else 0.0,
+            preemption_mode=mode if host_blocks else "recompute",
+        ),
         num_blocks,
+        host,
     )
+    sched.observe_step(1, 1.0)
     h = _Harness(sched, FakeRunner(num_blocks, block_size, sched.kv_cache_manager.block_pool))
     pending = list(specs)
     # Unused "add" ops leave requests pending; they all arrive before the final drain.

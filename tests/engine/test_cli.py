@@ -241,7 +241,7 @@ def test_subcommand_hook(
         )
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(cli, "SUBCOMMANDS", [*cli.SUBCOMMANDS, cli._lazy("fake_convert")])
+    monkeypatch.setattr(cli, "SUBCOMMANDS", [*cli.SUBCOMMANDS, cli.lazy_subcommand("fake_convert")])
     assert cli.main(["fake-convert", "ckpt"]) == 0
     assert capsys.readouterr().out == "converting ckpt\n"
 

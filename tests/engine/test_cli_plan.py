@@ -132,6 +132,21 @@ def test_auto_dtype_follows_the_platform(
     assert tpu["dtype"] == "bfloat16"
 
 
+def test_fp8_kv_cache_doubles_the_kv_tokens(
+    llama3: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, bf16 = plan_json(capsys, "--model", llama3, "--device-memory-gb", "141")
+    _, fp8 = plan_json(
+        capsys, "--model", llama3, "--device-memory-gb", "141", "--kv-cache-dtype", "fp8"
+    )
+    assert fp8["kv_cache_dtype"] == "float8_e4m3fn" and fp8["kv_bytes_per_token"] == 65_536
+    assert fp8["max_kv_tokens"] >= 1.9 * bf16["max_kv_tokens"]
+    assert fp8["kv_scales_bytes"] == 256  # f32 (k_scale, v_scale) x 32 layers
+    with pytest.raises(SystemExit):  # argparse: "invalid choice", exit status 2
+        cli.main(["plan", "--model", llama3, "--kv-cache-dtype", "float16"])
+    assert "invalid choice: 'float16'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -140,7 +155,6 @@ def test_auto_dtype_follows_the_platform(
         (["--gpu-memory-utilization", "1.5"], r"gpu_memory_utilization must be in (0, 1], got 1.5"),
         (["--block-size", "0"], "CacheConfig.block_size must be >= 1, got 0"),
         (["--max-model-len", "9000"], "max_model_len=9000 exceeds the model's"),
-        (["--kv-cache-dtype", "float16"], "--kv-cache-dtype float16: the engine keeps the KV"),
         (["--platform", "gpu"], "--platform gpu: the local device is cpu"),
         (["--revision", "v2"], "revision='v2': applies to Hugging Face Hub model IDs only"),
     ],
@@ -197,6 +211,7 @@ def test_generate_engine_flags_use_vllm_names() -> None:
     args = cli.build_parser().parse_args(
         ["generate", "--prompt", "a", "--gpu-memory-utilization", "0.5", "--revision", "v2"]
         + ["--download-dir", "/d", "--tokenizer", "/t", "--memory-utilization", "0.5"]
+        + ["--kv-cache-dtype", "fp8_e5m2"]
     )  # fmt: skip
     assert cli.engine_kwargs(args) == {
         "gpu_memory_utilization": 0.5,
@@ -204,6 +219,7 @@ def test_generate_engine_flags_use_vllm_names() -> None:
         "revision": "v2",
         "download_dir": "/d",
         "tokenizer": "/t",
+        "kv_cache_dtype": "fp8_e5m2",
     }
 
 

@@ -40,10 +40,26 @@ FAMILIES = {
     "mistral_window": ("mistral", dict(sliding_window=12)),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", dict(head_dim=32)),
+    # Windows of 4, soft caps, local / global RoPE: checkpoints_tools.testing.FAMILY_DEFAULTS.
+    "gemma": ("gemma", {}),
+    "gemma2": ("gemma2", {}),
+    "gemma3": ("gemma3", {}),
+    # 4 experts, top-2 (Qwen3-MoE with a dense layer); Phi-3's LongRoPE past its original
+    # context of 8: checkpoints_tools.testing.FAMILY_DEFAULTS.
+    "mixtral": ("mixtral", {}),
+    "qwen3_moe": ("qwen3_moe", dict(norm_topk_prob=True)),
+    "phi3": ("phi3", {}),
 }
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
+# Each family builds an engine and runs transformers: one stays in the fast tier.
+FAST_TIER = "qwen3"
+
+
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(f, marks=[] if f == FAST_TIER else pytest.mark.slow) for f in FAMILIES],
+)
 def checkpoint(request, tmp_path_factory):
     family, overrides = FAMILIES[request.param]
     folder = write_tiny_hf_checkpoint(tmp_path_factory.mktemp(request.param), family, **overrides)

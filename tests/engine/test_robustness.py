@@ -54,9 +54,7 @@ def reference(llm) -> list[list[list[int]]]:
 
 
 def assert_runner_empty(llm: LLM) -> None:
-    runner = llm.engine.runner
-    assert len(runner.input_batch) == 0
-    assert not runner._prompt_logprobs and not runner._num_logprobs
+    assert llm.engine.runner.is_idle
 
 
 def _inject(monkeypatch, owner, name: str, at_call: int, exc: BaseException, after: bool):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, LLMEngine, SamplingParams
-from jaxserve.engine.llm_engine import _mix_seed
+from jaxserve.engine.llm_engine import mix_seed
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -135,7 +135,7 @@ def test_parallel_sampling_shares_blocks_with_copy_on_write():
         max_model_len=128,
         warmup=False,
     )
-    seeds = [11] + [_mix_seed(11, i) for i in (1, 2)]
+    seeds = [11] + [mix_seed(11, i) for i in (1, 2)]
     alone = llm.generate(
         [prompt] * 3, [dataclasses.replace(params, n=1, seed=s) for s in seeds], use_tqdm=False
     )

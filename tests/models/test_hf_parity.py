@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import pathlib
+import shutil
 
 import jax
 import numpy as np
 import pytest
+import safetensors.numpy
 import torch
 import transformers
 from paged_steps import Chunk, build_step
@@ -50,6 +53,25 @@ CASES = {
     "mistral_sliding_window": ("mistral", dict(sliding_window=4)),
     "qwen2_qkv_bias": ("qwen2", {}),
     "qwen3_qk_norm_head_dim": ("qwen3", dict(head_dim=32)),  # D / N would be 16
+    # The Gemmas' tiny settings (window 4, soft caps, local / global RoPE) are in
+    # checkpoints_tools.testing.FAMILY_DEFAULTS.
+    "gemma_geglu_tied": ("gemma", {}),
+    "gemma2_softcap_local_global": ("gemma2", {}),
+    "gemma3_local_global_rope": ("gemma3", {}),
+    # Gemma3ForConditionalGeneration: its text tower, the vision tower's tensors left unread.
+    "gemma3_multimodal_text_tower": ("gemma3_multimodal", {}),
+    # MoE (4 experts, top-2): Mixtral renormalises its top-k; Qwen3-MoE does not by default,
+    # and its layer 1 is dense (mlp_only_layers).
+    "mixtral_moe": ("mixtral", {}),
+    "qwen3_moe_dense_layer": ("qwen3_moe", {}),
+    # Phi-3's fused projections and LongRoPE (original context 8): the long factors and the
+    # attention factor, both sequences being longer than 8 ...
+    "phi3_longrope_long": ("phi3", {}),
+    # ... and the short factors: a model whose context is its original one (16 >= 13 tokens).
+    "phi3_longrope_short": (
+        "phi3",
+        dict(max_position_embeddings=16, original_max_position_embeddings=16),
+    ),
 }
 
 SEQ_A = [1, 57, 300, 12, 499, 8, 77, 123, 45, 256, 3, 99, 411]  # 13 tokens
@@ -142,3 +164,51 @@ def test_sliding_window_changes_logits(case) -> None:
     ours = _run_steps(full, ckpt.params, [[Chunk("a", SEQ_A, TABLE_A, 0, len(SEQ_A))]])
     late = {k: v for k, v in ours.items() if k[1] >= model.arch.sliding_window}
     assert _max_diff(late, ref) > 1e-3
+
+
+# Each Gemma feature the parity above exercises, turned off: the logits must move, or parity
+# would not prove the feature is honoured.
+GEMMA_FEATURES_OFF = {
+    "gemma2_softcap_local_global": [
+        dict(attn_logit_softcap=None),
+        dict(final_logit_softcap=None),
+        dict(layer_types=("full_attention", "full_attention")),  # the local layer's window
+    ],
+    "gemma3_local_global_rope": [dict(local_rope_theta=None), dict(rope_scaling=None)],
+}
+
+
+@pytest.mark.parametrize("case", sorted(GEMMA_FEATURES_OFF), indirect=True)
+def test_gemma_features_change_logits(case, request) -> None:
+    ckpt, _, ref = case
+    a = [Chunk("a", SEQ_A, TABLE_A, 0, len(SEQ_A))]
+    for off in GEMMA_FEATURES_OFF[request.node.callspec.params["case"]]:
+        model = get_model(dataclasses.replace(ckpt.arch, **off), dtype=ckpt.dtype)
+        assert _max_diff(_run_steps(model, ckpt.params, [a]), ref) > 1e-2, off
+
+
+@pytest.mark.parametrize("case", ["gemma3_multimodal_text_tower"], indirect=True)
+def test_text_tower_loads_from_either_transformers_layout(case, tmp_path) -> None:
+    """transformers 4.52 - 4.x saved the multimodal Gemma 3 as model.language_model.* and
+    model.vision_tower.*; 5.x (written above) and the Hub's originals as language_model.model.*
+    and vision_tower.*. Both load into the same params."""
+    ckpt, _, _ = case
+    folder = pathlib.Path(ckpt.path)
+    tensors = safetensors.numpy.load_file(folder / "model.safetensors")
+    moved = {
+        "language_model.model.": "model.language_model.",
+        "language_model.lm_head.": "lm_head.",
+        "vision_tower.": "model.vision_tower.",
+        "multi_modal_projector.": "model.multi_modal_projector.",
+    }
+    renamed = {}
+    for name, value in tensors.items():
+        old = next(p for p in moved if name.startswith(p))
+        renamed[moved[old] + name.removeprefix(old)] = value
+    assert any(n.startswith("model.vision_tower.") for n in renamed)
+    safetensors.numpy.save_file(renamed, tmp_path / "model.safetensors")
+    shutil.copy(folder / "config.json", tmp_path / "config.json")
+    other = load_hf_checkpoint(tmp_path, dtype="float32")
+    assert other.arch == ckpt.arch and other.arch.architecture == "Gemma3ForConditionalGeneration"
+    same = jax.tree_util.tree_map(np.array_equal, other.params, ckpt.params)
+    assert all(jax.tree_util.tree_leaves(same))

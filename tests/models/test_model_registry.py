@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from jaxserve.models import ModelArchConfig, arch_config_from_hf, normalize_rope_scaling
@@ -227,3 +229,184 @@ def test_original_max_position_embeddings_must_be_whole() -> None:
     scaling = {"rope_type": "llama3", **LLAMA3_SCALING, "original_max_position_embeddings": 8.5}
     with pytest.raises(ValueError, match="original_max_position_embeddings.*whole.*8.5"):
         arch_config_from_hf(_cfg(rope_scaling=scaling))
+
+
+# --- Gemma, Gemma 2, Gemma 3 ---------------------------------------------------------------
+GEMMA_SIZES = dict(
+    vocab_size=256000,
+    hidden_size=2304,
+    intermediate_size=9216,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=256,
+)
+GEMMA3_OLD = dict(  # transformers < 5 spelling, as on the Hub
+    model_type="gemma3_text",
+    rope_theta=1000000.0,
+    rope_scaling={"rope_type": "linear", "factor": 8.0},
+    rope_local_base_freq=10000.0,
+    sliding_window=512,
+    sliding_window_pattern=2,
+)
+GEMMA3_NEW = dict(  # what transformers 5's Gemma3TextConfig.to_dict() writes for the same
+    model_type="gemma3_text",
+    rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+    },
+    layer_types=["sliding_attention", "full_attention"] * 2,
+    sliding_window=512,
+)
+
+
+def _gemma(arch: str, **kw) -> dict:
+    return {"architectures": [arch], **GEMMA_SIZES, **kw}
+
+
+def test_gemma1_legacy_gelu_and_family_defaults() -> None:
+    arch = arch_config_from_hf(_gemma("GemmaForCausalLM", hidden_act="gelu", head_dim=None))
+    assert arch.hidden_act == "gelu_pytorch_tanh"  # transformers reads Gemma's "gelu" so
+    assert arch.tie_word_embeddings and arch.norm_unit_offset and arch.scale_embeddings
+    assert arch.head_dim == 2304 // 8 and not arch.sandwich_norms and arch.sliding_window is None
+    cfg = _gemma("GemmaForCausalLM", hidden_act="gelu", hidden_activation="gelu_pytorch_tanh")
+    assert arch_config_from_hf(cfg).hidden_act == "gelu_pytorch_tanh"
+
+
+def test_gemma2_spellings_and_layer_rule() -> None:
+    old = arch_config_from_hf(
+        _gemma("Gemma2ForCausalLM", hidden_act="gelu_pytorch_tanh", rope_theta=10000.0)
+    )
+    new = arch_config_from_hf(
+        _gemma(
+            "Gemma2ForCausalLM",
+            hidden_activation="gelu_pytorch_tanh",
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            sliding_window_size=4096,
+            cache_implementation="hybrid",
+        )
+    )
+    assert old == new
+    # transformers' Gemma2Config defaults: even layers slide, window 4096, caps 50 and 30.
+    assert [old.layer_window(i) for i in range(4)] == [4096, None, 4096, None]
+    assert (old.attn_logit_softcap, old.final_logit_softcap) == (50.0, 30.0)
+    assert old.sm_scale == 256**-0.5 and old.sandwich_norms and old.local_rope_theta is None
+
+
+def test_gemma3_rope_spellings_agree() -> None:
+    old = arch_config_from_hf(_gemma("Gemma3ForCausalLM", **GEMMA3_OLD))
+    new = arch_config_from_hf({**GEMMA_SIZES, **GEMMA3_NEW})  # model_type only
+    both = arch_config_from_hf(_gemma("Gemma3ForCausalLM", **(GEMMA3_OLD | GEMMA3_NEW)))
+    assert old == new == both
+    assert old.architecture == "Gemma3ForCausalLM" and old.qk_norm
+    assert (old.rope_theta, old.local_rope_theta) == (1000000.0, 10000.0)
+    assert old.rope_scaling == {"type": "linear", "factor": 8.0}
+    assert [old.uses_local_rope(i) for i in range(4)] == [True, False, True, False]
+    assert old.attn_logit_softcap is None and old.final_logit_softcap is None
+    # Without a pattern: transformers' default of 6, so four layers all slide.
+    default = arch_config_from_hf(_gemma("Gemma3ForCausalLM", sliding_window=512))
+    assert all(default.is_sliding(i) for i in range(4))
+
+
+@pytest.mark.parametrize(
+    "arch, extra, named",
+    [
+        ("Gemma3ForCausalLM", dict(GEMMA3_NEW, rope_theta=500000.0), "different RoPE thetas"),
+        ("Gemma3ForCausalLM", dict(GEMMA3_NEW, rope_local_base_freq=1.0), "different RoPE thetas"),
+        ("Gemma3ForCausalLM", dict(GEMMA3_NEW, rope_scaling={"rope_type": "default"}), "scalings"),
+        (
+            "Gemma3ForCausalLM",
+            dict(rope_parameters={"sliding_attention": {"rope_type": "linear", "factor": 2.0}}),
+            "sliding layers a RoPE scaling",
+        ),
+        ("Gemma3ForCausalLM", dict(rope_parameters={"rope_theta": 1e6}), "by layer type"),
+        ("Gemma3ForCausalLM", dict(attn_logit_softcapping=50.0), "attn_logit_softcapping"),
+        (
+            "Gemma3ForCausalLM",
+            dict(GEMMA3_OLD, layer_types=["full_attention"] * 4),
+            "sliding_window_pattern",
+        ),
+        ("Gemma2ForCausalLM", dict(layer_types=["chunked_attention"] * 4), "layer_types"),
+        ("Gemma2ForCausalLM", dict(layer_types=["full_attention"] * 3), "layer_types"),
+        ("Gemma2ForCausalLM", dict(use_bidirectional_attention=True), "bidirectional"),
+        ("Gemma2ForCausalLM", dict(hidden_activation="gelu"), "hidden_activation='gelu'"),
+        ("Gemma2ForCausalLM", dict(hidden_act="silu"), "different activations"),
+        ("Gemma2ForCausalLM", dict(sliding_window_size=1024), "sliding_window_size"),
+        ("Gemma2ForCausalLM", dict(sliding_window=None), "sliding_window is null"),
+        ("Gemma2ForCausalLM", dict(cache_implementation="quantized"), "cache_implementation"),
+        ("GemmaForCausalLM", dict(final_logit_softcapping=30.0), "final_logit_softcapping"),
+        ("Gemma3ForConditionalGeneration", {}, "text_config must be a dict"),
+        (
+            "Gemma3ForConditionalGeneration",
+            dict(text_config={"tie_word_embeddings": True}, tie_word_embeddings=False),
+            "tie_word_embeddings",
+        ),
+        (
+            "Gemma3ForConditionalGeneration",
+            dict(text_config={"model_type": "gemma2"}),
+            "model_type='gemma2'",
+        ),
+        ("LlamaForCausalLM", dict(attn_logit_softcapping=50.0), "attn_logit_softcapping"),
+    ],
+)
+def test_gemma_refusals_name_the_key(arch: str, extra: dict, named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        arch_config_from_hf(_gemma(arch, **extra))
+
+
+def test_gemma3_multimodal_reads_its_text_tower() -> None:
+    # google/gemma-3-12b-it's config.json (vision_config left out): text_config lists only
+    # what differs from Gemma3TextConfig's defaults.
+    text = dict(
+        hidden_size=3840,
+        intermediate_size=15360,
+        model_type="gemma3_text",
+        num_attention_heads=16,
+        num_hidden_layers=48,
+        num_key_value_heads=8,
+        rope_scaling={"factor": 8.0, "rope_type": "linear"},
+        sliding_window=1024,
+    )
+    cfg = dict(
+        model_type="gemma3", eos_token_id=[1, 106], text_config=text, mm_tokens_per_image=256
+    )
+    arch = arch_config_from_hf(cfg)
+    text_only = arch_config_from_hf(
+        {
+            "architectures": ["Gemma3ForCausalLM"],
+            **text,
+            "vocab_size": 262208,
+            "eos_token_id": [1, 106],
+        }
+    )
+    assert arch == dataclasses.replace(text_only, architecture="Gemma3ForConditionalGeneration")
+    assert (arch.vocab_size, arch.head_dim, arch.query_pre_attn_scalar) == (262208, 256, 256.0)
+    assert arch.eos_token_ids == (1, 106) and arch.tie_word_embeddings
+    assert sum(arch.is_sliding(i) for i in range(48)) == 40  # every 6th layer is global
+
+
+def test_arch_config_checks_the_gemma_fields() -> None:
+    kw = dict(
+        architecture="Gemma2ForCausalLM",
+        vocab_size=8,
+        hidden_size=8,
+        intermediate_size=8,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=4,
+        sliding_window=4,
+        layer_types=("sliding_attention", "full_attention"),
+    )
+    ModelArchConfig(**kw)
+    for bad, named in [
+        (dict(layer_types=("sliding_attention",)), "layer_types must name all 2 layers"),
+        (dict(layer_types=("local", "global")), "layer_types must be a tuple"),
+        (dict(sliding_window=None), "sliding layers but no sliding_window"),
+        (dict(layer_types=("full_attention",) * 2, local_rope_theta=10.0), "local_rope_theta"),
+        (dict(attn_logit_softcap=0.0), "attn_logit_softcap"),
+        (dict(query_pre_attn_scalar=-1.0), "query_pre_attn_scalar"),
+    ]:
+        with pytest.raises(ValueError, match=named):
+            ModelArchConfig(**{**kw, **bad})

@@ -62,7 +62,17 @@ def _check(kernel, shape: cases.Shape, kind: str, options: dict) -> None:
 _GRID = cases.grid_cases()
 
 
-@pytest.mark.parametrize("kernel_name", sorted(KERNELS))
+def _tiered(names) -> list:
+    """Kernel names as parameters, the Pallas ones (interpret mode: seconds a case) in the slow
+    tier; test_token_count_not_a_multiple_of_the_query_block keeps them in the fast one."""
+    pallas = ("gpu", "tpu")
+    return [
+        pytest.param(n, marks=pytest.mark.slow) if n.split("-")[0] in pallas else n
+        for n in sorted(names)
+    ]
+
+
+@pytest.mark.parametrize("kernel_name", _tiered(KERNELS))
 @pytest.mark.parametrize(
     ("shape", "kind", "options"), [c[1:] for c in _GRID], ids=[c[0] for c in _GRID]
 )
@@ -72,7 +82,7 @@ def test_kernel_matches_reference(kernel_name: str, shape, kind: str, options: d
     _check(KERNELS[kernel_name], shape, kind, options)
 
 
-@pytest.mark.parametrize("kernel_name", sorted(SMALL_TILE_KERNELS))
+@pytest.mark.parametrize("kernel_name", _tiered(SMALL_TILE_KERNELS))
 @pytest.mark.parametrize("shape", cases.SHAPES, ids=[s.id for s in cases.SHAPES])
 def test_small_tiles_match_reference(kernel_name: str, shape) -> None:
     _check(SMALL_TILE_KERNELS[kernel_name](shape), shape, "mixed", {})

@@ -39,9 +39,12 @@ def triton_modules_verified(monkeypatch) -> list[bool]:
     return results
 
 
-def _specs(num_tokens, num_q_heads, num_kv_heads, head_dim, page_size, dtype, num_slots=8):
+def _specs(
+    num_tokens, num_q_heads, num_kv_heads, head_dim, page_size, dtype, kv_dtype=None, num_slots=8
+):
+    """Argument specs; kv_dtype: the pages' dtype when not q's (an FP8 KV cache)."""
     width, num_pages = 64, 256
-    pool = jax.ShapeDtypeStruct((num_kv_heads, num_pages, page_size, head_dim), dtype)
+    pool = jax.ShapeDtypeStruct((num_kv_heads, num_pages, page_size, head_dim), kv_dtype or dtype)
     i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
     return (
         jax.ShapeDtypeStruct((num_tokens, num_q_heads, head_dim), dtype),
@@ -72,6 +75,8 @@ GPU_CASES = [
     ),
     ("gqa7-padded-heads", (64, 28, 4, 128, 16, jnp.bfloat16), dict(num_kv_splits=4)),
     ("mha", (128, 8, 8, 64, 16, jnp.float16), dict(block_q=16, kv_tile=64)),
+    ("decode-bf16-fp8-e4m3-pages", (8, 32, 8, 128, 16, jnp.bfloat16, jnp.float8_e4m3fn), {}),
+    ("prefill-bf16-fp8-e5m2-pages", (512, 32, 8, 128, 16, jnp.bfloat16, jnp.float8_e5m2), {}),
 ]
 
 
@@ -108,6 +113,7 @@ TPU_CASES = [
         dict(sliding_window=64, soft_cap=30.0),
     ),
     ("small-tiles-mha", (64, 8, 8, 128, 16, jnp.bfloat16), dict(block_q=16, pages_per_tile=1)),
+    ("decode-bf16-fp8-e4m3-pages", (8, 32, 8, 128, 16, jnp.bfloat16, jnp.float8_e4m3fn), {}),
 ]
 
 

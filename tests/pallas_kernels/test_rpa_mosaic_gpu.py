@@ -49,9 +49,14 @@ _ON_HOPPER = jax.default_backend() == "gpu" and str(
 needs_hopper = pytest.mark.skipif(
     not _ON_HOPPER, reason="needs a Hopper GPU (compute capability 9.0)"
 )
-needs_interpreter = pytest.mark.skipif(
+has_interpreter = pytest.mark.skipif(
     mg.InterpretGPUParams is None, reason="this jax has no Mosaic GPU interpret mode"
 )
+
+
+def needs_interpreter(test):
+    """Interpret-mode runs take seconds each: the slow tier (one stays in the fast tier)."""
+    return pytest.mark.slow(has_interpreter(test))
 
 
 def _compare(got: jax.Array, want: jax.Array, tol: float) -> None:
@@ -349,7 +354,7 @@ def test_interpret_clips_contexts_longer_than_the_table() -> None:
     _compare(got, want, TOLERANCE[jnp.bfloat16])
 
 
-@needs_interpreter
+@has_interpreter
 def test_interpret_no_sequences_gives_zeros() -> None:
     args = list(LONG.inputs())
     args[-1] = jnp.zeros((1,), jnp.int32)  # num_seqs = 0: every row is padding

@@ -38,6 +38,7 @@ def _fresh_interpreter_state() -> Iterator[None]:
     pltpu.reset_tpu_interpret_mode_state()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("shape", "kind", "options"),
     [

@@ -8,13 +8,15 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # a local Ray cluster
+
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.data")
 
 import pyarrow as pa  # noqa: E402  (installed with ray[data])
 
 from jaxserve import SamplingParams  # noqa: E402
-from jaxserve.ray import _EngineActor, build_processor  # noqa: E402
+from jaxserve.ray import EngineActor, build_processor  # noqa: E402
 
 MODEL = "tiny-random-llama"
 ENGINE = dict(
@@ -101,7 +103,7 @@ def _non_null(value):
 def udf():
     """The map_batches UDF in this process, for the row checks; its engine, an
     ``LLM(MODEL, **ENGINE)``, also gives the single-process reference run."""
-    return _EngineActor(MODEL, ENGINE, BASE_PARAMS)
+    return EngineActor(MODEL, ENGINE, BASE_PARAMS)
 
 
 def _reference(llm, rows: list[dict]) -> list[tuple]:
@@ -261,7 +263,7 @@ def test_an_empty_batch_gets_typed_empty_output_columns(udf):
 
 
 def test_a_row_cannot_ask_logprobs_the_processor_has_no_column_for():
-    udf = _EngineActor(MODEL, ENGINE, {"temperature": 0.0})
+    udf = EngineActor(MODEL, ENGINE, {"temperature": 0.0})
     assert not udf.with_logprobs
     row = {"prompt": "Hi", "sampling_params": {"logprobs": 2}}
     with pytest.raises(ValueError, match="no logprobs column"):

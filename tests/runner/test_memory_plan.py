@@ -15,9 +15,9 @@ from jaxserve.checkpoints_tools.tiny_random import tiny_random_llama_arch
 from jaxserve.config import EngineConfig
 from jaxserve.models import ModelArchConfig
 from jaxserve.runner import factory
-from jaxserve.runner.kv_cache import num_blocks_for_budget
 from jaxserve.runner.memory_plan import (
     MemoryPlan,
+    blocks_for_budget,
     memory_plan_for,
     plan_memory,
     resolve_max_model_len,
@@ -211,12 +211,13 @@ def test_workspace_scales_with_the_step_budget() -> None:
     assert many == 64 * (one - arch.vocab_size * 8) + 8 * arch.vocab_size * 8
 
 
-def test_num_blocks_for_budget_counts_the_workspace() -> None:
-    sizes = dict(budget_bytes=1000, weights_bytes=300, bytes_per_block=100, max_useful_blocks=99)
-    assert num_blocks_for_budget(**sizes) == 7
-    assert num_blocks_for_budget(**sizes, workspace_bytes=250) == 4
-    with pytest.raises(ValueError, match="250 bytes of workspace leaves room for 1 blocks"):
-        num_blocks_for_budget(**sizes | dict(budget_bytes=650), workspace_bytes=250)
+def test_blocks_for_budget_counts_what_is_used_and_caps() -> None:
+    sizes = dict(budget_bytes=1000, bytes_per_block=100, max_useful_blocks=99)
+    assert blocks_for_budget(used_bytes=300, **sizes) == 7
+    assert blocks_for_budget(used_bytes=300 + 250, **sizes) == 4  # weights + workspace
+    assert blocks_for_budget(used_bytes=1200, **sizes) == 0  # over budget: none, not negative
+    assert blocks_for_budget(used_bytes=0, **sizes | dict(max_useful_blocks=3)) == 3
+    assert blocks_for_budget(used_bytes=0, **sizes | dict(max_useful_blocks=None)) == 10
 
 
 ENGINE = dict(

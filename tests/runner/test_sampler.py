@@ -420,7 +420,7 @@ def test_bad_logits_rank_raises() -> None:
 def test_inverse_cdf_draw_edges_never_pick_masked_tokens():
     """The two-level inverse-CDF draw at the extremes of the uniform, with masked tokens at both
     ends of the vocabulary and a vocabulary that is not a multiple of the chunk."""
-    from jaxserve.runner.sampler import _inverse_cdf_draw
+    from jaxserve.runner.sampler import inverse_cdf_draw
 
     vocab = 600  # chunks of 256: 256, 256, 88 (+ 168 of padding)
     x = np.full((4, vocab), -np.inf, np.float32)
@@ -428,7 +428,7 @@ def test_inverse_cdf_draw_edges_never_pick_masked_tokens():
     x[:, 300] = 1.0
     x[:, 550] = 0.5
     u = jnp.array([0.0, 0.999999, np.nextafter(np.float32(1), np.float32(0)), 0.5], jnp.float32)
-    tokens = np.asarray(_inverse_cdf_draw(jnp.asarray(x), u, jnp.max(x, axis=-1)))
+    tokens = np.asarray(inverse_cdf_draw(jnp.asarray(x), u, jnp.max(x, axis=-1)))
     assert tokens[0] == 10 and tokens[1] == 550 and tokens[2] == 550
     assert set(tokens.tolist()) <= {10, 300, 550}
     # The draw's frequencies follow softmax(x).
@@ -437,7 +437,7 @@ def test_inverse_cdf_draw_edges_never_pick_masked_tokens():
     rows = np.broadcast_to(x[:1], (n, vocab))
     counts = np.bincount(
         np.asarray(
-            _inverse_cdf_draw(
+            inverse_cdf_draw(
                 jnp.asarray(rows), jnp.asarray(uniform, jnp.float32), jnp.ones(n, jnp.float32)
             )
         ),

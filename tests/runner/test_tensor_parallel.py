@@ -28,6 +28,8 @@ from jaxserve.models import ModelArchConfig, get_model
 from jaxserve.runner.sharding import make_mesh, plan_sharding
 from jaxserve.runner.xla_flags import CPU_YNN_FUSION_FLAG
 
+pytestmark = pytest.mark.slow  # a subprocess with 8 simulated devices
+
 pytest.importorskip("torch")  # tp_cases.py writes its checkpoints with transformers
 
 HERE = pathlib.Path(__file__).parent

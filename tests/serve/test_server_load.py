@@ -24,6 +24,8 @@ from jaxserve import AsyncLLM
 from jaxserve.entrypoints.openai.api_server import build_app
 from jaxserve.entrypoints.openai.serving import EventStream, OpenAIServing
 
+pytestmark = pytest.mark.slow  # bounded load loops against a live server
+
 NUM_CLIENTS = 64
 NUM_LEAVING = 8
 # A client that leaves asks for more tokens than it can get before its abort lands (it leaves

@@ -48,6 +48,11 @@ class SchedulerOutput:
     finished_req_ids: finished or aborted since the previous step; the runner drops their state.
     preempted_req_ids: preempted this step; the runner drops them (they come back as new).
     block_copies: (src, dst) block pairs to copy before the forward (copy-on-write).
+    device_to_host: (device block id, host slot) pairs of the host KV tier: offloads of
+        evicted blocks and swap-outs. Copied first: the blocks may be reused in this step.
+    host_to_device: (host slot, device block id) pairs: prefix hits on the host tier and
+        swap-ins. Copied after device_to_host (a slot may be written and then read in one
+        step), and before block_copies and the forward.
     """
 
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -57,6 +62,8 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    device_to_host: list[tuple[int, int]] = field(default_factory=list)
+    host_to_device: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -1,5 +1,5 @@
-"""Scheduler: token-budget continuous batching with chunked prefill, prefix caching and
-preemption by recompute (docs/architecture.md).
+"""Scheduler: token-budget continuous batching with chunked prefill, prefix caching (device
+and host tiers) and preemption by recompute or swap (docs/architecture.md).
 
 There is no prefill or decode phase. Every request has ``num_computed_tokens`` and
 ``num_tokens``; each ``schedule()`` hands out ``max_num_batched_tokens`` so that requests catch
@@ -20,7 +20,8 @@ import time
 from collections.abc import Iterable
 
 from jaxserve.config import CacheConfig, SchedulerConfig
-from jaxserve.core.kv_cache_manager import KVCacheManager
+from jaxserve.core.host_block_pool import HostBlockPool, HostTier
+from jaxserve.core.kv_cache_manager import HostHit, KVCacheManager
 from jaxserve.core.kv_cache_utils import KVCacheBlock
 from jaxserve.core.sched.admission import (
     check_prompt_length,
@@ -30,6 +31,7 @@ from jaxserve.core.sched.admission import (
 from jaxserve.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from jaxserve.core.sched.output_processor import append_samples, attach_prompt_logprobs
 from jaxserve.core.sched.policy import make_policy
+from jaxserve.core.sched.preemption import PreemptionPolicy
 from jaxserve.core.sched.step_batch import StepBatch
 from jaxserve.outputs import EngineCoreOutput, ModelRunnerOutput
 from jaxserve.request import Request, RequestStatus
@@ -45,14 +47,35 @@ class Scheduler:
         scheduler_config: token budget, max sequences per step, max_model_len, policy.
         cache_config: block size and prefix caching.
         num_kv_blocks: size of the device KV pool in blocks, including the null block 0.
+        host_tier: the runner's host KV tier, or None; required (with num_blocks > 0) when
+            cache_config.kv_offloading_size > 0.
 
     Requests live in ``requests`` from add_request until they finish; a request is in exactly
     one of ``waiting`` (WAITING or PREEMPTED) and ``running`` (RUNNING, sorted by policy key).
     """
 
     def __init__(
-        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_kv_blocks: int
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_kv_blocks: int,
+        host_tier: HostTier | None = None,
     ) -> None:
+        num_host_blocks = host_tier.num_blocks if host_tier is not None else 0
+        if (cache_config.kv_offloading_size > 0) != (num_host_blocks > 0):
+            raise ValueError(
+                f"kv_offloading_size={cache_config.kv_offloading_size} GiB needs a host tier "
+                f"of > 0 blocks and 0 GiB none; got a host tier of {num_host_blocks} blocks"
+            )
+        self.host_tier = host_tier
+        self.host_pool = HostBlockPool(num_host_blocks) if num_host_blocks else None
+        tier = host_tier if host_tier is not None else HostTier(0, block_bytes=1)
+        self.preemption = PreemptionPolicy(
+            cache_config.preemption_mode,
+            tier.swap_bytes_per_s,
+            tier.block_bytes,
+            tier.swap_latency_s,
+        )
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_model_len = scheduler_config.max_model_len
@@ -63,12 +86,14 @@ class Scheduler:
         self.num_usable_blocks = num_kv_blocks - 1
         self.policy = scheduler_config.policy
         self.requests: dict[str, Request] = {}  # unfinished requests by id
-        self.waiting, self._sort_key = make_policy(scheduler_config.policy)
-        self.running: list[Request] = []  # sorted by _sort_key: the last one is preempted first
+        self.waiting, self.sort_key = make_policy(scheduler_config.policy)
+        self.running: list[Request] = []  # sorted by sort_key: the last one is preempted first
         self._finished_req_ids: set[str] = set()  # since the last schedule(); for the runner
         self._num_added = 0  # arrival_index of the next request
         # Stats (docs/architecture.md), monotonic except the peak.
         self.num_preemptions = 0
+        self.num_swap_preemptions = 0  # preemptions that kept the KV in the host tier
+        self.num_swap_fallbacks = 0  # swaps wanted but recomputed: the host tier was full
         self.num_steps = 0  # schedule() calls that scheduled at least one token
         self.peak_kv_slot_utilization = 0.0  # max over steps of live tokens / allocated slots
 
@@ -194,7 +219,27 @@ class Scheduler:
             "num_steps": self.num_steps,
             "peak_kv_slot_utilization": self.peak_kv_slot_utilization,
             "num_cow_copies": kv.num_cow_copies,
+            **self._host_stats(),
         }
+
+    def _host_stats(self) -> dict[str, int]:
+        """The host tier's counters (all 0 without one); bytes are block copies * block
+        bytes."""
+        host = self.host_pool
+        block_bytes = self.host_tier.block_bytes if self.host_tier is not None else 0
+        return {
+            "num_host_kv_blocks": host.num_blocks if host is not None else 0,
+            "host_cache_hits": self.kv_cache_manager.host_cache_hits,
+            "device_to_host_bytes": host.num_offloaded * block_bytes if host else 0,
+            "host_to_device_bytes": host.num_restored * block_bytes if host else 0,
+            "num_swap_preemptions": self.num_swap_preemptions,
+            "num_swap_fallbacks": self.num_swap_fallbacks,
+        }
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """The engine's measurement of a step (tokens computed, wall time), for "auto"
+        preemption (preemption.py)."""
+        self.preemption.observe_step(num_tokens, seconds)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block hash; only possible while no request holds a block."""
@@ -203,11 +248,16 @@ class Scheduler:
     def _new_kv_cache_manager(self, counters_from: KVCacheManager | None = None) -> KVCacheManager:
         """An empty pool; the stats counters carry over from ``counters_from`` if given."""
         kv = KVCacheManager(
-            self.block_size, self.num_kv_blocks, self.enable_caching, self.max_model_len
+            self.block_size,
+            self.num_kv_blocks,
+            self.enable_caching,
+            self.max_model_len,
+            self.host_pool,
         )
         if counters_from is not None:
             kv.prefix_cache_queries = counters_from.prefix_cache_queries
             kv.prefix_cache_hits = counters_from.prefix_cache_hits
+            kv.host_cache_hits = counters_from.host_cache_hits
             kv.num_cow_copies = counters_from.num_cow_copies
         return kv
 
@@ -283,11 +333,24 @@ class Scheduler:
                 return new_blocks
 
     def _preempt(self, req: Request, step: StepBatch) -> None:
-        """Recompute preemption: drop the KV (full blocks stay in the prefix cache), requeue at
-        the front of waiting; the runner drops its state and gets it back as a new request."""
-        self.kv_cache_manager.free(req)
+        """Preempt by swap (its blocks move to the host tier, its computed tokens are kept) or
+        by recompute (the KV is dropped; full blocks stay in the prefix cache), as the
+        preemption policy says; requeue at the front of waiting. The runner drops its state and
+        gets it back as a new request."""
+        kv = self.kv_cache_manager
+        swapped = False
+        if self.host_pool is not None and self.preemption.wants_swap(
+            kv.swap_blocks(req), kv.recompute_tokens(req)
+        ):
+            swapped = kv.swap_out(req)
+            if swapped:
+                self.num_swap_preemptions += 1
+            else:
+                self.num_swap_fallbacks += 1
+        if not swapped:
+            kv.free(req)
+            req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add_preempted(req)
@@ -306,6 +369,10 @@ class Scheduler:
         pending = None  # hashes being computed, built on first need
         while len(waiting) and step.budget > 0 and len(self.running) < self.max_num_seqs:
             req = waiting.peek()
+            if kv.is_swapped(req.request_id):
+                if not self._swap_in(req, step):
+                    break
+                continue
             start = self._starting_point(req)
             if start is None:
                 skipped.append(waiting.pop())
@@ -316,14 +383,14 @@ class Scheduler:
                     pending = kv.pending_block_hashes(self.running)
                 next_block = num_borrowed_tokens // self.block_size
                 if next_block < len(req.block_hashes) and req.block_hashes[next_block] in pending:
-                    kv.retract_lookup(req, num_borrowed_tokens)
+                    kv.retract_lookup(req, num_borrowed_tokens, self._host_tokens(borrowed))
                     skipped.append(waiting.pop())
                     continue
             num_new = min(len(req.all_token_ids) - num_borrowed_tokens, step.budget)
             new_blocks = kv.allocate_slots(req, num_new, borrowed or None, num_borrowed_tokens)
             if new_blocks is None:
                 if not is_fork:
-                    kv.retract_lookup(req, num_borrowed_tokens)
+                    kv.retract_lookup(req, num_borrowed_tokens, self._host_tokens(borrowed))
                 break
             waiting.pop()
             if is_fork:
@@ -334,7 +401,22 @@ class Scheduler:
         if skipped:
             waiting.put_back(skipped)
 
-    def _starting_point(self, req: Request) -> tuple[list[KVCacheBlock], int, bool] | None:
+    def _swap_in(self, req: Request, step: StepBatch) -> bool:
+        """Resume a swapped-out request at its computed tokens (waiting's head); False when
+        the device pool cannot take its blocks now."""
+        num_new = min(len(req.all_token_ids) - req.num_computed_tokens, step.budget)
+        if self.kv_cache_manager.swap_in(req, num_new) is None:
+            return False
+        self.waiting.pop()
+        self._admit(req, req.num_computed_tokens, num_new, step)
+        return True
+
+    def _host_tokens(self, blocks: list[KVCacheBlock | HostHit]) -> int:
+        return self.block_size * sum(1 for b in blocks if isinstance(b, HostHit))
+
+    def _starting_point(
+        self, req: Request
+    ) -> tuple[list[KVCacheBlock | HostHit], int, bool] | None:
         """(blocks it takes over, tokens they cover, is a fork) for a waiting request, or None
         while it is a child waiting for its parent's prompt KV."""
         if req.parent_req_id is not None:
@@ -358,7 +440,7 @@ class Scheduler:
             req.first_scheduled_time = time.monotonic()
         req.status = _RUNNING
         req.num_computed_tokens = num_computed
-        bisect.insort(self.running, req, key=self._sort_key)
+        bisect.insort(self.running, req, key=self.sort_key)
         block_ids = self.kv_cache_manager.get_block_ids(rid)
         step.new_reqs.append(
             NewRequestData(
@@ -383,7 +465,8 @@ class Scheduler:
             if utilization > self.peak_kv_slot_utilization:
                 self.peak_kv_slot_utilization = utilization
         finished, self._finished_req_ids = self._finished_req_ids, set()
-        return step.to_output(finished, self.kv_cache_manager.take_block_copies())
+        kv = self.kv_cache_manager
+        return step.to_output(finished, kv.take_block_copies(), kv.take_host_copies())
 
     # ----------------------------------------------------------------------------- update
 

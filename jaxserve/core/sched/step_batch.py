@@ -49,7 +49,10 @@ class StepBatch:
         return self.live_tokens / slots if slots else 0.0
 
     def to_output(
-        self, finished_req_ids: set[str], block_copies: list[tuple[int, int]]
+        self,
+        finished_req_ids: set[str],
+        block_copies: list[tuple[int, int]],
+        host_copies: tuple[list[tuple[int, int]], list[tuple[int, int]]] = ([], []),
     ) -> SchedulerOutput:
         # Batch order: new requests first, then running ones, as in the two lists.
         num_scheduled = self.new_tokens
@@ -65,4 +68,6 @@ class StepBatch:
             finished_req_ids=finished_req_ids,
             preempted_req_ids=self.preempted_req_ids,
             block_copies=block_copies,
+            device_to_host=host_copies[0],
+            host_to_device=host_copies[1],
         )

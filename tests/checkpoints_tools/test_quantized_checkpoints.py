@@ -1,0 +1,280 @@
+"""8-bit weights end to end: FP8 / int8 checkpoints as llm-compressor writes them, quantization
+on load of a float checkpoint, the logits against full precision, the memory plan's bytes
+against the loaded arrays, refusals, and LLM(quantization=...)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.checkpoints_tools import load_hf_checkpoint
+from jaxserve.checkpoints_tools.quantization import read_quantization_config
+from jaxserve.checkpoints_tools.testing import write_tiny_hf_checkpoint
+from jaxserve.models import AttentionMetadata, get_model
+from jaxserve.models.quant import INPUT_AXES, dequantize
+from jaxserve.runner.memory_plan import plan_memory
+from jaxserve.runner.sharding import per_device_bytes
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+SEQ = [1, 57, 300, 12, 499, 8, 77, 123, 45, 256, 3, 99, 411]
+FP8_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": None}
+
+
+def _compressed_config(kind: str, strategy: str) -> dict:
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized" if kind == "float" else "naive-quantized",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {
+                    "num_bits": 8,
+                    "type": kind,
+                    "strategy": strategy,
+                    "symmetric": True,
+                    "dynamic": False,
+                },
+                "input_activations": {"num_bits": 8, "type": kind, "dynamic": True},
+            }
+        },
+        "ignore": ["lm_head"],
+    }
+
+
+def _is_linear(name: str) -> bool:
+    return name.endswith(".weight") and name.split(".")[-2] in LINEARS
+
+
+def write_quantized_copy(src: pathlib.Path, dst: pathlib.Path, kind: str, strategy: str, qc):
+    """A copy of the float checkpoint `src` with every decoder linear stored 8-bit, [out, in],
+    and `<linear>.weight_scale` f32 [] (tensor) or [out, 1] (channel), as llm-compressor does.
+    Returns the folder and the tensors written (safetensors' numpy reader cannot read FP8)."""
+    shutil.copytree(src, dst)
+    tensors = load_file(src / "model.safetensors")
+    out = {}
+    for name, w in tensors.items():
+        if not _is_linear(name):
+            out[name] = w
+            continue
+        qmax = 448.0 if kind == "float" else 127.0
+        amax = np.abs(w).max() if strategy == "tensor" else np.abs(w).max(axis=1, keepdims=True)
+        scale = np.asarray(amax / qmax, np.float32)
+        q = np.clip(w / scale, -qmax, qmax)
+        q = q.astype(ml_dtypes.float8_e4m3fn) if kind == "float" else np.rint(q).astype(np.int8)
+        out[name], out[name + "_scale"] = q, scale
+    save_file(out, dst / "model.safetensors")
+    cfg = json.loads((src / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps(cfg | {"quantization_config": qc}))
+    return dst, out
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> pathlib.Path:
+    return write_tiny_hf_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
+
+
+def _logits(ckpt, seq=SEQ) -> np.ndarray:  # f32[T, V]: one prefill of `seq` in pages 1, 2
+    model = get_model(ckpt.arch, dtype=ckpt.dtype, quantization=ckpt.quantization)
+    kv = [(jnp.zeros(model.kv_cache_shape(3, 8), ckpt.dtype),) * 2] * ckpt.arch.num_layers
+    t = len(seq)
+    positions = jnp.arange(t, dtype=jnp.int32)
+    md = AttentionMetadata(
+        positions=positions,
+        slot_mapping=positions + 8,  # block 1 onwards (block 0 is the null block)
+        block_tables=jnp.asarray([[1, 2]], jnp.int32),
+        seq_lens=jnp.asarray([t], jnp.int32),
+        query_start_loc=jnp.asarray([0, t], jnp.int32),
+        num_seqs=jnp.asarray([1], jnp.int32),
+    )
+    _, hidden = jax.jit(model.forward)(ckpt.params, kv, jnp.asarray(seq, jnp.int32), md)
+    return np.asarray(model.compute_logits(ckpt.params, hidden))
+
+
+def _relative_error(ours: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(ours - ref).max() / np.abs(ref).max())
+
+
+# Bounds on max |logits - full precision| / max |full-precision logits| of the tiny Llama
+# (2 layers); measured: see the report in each assertion message.
+BOUNDS = {"int8": 0.03, "fp8": 0.12}
+
+
+@pytest.fixture(scope="module")
+def reference(llama) -> np.ndarray:
+    return _logits(load_hf_checkpoint(llama, dtype="float32"))
+
+
+@pytest.mark.parametrize(
+    "kind, strategy, qc",
+    [
+        ("float", "tensor", FP8_CONFIG),
+        ("float", "channel", _compressed_config("float", "channel")),
+        ("float", "tensor", _compressed_config("float", "tensor")),
+        ("int", "channel", _compressed_config("int", "channel")),
+    ],
+    ids=["fp8-tensor", "ct-fp8-channel", "ct-fp8-tensor", "ct-int8-channel"],
+)
+def test_quantized_checkpoint_loads_as_stored(llama, reference, tmp_path, kind, strategy, qc):
+    folder, stored = write_quantized_copy(llama, tmp_path / "q", kind, strategy, qc)
+    ckpt = load_hf_checkpoint(folder, dtype="float32")
+    quantization = "fp8" if kind == "float" else "int8"
+    assert ckpt.quantization == quantization
+    # The stored bits and scales, in our layout: q_proj [D, N, H] and its scale [N, H].
+    attn = ckpt.params["layers_1"]["attn"]
+    q = stored["model.layers.1.self_attn.q_proj.weight"]  # [N * H, D]
+    s = stored["model.layers.1.self_attn.q_proj.weight_scale"]  # [] or [N * H, 1]
+    a = ckpt.arch
+    np.testing.assert_array_equal(
+        np.asarray(attn["q_proj"]).view(np.uint8),
+        q.T.reshape(a.hidden_size, a.num_heads, a.head_dim).view(np.uint8),
+    )
+    want = np.broadcast_to(s.reshape(-1), (a.num_heads * a.head_dim,))
+    np.testing.assert_array_equal(np.asarray(attn["q_proj_scale"]).reshape(-1), want)
+    err = _relative_error(_logits(ckpt), reference)
+    print(f"{quantization} {strategy} checkpoint: relative logit error {err:.4g}")
+    assert err < BOUNDS[quantization], f"{quantization} {strategy}: relative logit error {err:.4g}"
+
+
+@pytest.mark.parametrize("quantization", ["int8", "fp8"])
+def test_quantize_on_load_logits_and_bytes(llama, reference, quantization):
+    ckpt = load_hf_checkpoint(llama, dtype="bfloat16", quantization=quantization)
+    assert ckpt.quantization == quantization
+    mlp = ckpt.params["layers_0"]["mlp"]
+    assert mlp["gate_proj"].dtype.itemsize == 1 and mlp["gate_proj_scale"].dtype == jnp.float32
+    assert ckpt.params["embed"].dtype == jnp.bfloat16  # the embedding and head stay
+    err = _relative_error(_logits(ckpt), reference)
+    print(f"{quantization} on load: relative logit error {err:.4g}")
+    assert err < BOUNDS[quantization], f"{quantization} on load: relative logit error {err:.4g}"
+    # The memory plan counts exactly what was loaded: 1 byte per linear weight, 4 per scale.
+    arch = ckpt.arch
+    plan = lambda q: plan_memory(
+        arch,
+        dtype="bfloat16",
+        kv_cache_dtype="bfloat16",
+        tensor_parallel_size=1,
+        block_size=16,
+        max_model_len=64,
+        max_num_seqs=2,
+        max_num_batched_tokens=16,
+        device_memory_bytes=1 << 30,
+        memory_utilization=0.9,
+        quantization=q,
+    )
+    loaded = per_device_bytes(ckpt.params)
+    assert plan(quantization).weights_bytes == loaded
+    shapes = get_model(arch, dtype="bfloat16").param_shapes()
+    linear = scales = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]:
+        name = path[-1].key
+        if name in INPUT_AXES:
+            linear += leaf.size
+            scales += leaf.size // np.prod([leaf.shape[i] for i in INPUT_AXES[name]])
+    bf16 = plan(None).weights_bytes
+    assert loaded == bf16 - 2 * linear + linear + 4 * scales
+    assert linear + 4 * scales < 0.6 * (2 * linear)  # the linears: about half of bf16's bytes
+
+
+def test_quantized_params_match_quantize_host(llama):
+    """On-load quantization is quant.quantize_host of the float weight in our layout."""
+    ckpt = load_hf_checkpoint(llama, dtype="float32", quantization="int8")
+    full = load_hf_checkpoint(llama, dtype="float32")
+    w, q = full.params["layers_0"]["attn"]["o_proj"], ckpt.params["layers_0"]["attn"]
+    back = dequantize(q["o_proj"], q["o_proj_scale"], INPUT_AXES["o_proj"])
+    bound = np.asarray(q["o_proj_scale"]) / 2 + 1e-7  # half a step per output channel [D]
+    assert np.all(np.abs(np.asarray(back) - np.asarray(w)) <= bound)
+
+
+@pytest.mark.parametrize(
+    "change, key",
+    [
+        (dict(weight_block_size=[128, 128]), "weight_block_size"),
+        (dict(activation_scheme="static"), "activation_scheme"),
+        (dict(quant_method="gptq"), "quant_method"),
+    ],
+)
+def test_fp8_configs_the_engine_cannot_honour_are_refused(change, key):
+    with pytest.raises(ValueError, match=f"quantization_config.{key}="):
+        read_quantization_config({"quantization_config": FP8_CONFIG | change})
+
+
+@pytest.mark.parametrize(
+    "path, value",
+    [
+        ("weights.num_bits", 4),
+        ("weights.symmetric", False),
+        ("weights.strategy", "group"),
+        ("weights.strategy", "block"),
+        ("input_activations", {"num_bits": 8, "type": "float", "dynamic": False}),
+        ("format", "pack-quantized"),
+    ],
+)
+def test_compressed_tensors_configs_the_engine_cannot_honour_are_refused(path, value):
+    qc = _compressed_config("float", "channel")
+    if path == "format":
+        qc["format"] = value
+        key = "format"
+    else:
+        group = qc["config_groups"]["group_0"]
+        *parents, leaf = path.split(".")
+        for p in parents:
+            group = group[p]
+        group[leaf] = value
+        key = f"config_groups.group_0.{path}"
+    with pytest.raises(ValueError, match=f"quantization_config.{key}="):
+        read_quantization_config({"quantization_config": qc})
+
+
+def test_checkpoint_tensors_the_engine_cannot_honour_are_refused(llama, tmp_path):
+    folder, tensors = write_quantized_copy(llama, tmp_path / "q", "float", "tensor", FP8_CONFIG)
+    with pytest.raises(ValueError, match="quantization='int8' but .* is a fp8 checkpoint"):
+        load_hf_checkpoint(folder, quantization="int8")
+    # Static activation scales.
+    tensors["model.layers.0.self_attn.q_proj.input_scale"] = np.ones((), np.float32)
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(ValueError, match="q_proj.input_scale.*static activation scales"):
+        load_hf_checkpoint(folder)
+    # An 8-bit LM head.
+    del tensors["model.layers.0.self_attn.q_proj.input_scale"]
+    tensors["lm_head.weight"] = tensors["lm_head.weight"].astype(ml_dtypes.float8_e4m3fn)
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(ValueError, match="'lm_head.weight'.*F8_E4M3.*LM head"):
+        load_hf_checkpoint(folder)
+    # A decoder linear left in full precision (quantization_config's ignore).
+    tensors["lm_head.weight"] = load_file(llama / "model.safetensors")["lm_head.weight"]
+    tensors["model.layers.1.mlp.up_proj.weight"] = np.zeros((128, 64), np.float32)
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(ValueError, match="'model.layers.1.mlp.up_proj.weight'.*expected F8_E4M3"):
+        load_hf_checkpoint(folder)
+
+
+def test_moe_quantization_is_refused(tmp_path):
+    folder = write_tiny_hf_checkpoint(tmp_path / "mixtral", "mixtral", with_tokenizer=False)
+    with pytest.raises(ValueError, match="quantization='fp8' is not implemented for mixture"):
+        load_hf_checkpoint(folder, quantization="fp8")
+
+
+@pytest.mark.slow  # warm-up compiles every step shape
+def test_llm_quantization_generates_without_recompiling(llama):
+    kwargs = dict(
+        num_kv_blocks=12, block_size=8, max_num_seqs=2, max_num_batched_tokens=8, max_model_len=32
+    )
+    llm = LLM(model=str(llama), quantization="fp8", **kwargs)
+    assert llm.engine.runner.params["layers_0"]["mlp"]["up_proj"].dtype == jnp.float8_e4m3fn
+    compiled = llm.get_stats()["num_compilations"]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outs = llm.generate([SEQ, SEQ[:5]], params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [6, 6]
+    assert llm.get_stats()["num_compilations"] == compiled
+    assert llm.get_stats()["recompilations"] == []
+    for bad, error in (("int4", ValueError), ("FP8", ValueError), (8, ValueError)):
+        with pytest.raises(error, match="ModelConfig.quantization must be one of"):
+            LLM(model=str(llama), quantization=bad, **kwargs)
