@@ -1,6 +1,6 @@
 """Convert a Hugging Face checkpoint folder into a jaxserve Orbax checkpoint folder.
 
-    jaxserve convert --model HF_DIR --output ORBAX_DIR [--dtype bfloat16] [--overwrite]
+    jaxserve convert --model HF_DIR --output ORBAX_DIR [--dtype bfloat16] [--quantization int8]
     python -m jaxserve.checkpoints_tools.convert --model HF_DIR --output ORBAX_DIR ...
 
 Safe on interruption: everything is written into a hidden sibling folder
@@ -47,6 +47,8 @@ COPIED_FILES = (
 )
 # --dtype choices: "auto" and checkpoint.DTYPE_NAMES (spelled out: that module loads jax).
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+# --quantization choices: models/quant.py's QUANTIZATIONS (spelled out: that module loads jax).
+QUANTIZATION_CHOICES = ("int8", "fp8")
 # The shell's status for a command stopped by Ctrl-C (128 + SIGINT).
 EXIT_INTERRUPTED = 130
 EXIT_BAD_INPUT = 2
@@ -208,7 +210,13 @@ def _write_staged(
             shutil.copy2(source / name, staged / name)
     orbax_ckpt.save_params(ckpt.params, staged / orbax_ckpt.PARAMS_DIR)
     num_params = sum(x.size for x in jax.tree_util.tree_leaves(ckpt.params))
-    orbax_ckpt.write_marker(staged, dtype=ckpt.dtype, source=str(source), num_params=num_params)
+    orbax_ckpt.write_marker(
+        staged,
+        dtype=ckpt.dtype,
+        source=str(source),
+        num_params=num_params,
+        quantization=ckpt.quantization,
+    )
 
 
 def _publish(
@@ -241,6 +249,7 @@ def convert_hf_to_orbax(
     *,
     dtype: str = "auto",
     overwrite: bool = False,
+    quantization: str | None = None,
 ) -> pathlib.Path:
     """Convert the HF checkpoint folder `model` into an Orbax checkpoint folder `output`.
 
@@ -253,6 +262,9 @@ def convert_hf_to_orbax(
         dtype: the stored params dtype: "auto" (the checkpoint's own), "float32", "bfloat16"
             or "float16".
         overwrite: replace an existing `output` (only once the new one is complete).
+        quantization: None (the checkpoint's own precision: an FP8 / int8 checkpoint stays
+            8-bit), or "int8" / "fp8": store the decoder's linear weights quantized
+            (load_hf_checkpoint's quantization); the marker records it.
 
     Returns:
         The output folder.
@@ -274,12 +286,9 @@ def convert_hf_to_orbax(
                 f"{output} exists; pass --overwrite (overwrite=True) to replace it"
             )
         cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-        ckpt = hf_loader.load_hf_checkpoint(source, dtype=dtype, param_sharding=lambda path: cpu)
-        if ckpt.quantization is not None:
-            raise ValueError(
-                f"{source} is a {ckpt.quantization} checkpoint: Orbax conversion of 8-bit "
-                "weights is not implemented; serve the Hugging Face folder itself"
-            )
+        ckpt = hf_loader.load_hf_checkpoint(
+            source, dtype=dtype, param_sharding=lambda path: cpu, quantization=quantization
+        )
         guard.check()  # a Ctrl-C dropped during loading (interrupt.py) stops here
         _publish(ckpt, source, output, overwrite, guard, orbax_ckpt)
         if guard.interrupted:
@@ -295,6 +304,12 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype", default="auto", choices=DTYPE_CHOICES, help="stored params dtype"
     )
+    parser.add_argument(
+        "--quantization",
+        choices=QUANTIZATION_CHOICES,
+        help="store the decoder's linear weights in 8 bits: int8 or fp8 (e4m3), per output "
+        "channel (default: the checkpoint's own precision)",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
 
 
@@ -307,7 +322,11 @@ def run_convert(args: argparse.Namespace, prog: str = "jaxserve convert") -> int
     with sigint_guard() as guard:
         try:
             out = convert_hf_to_orbax(
-                args.model, args.output, dtype=args.dtype, overwrite=args.overwrite
+                args.model,
+                args.output,
+                dtype=args.dtype,
+                overwrite=args.overwrite,
+                quantization=args.quantization,
             )
         except BaseException as e:
             # Whatever the interrupt became on its way (an ImportError inside an extension's

@@ -116,14 +116,14 @@ def load_checkpoint(
 
     Args:
         quantization: None, "int8" or "fp8" (load_hf_checkpoint); the built-in model's random
-            weights are quantized after they are drawn. Orbax folders hold float params only.
+            weights are quantized after they are drawn; an Orbax folder's must be its own
+            (load_orbax_checkpoint).
 
     Raises:
         FileNotFoundError: `model` is neither a built-in name, an existing folder nor a Hub
             model ID that resolves (see resolve_model).
         ValueError: revision / download_dir for a built-in model or a folder.
-        ValueError / FileNotFoundError: as load_orbax_checkpoint or load_hf_checkpoint; a
-            quantization of an Orbax folder.
+        ValueError / FileNotFoundError: as load_orbax_checkpoint or load_hf_checkpoint.
     """
     if str(model) == TINY_RANDOM_LLAMA:
         _refuse_hub_arguments(TINY_RANDOM_LLAMA, revision=revision, download_dir=download_dir)
@@ -132,13 +132,8 @@ def load_checkpoint(
         )
     folder = _folder(model, revision=revision, download_dir=download_dir)
     if orbax_checkpoint.is_orbax_checkpoint(folder):
-        if quantization is not None:
-            raise ValueError(
-                f"quantization={quantization!r} is not implemented for Orbax checkpoints "
-                f"({folder}); load the Hugging Face checkpoint it was converted from"
-            )
         return orbax_checkpoint.load_orbax_checkpoint(
-            folder, dtype=dtype, param_sharding=param_sharding
+            folder, dtype=dtype, param_sharding=param_sharding, quantization=quantization
         )
     return load_hf_checkpoint(
         folder, dtype=dtype, param_sharding=param_sharding, quantization=quantization
@@ -204,9 +199,9 @@ def declared_quantization(
     revision: str | None = None,
     download_dir: str | os.PathLike[str] | None = None,
 ) -> CheckpointQuantization | None:
-    """The 8-bit format a Hugging Face checkpoint's config.json declares (its
-    quantization_config), read without its weights; None for a float checkpoint, an Orbax
-    folder or the built-in model.
+    """The 8-bit format a checkpoint declares, read without its weights: a Hugging Face
+    config.json's quantization_config, an Orbax folder's marker; None for a float checkpoint
+    and the built-in model.
 
     Raises:
         ValueError: a quantization_config the engine cannot honour (key named).
@@ -216,5 +211,7 @@ def declared_quantization(
         return None
     folder = _folder(model, revision=revision, download_dir=download_dir, files=hub.CONFIG_FILES)
     if orbax_checkpoint.is_orbax_checkpoint(folder):
-        return None
+        stored = orbax_checkpoint.read_marker(folder).get("quantization")
+        marker = f"{orbax_checkpoint.MARKER_FILE}: quantization={stored!r}"
+        return None if stored is None else CheckpointQuantization(stored, marker)
     return read_quantization_config(read_json(folder / "config.json"))

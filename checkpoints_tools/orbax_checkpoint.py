@@ -7,7 +7,9 @@ Folder layout (written by convert.py, atomically):
     generation_config.json, tokenizer.json, tokenizer_config.json, ...   copied when present
     params/                 the CausalLM params pytree, an Orbax (StandardCheckpointer) item
     jaxserve_orbax.json     the completion marker, written last: {"format", "version", "dtype",
-                            "source", "num_params"}
+                            "source", "num_params", "quantization"} (quantization: None, or
+                            "int8" / "fp8" when the params hold 8-bit linears and their f32
+                            scales, models/quant.py; absent in older folders: None)
 
 A folder with params/ but no marker is an interrupted or unfinished conversion and is refused.
 Before any array is read, the stored array metadata is checked against the model's parameter
@@ -73,7 +75,14 @@ def read_marker(folder: str | pathlib.Path) -> dict[str, Any]:
     return marker
 
 
-def write_marker(folder: pathlib.Path, *, dtype: np.dtype, source: str, num_params: int) -> None:
+def write_marker(
+    folder: pathlib.Path,
+    *,
+    dtype: np.dtype,
+    source: str,
+    num_params: int,
+    quantization: str | None = None,
+) -> None:
     """Write the completion marker: the last file of a conversion."""
     marker = dict(
         format=FORMAT_NAME,
@@ -81,6 +90,7 @@ def write_marker(folder: pathlib.Path, *, dtype: np.dtype, source: str, num_para
         dtype=np.dtype(dtype).name,
         source=source,
         num_params=num_params,
+        quantization=quantization,
     )
     (folder / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
 
@@ -145,6 +155,7 @@ def load_orbax_checkpoint(
     *,
     dtype: str = "auto",
     param_sharding: ParamSharding | None = None,
+    quantization: str | None = None,
 ) -> LoadedCheckpoint:
     """Load a jaxserve Orbax checkpoint folder (see the module docstring).
 
@@ -155,10 +166,14 @@ def load_orbax_checkpoint(
         dtype: "auto" (the dtype it was converted to), "float32", "bfloat16" or "float16"
             (cast while reading).
         param_sharding: as for load_hf_checkpoint; None = the default device.
+        quantization: None (the folder's own, its marker's "quantization"), or that same
+            value; 8-bit weights are stored by `jaxserve convert --quantization`, never
+            quantized while restoring.
 
     Raises:
         ValueError: an unfinished conversion (no marker); a missing, unexpected or mis-shaped
-            array (named); unknown dtype; unsupported architecture; malformed JSON (file named).
+            array (named); unknown dtype; unsupported architecture; malformed JSON (file named);
+            a quantization other than the folder's own.
         FileNotFoundError: config.json or params/ missing.
         TypeError: a config.json value of the wrong type (file and key named).
     """
@@ -173,13 +188,21 @@ def load_orbax_checkpoint(
             raise FileNotFoundError(f"{needed}: missing from the Orbax checkpoint")
     arch = arch_from_config(read_json(config_file), config_file)
     np_dtype = resolve_dtype(dtype, marker.get("dtype"))
-    shapes = get_model(arch, dtype=np_dtype).param_shapes()
+    stored_quantization = marker.get("quantization")
+    if quantization not in (None, stored_quantization):
+        raise ValueError(
+            f"quantization={quantization!r} but {folder} holds "
+            f"{stored_quantization or 'float'} params ({MARKER_FILE}); convert it again with "
+            f"`jaxserve convert --quantization {quantization}` or pass quantization=None"
+        )
+    shapes = get_model(arch, dtype=np_dtype, quantization=stored_quantization).param_shapes()
     default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
 
     def target(key_path: tuple[Any, ...], leaf: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
         keys = tuple(k.key for k in key_path)
         sharding = default if param_sharding is None else param_sharding(keys)
-        return jax.ShapeDtypeStruct(leaf.shape, np_dtype, sharding=sharding)
+        # The leaf's own dtype: np_dtype, or an 8-bit weight / f32 scale (never cast).
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
 
     with ocp.StandardCheckpointer() as checkpointer:
         stored = checkpointer.metadata(params_dir.absolute()).item_metadata.tree
@@ -196,4 +219,5 @@ def load_orbax_checkpoint(
         tokenizer=tokenizer,
         generation_config=read_optional_json(folder / "generation_config.json"),
         path=str(folder),
+        quantization=stored_quantization,
     )

@@ -18,8 +18,11 @@ Two ways to get 8-bit weights (models/quant.py holds the format and the math):
 What the engine cannot honour is refused with the config key and value named: block-wise
 scales (weight_block_size, strategy "block" / "group"), other bit widths, asymmetric weights
 (zero points), static activation scales (activation_scheme "static", input_activations with
-dynamic false, input_scale tensors), output activation quantization, other quant_methods.
-Dynamic activation quantization is run weight-only: activations stay in the model dtype (see
+dynamic false, input_scale tensors), output activation quantization, sparse formats and
+weight transforms (sparsity_config, transform_config), other quant_methods. A decoder linear
+the checkpoint kept in full precision (listed in `ignore`) is refused too: every dense layer's
+projections are 8-bit or none are. Which tensors are 8-bit is read from the safetensors headers,
+so `ignore` itself is not parsed. Dynamic activation quantization is run weight-only: activations stay in the model dtype (see
 models/quant.py), which is at least as accurate. The LM head and the embedding are never
 quantized; a checkpoint that stores them in 8 bits is refused.
 """
@@ -56,13 +59,14 @@ class CheckpointQuantization:
     """What a config.json's quantization_config declares, once checked.
 
     quantization: the engine's name of the weights' format, "fp8" or "int8".
-    quant_method: the config's own ("fp8" or "compressed-tensors").
+    declared_by: where it is declared, for messages ("quantization_config.quant_method='fp8'",
+        or a jaxserve Orbax folder's marker file).
     strategy: "tensor" or "channel" where the config says (the loader reads each scale's shape
-        anyway); None for quant_method "fp8" (per tensor in practice).
+        anyway); None for quant_method "fp8" (per tensor in practice) and Orbax folders.
     """
 
     quantization: str
-    quant_method: str
+    declared_by: str
     strategy: str | None = None
 
 
@@ -82,6 +86,12 @@ def read_quantization_config(cfg: Mapping[str, Any]) -> CheckpointQuantization |
         return None
     if not isinstance(qc, Mapping):
         raise TypeError(f"quantization_config must be a JSON object, got {qc!r}")
+    if qc.get("kv_cache_scheme") is not None:
+        logger.info(
+            "quantization_config.kv_cache_scheme=%r: the checkpoint's k_scale / v_scale apply "
+            "to an FP8 KV cache (kv_cache_dtype='fp8'); the weights load either way",
+            qc["kv_cache_scheme"],
+        )
     method = qc.get("quant_method")
     if method == "fp8":
         return _fp8_config(qc)
@@ -110,13 +120,23 @@ def _fp8_config(qc: Mapping[str, Any]) -> CheckpointQuantization:
             "static activation scales are not implemented; only 'dynamic' (run weight-only: "
             "activations stay in the model dtype)",
         )
-    return CheckpointQuantization("fp8", "fp8")
+    return CheckpointQuantization("fp8", "quantization_config.quant_method='fp8'")
 
 
 def _compressed_tensors_config(qc: Mapping[str, Any]) -> CheckpointQuantization:
     fmt = qc.get("format")
     if fmt not in COMPRESSED_FORMATS:
         raise _refuse("format", fmt, f"not supported; jaxserve loads {COMPRESSED_FORMATS}")
+    # Both change the math of the stored weights (sparse layouts, rotations to undo).
+    sparsity = qc.get("sparsity_config")
+    if sparsity is not None and (
+        not isinstance(sparsity, Mapping) or sparsity.get("format") not in (None, "dense")
+    ):
+        raise _refuse("sparsity_config", sparsity, "sparse weight formats are not implemented")
+    if qc.get("transform_config") is not None:
+        raise _refuse(
+            "transform_config", qc["transform_config"], "weight transforms are not implemented"
+        )
     groups = qc.get("config_groups")
     if not isinstance(groups, Mapping) or not groups:
         raise _refuse("config_groups", groups, "expected a non-empty object of groups")
@@ -128,7 +148,8 @@ def _compressed_tensors_config(qc: Mapping[str, Any]) -> CheckpointQuantization:
             "groups with different weight formats are not implemented (one 8-bit format only)",
         )
     quantization, strategy = schemes.pop()
-    return CheckpointQuantization(quantization, "compressed-tensors", strategy)
+    declared_by = "quantization_config.quant_method='compressed-tensors'"
+    return CheckpointQuantization(quantization, declared_by, strategy)
 
 
 def _group_scheme(key: str, group: object) -> tuple[str, str]:
@@ -183,8 +204,8 @@ def resolve_quantization(
     if requested not in (None, declared.quantization):
         raise ValueError(
             f"quantization={requested!r} but {where} is a {declared.quantization} checkpoint "
-            f"(quantization_config.quant_method={declared.quant_method!r}); pass "
-            f"quantization={declared.quantization!r} or None"
+            f"({declared.declared_by}); pass quantization={declared.quantization!r} or None "
+            "(a checkpoint is not quantized again)"
         )
     return declared.quantization
 

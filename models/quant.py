@@ -17,12 +17,13 @@ The matmul (`matmul`) converts the 8-bit weight to the activations' dtype inside
 applies the scale to the float32 result, x @ (q * s) == (x @ q) * s along the output axis:
 int8 and e4m3 values are exact in bfloat16, float16 and float32, so the only rounding is the
 dot's own. Nothing full-precision of the model is kept: the converted operand is the compiler's
-temporary of one matmul (XLA fuses the convert into the GEMM's operand read where it can; on the
-CPU it may materialise that one weight converted, freed after the dot). This is weight-only
+temporary of one matmul (XLA:CPU materialises that one weight converted, freed after its dot;
+_converted_after keeps XLA from converting every layer's weights up front). This is weight-only
 quantization: activations stay in the model dtype, so an FP8 checkpoint made for FP8 x FP8
-GEMMs (dynamic activation scales) runs at least as accurately as its W8A8 form. XLA's native
-FP8 GEMM needs both operands in FP8 with scalar scales; per-channel weight scales with bf16
-activations are not that pattern, so it is not used.
+GEMMs (dynamic activation scales) runs at least as accurately as its W8A8 form. XLA:GPU's
+native FP8 GEMM (cuBLASLt on Hopper) is matched for dots whose two operands are both FP8,
+dequantized by scalar scales; an FP8 weight against bf16 activations is not that pattern, so
+it runs as a converted operand like int8 (what the GPU compiler makes of it is not measured).
 
 The LM head, the embedding, norms, biases and MoE routers stay in the model dtype (vLLM's
 default too); MoE experts are not quantized, so CausalLM refuses a quantization of a MoE model.
@@ -145,8 +146,25 @@ def matmul(equation: str, x: jax.Array, w: jax.Array, scale: jax.Array | None) -
     """
     if scale is None:
         return jnp.einsum(equation, x, w)
-    y = jnp.einsum(equation, x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+    y = jnp.einsum(equation, x, _converted_after(w, x), preferred_element_type=jnp.float32)
     return (y * scale).astype(x.dtype)
+
+
+def _converted_after(w: jax.Array, x: jax.Array) -> jax.Array:
+    """w.astype(x.dtype), computed only once x exists.
+
+    The convert of a weight depends on parameters only, so XLA:CPU schedules every layer's
+    convert at the start of the step, and the converted weights of all layers, a full-precision
+    copy of the model, are live at once (measured with compiled.memory_analysis(): temporaries
+    the size of every linear weight in f32). Multiplying by 1 derived from x's first element
+    ties each convert to its matmul's input, so only the weights in use are held converted.
+    The 1 comes from one bit of that element's pattern (0 or 1, so always finite): a NaN or
+    Inf in x cannot leak into other rows, and XLA does not fold the float product away (an
+    optimization_barrier does not survive XLA:CPU's pipeline).
+    """
+    bit = jax.lax.bitcast_convert_type(x.reshape(-1)[0].astype(jnp.float32), jnp.uint32) & 1
+    one = 1.0 + 0.0 * bit.astype(x.dtype)  # exactly 1
+    return w.astype(x.dtype) * one
 
 
 def linear_weight(

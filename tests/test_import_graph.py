@@ -45,6 +45,7 @@ def _existing(modules: list[str]) -> list[str]:
     return [m for m in modules if importlib.util.find_spec(m) is not None]
 
 
+@pytest.mark.slow
 def test_host_modules_do_not_load_jax() -> None:
     modules = _existing(HOST_MODULES)
     code = (
@@ -137,6 +138,7 @@ def test_no_private_name_is_imported_across_packages() -> None:
     assert not offenders, offenders
 
 
+@pytest.mark.slow
 def test_collecting_the_tests_builds_nothing(tmp_path) -> None:
     """`pytest --collect-only` compiles no C++ kernel and writes no cache: kernels are built
     on first use, when a test that needs one runs."""

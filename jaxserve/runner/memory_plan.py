@@ -188,8 +188,9 @@ class MemoryPlan:
         )
         raise ValueError(
             f"model {model!r} does not fit in device memory (per device, dtype {self.dtype}, "
-            f"tensor_parallel_size={self.tensor_parallel_size}): {reason}; {remedy}, use more "
-            "devices (tensor_parallel_size) or a smaller dtype"
+            f"quantization={self.quantization!r}, tensor_parallel_size="
+            f"{self.tensor_parallel_size}): {reason}; {remedy}, use more devices "
+            "(tensor_parallel_size), a smaller dtype or 8-bit weights (quantization)"
         )
 
     def as_dict(self) -> dict[str, Any]:

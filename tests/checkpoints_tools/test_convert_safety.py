@@ -172,6 +172,7 @@ def test_second_ctrl_c_stops_at_once_and_late_writes_are_removed_at_exit(hf_dir,
     _assert_interrupted_cleanly(proc, tmp_path / "orbax")
 
 
+@pytest.mark.slow
 def test_ctrl_c_at_moments_spread_over_a_run(hf_dir, tmp_path):
     """A real SIGINT at a few moments of a `python -m` run: whatever the moment, the output is
     absent or complete, no staging folder remains, and an unfinished run exits with 130."""

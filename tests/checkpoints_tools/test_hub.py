@@ -110,6 +110,7 @@ def test_revision_by_ref_or_commit(offline: pathlib.Path) -> None:
     assert resolve_model(REPO, download_dir=str(offline)) == snapshot(offline, MAIN)
 
 
+@pytest.mark.slow
 def test_llm_loads_a_hub_id_and_generates(offline: pathlib.Path) -> None:
     llm = LLM(REPO, **SMALL)
     assert llm.engine.info.vocab_size == 512 and llm.engine.config.model.model == REPO

@@ -78,6 +78,7 @@ def test_a_checkpoint_of_an_older_format_version_is_refused(orbax_dir, tmp_path)
         load_checkpoint(old)
 
 
+@pytest.mark.slow
 def test_orbax_gives_the_same_tokens_as_safetensors(hf_dir, orbax_dir):
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     outs = [

@@ -203,6 +203,7 @@ def test_max_waiting_requests_refuses_with_queue_full(expected):
         engine.shutdown()
 
 
+@pytest.mark.slow
 def test_a_failed_step_fails_its_streams_and_the_engine_serves_on(expected, monkeypatch):
     prompts, reference = expected
     engine = AsyncLLM("tiny-random-llama", num_kv_blocks=64, **SMALL)
@@ -230,6 +231,7 @@ def test_a_failed_step_fails_its_streams_and_the_engine_serves_on(expected, monk
         run(collect(engine, prompts[0], DELTA, "late"))
 
 
+@pytest.mark.slow
 def test_shutdown_fails_the_streams_still_running(expected):
     prompts, _ = expected
     engine = AsyncLLM("tiny-random-llama", num_kv_blocks=64, **SMALL)
@@ -284,6 +286,7 @@ def test_metrics_count_tokens_and_requests_and_end_at_zero(engine, expected):
     assert before["num_steps"] < engine.get_stats()["num_steps"]
 
 
+@pytest.mark.slow
 def test_llm_stream_yields_as_it_steps_and_aborts_when_closed(expected):
     prompts, reference = expected
     llm = LLM("tiny-random-llama", num_kv_blocks=64, **SMALL)

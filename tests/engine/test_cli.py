@@ -246,6 +246,7 @@ def test_subcommand_hook(
     assert capsys.readouterr().out == "converting ckpt\n"
 
 
+@pytest.mark.slow
 def test_generate_end_to_end(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
     from jaxserve.checkpoints_tools.tiny_random import build_tiny_tokenizer
 
@@ -298,6 +299,7 @@ SMALL_ENGINE = [
 ]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_prompts_at_the_length_limit(
     tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -347,6 +349,7 @@ def test_missing_or_malformed_model_exits_2(
     assert f"{broken / 'config.json'}: malformed JSON" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_generate_resumes_after_an_interrupted_run(
     tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -378,3 +381,10 @@ def test_generate_resumes_after_an_interrupted_run(
     assert {(r["request_id"], r["index"]): r["token_ids"] for r in again} == {
         k: r["token_ids"] for k, r in by_key.items()
     }
+
+
+def test_quantization_flag_reaches_the_engine_kwargs() -> None:
+    args = generate_args("--prompt", "a", "--quantization", "fp8")
+    assert cli.engine_kwargs(args) == {"quantization": "fp8"}
+    with pytest.raises(SystemExit):
+        generate_args("--prompt", "a", "--quantization", "int4")

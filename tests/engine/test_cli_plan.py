@@ -248,3 +248,26 @@ def test_help_lists_plan_without_importing_jax() -> None:
         "assert not bad, bad[:5]\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_8bit_weights_take_one_byte_each_plus_scales(
+    llama3: str, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Per layer: q, o [4096 x 4096], k, v [4096 x 1024], gate, up, down [4096 x 14336]; one f32
+    # scale per output channel. Embedding and LM head (2 x 128256 x 4096) and norms stay bf16.
+    linear = 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336)
+    scales = 32 * (4096 + 1024 + 1024 + 4096 + 14336 + 14336 + 4096)
+    other = 8_030_261_248 - linear
+    argv = ["--model", llama3, "--device-memory-gb", "141"]
+    for quantization in ("int8", "fp8"):
+        code, plan = plan_json(capsys, *argv, "--quantization", quantization)
+        assert code == 0 and plan["quantization"] == quantization
+        assert plan["weights_bytes"] == 2 * other + linear + 4 * scales == 9_086_705_664
+    # An FP8 checkpoint's own quantization_config is planned as FP8 without the flag.
+    fp8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": None}
+    folder = write_config(tmp_path / "fp8", quantization_config=fp8)
+    code, plan = plan_json(capsys, "--model", str(folder), "--device-memory-gb", "141")
+    assert code == 0 and plan["quantization"] == "fp8"
+    assert plan["weights_bytes"] == 9_086_705_664
+    assert cli.main(["plan", "--model", str(folder), "--quantization", "int8"]) == 2
+    assert "is a fp8 checkpoint" in capsys.readouterr().err

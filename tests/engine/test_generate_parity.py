@@ -23,6 +23,10 @@ from parity_utils import (  # noqa: E402
 
 from jaxserve.checkpoints_tools.testing import write_tiny_hf_checkpoint  # noqa: E402
 
+# Every case builds an engine and runs transformers: the slow tier (the fast one keeps the
+# logits parity of every family, tests/models/test_hf_parity.py).
+pytestmark = pytest.mark.slow
+
 FAMILIES = {
     "llama3_rope": (
         "llama",
@@ -52,14 +56,7 @@ FAMILIES = {
 }
 
 
-# Each family builds an engine and runs transformers: one stays in the fast tier.
-FAST_TIER = "qwen3"
-
-
-@pytest.fixture(
-    scope="module",
-    params=[pytest.param(f, marks=[] if f == FAST_TIER else pytest.mark.slow) for f in FAMILIES],
-)
+@pytest.fixture(scope="module", params=list(FAMILIES))
 def checkpoint(request, tmp_path_factory):
     family, overrides = FAMILIES[request.param]
     folder = write_tiny_hf_checkpoint(tmp_path_factory.mktemp(request.param), family, **overrides)

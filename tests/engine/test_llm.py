@@ -33,6 +33,7 @@ def test_generate_returns_outputs_in_input_order(llm):
     assert_nothing_held(llm.engine)
 
 
+@pytest.mark.slow
 def test_greedy_and_seeded_tokens_do_not_depend_on_the_batch(llm):
     target = random_prompts(1, seed=1, lo=30, hi=31)[0]
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -63,6 +64,7 @@ def test_greedy_and_seeded_tokens_do_not_depend_on_the_batch(llm):
     assert_nothing_held(crowded.engine)
 
 
+@pytest.mark.slow
 def test_unseeded_requests_follow_the_engine_seed():
     prompts = random_prompts(3, seed=3)
     params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
@@ -102,6 +104,7 @@ def _any_sampling_params(rng: random.Random) -> SamplingParams:
     )
 
 
+@pytest.mark.slow
 def test_nothing_compiles_after_warmup():
     engine = LLMEngine(
         "tiny-random-llama",
@@ -139,6 +142,7 @@ def test_nothing_compiles_after_warmup():
     assert_nothing_held(engine)
 
 
+@pytest.mark.slow
 def test_abort_at_every_stage_frees_everything():
     engine = LLMEngine("tiny-random-llama", num_kv_blocks=12, **SMALL)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
@@ -249,6 +253,7 @@ def test_get_stats_keys(llm):
     assert stats["plan"]["platform"] == "cpu" and stats["plan"]["dtype"] == "float32"
 
 
+@pytest.mark.slow
 def test_finished_only_steps_return_the_same_final_outputs():
     """step(finished_only=True) (what LLM.generate uses) returns each request once, when it
     finishes, equal to the final output of a step() run with the same seeds."""

@@ -19,6 +19,7 @@ from parity_utils import (  # noqa: E402
 from jaxserve.checkpoints_tools.testing import write_tiny_hf_checkpoint  # noqa: E402
 
 
+@pytest.mark.slow
 def test_pallas_backend_matches_reference_and_transformers(tmp_path):
     folder = write_tiny_hf_checkpoint(tmp_path, "qwen3", head_dim=32)
     prompts = make_prompts(512)

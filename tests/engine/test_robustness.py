@@ -177,6 +177,7 @@ def test_penalties_at_the_length_limit(llm):
     assert_nothing_held(llm.engine)
 
 
+@pytest.mark.slow
 def test_sigint_during_generate_never_breaks_the_llm(tmp_path):
     """Real SIGINTs at random moments of generate (some doubled, to stop inside a step), in a
     subprocess; after each, the LLM holds nothing and serves the same greedy tokens."""
@@ -216,6 +217,7 @@ def test_two_threads_calling_generate_are_serialised(llm):
     assert_nothing_held(llm.engine)
 
 
+@pytest.mark.slow
 def test_dropped_llms_free_their_memory_without_the_cyclic_gc():
     freeze_count = gc.get_freeze_count()
     refs = []

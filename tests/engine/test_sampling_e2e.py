@@ -41,6 +41,7 @@ def _hf_logprobs(model, token_ids: list[int]) -> np.ndarray:
     return torch.log_softmax(logits.double(), -1).numpy()  # [len, V]
 
 
+@pytest.mark.slow
 def test_logprobs_and_prompt_logprobs_match_transformers(hf_pair):
     model, llm = hf_pair
     prompt = [7, 99, 23, 301, 45, 12, 400, 8, 77, 150, 3, 260, 31, 90, 11, 5, 222, 6, 19, 48]
@@ -74,6 +75,7 @@ def test_logprobs_and_prompt_logprobs_match_transformers(hf_pair):
     assert abs(completion.cumulative_logprob - total) < 10 * TOL
 
 
+@pytest.mark.slow
 def test_prompt_logprobs_are_complete_for_a_cached_prompt(hf_pair):
     _, llm = hf_pair
     prompt = list(range(40, 61))
@@ -95,6 +97,7 @@ def test_score_is_the_continuation_logprob(hf_pair):
         assert abs(s - expected) < 10 * TOL
 
 
+@pytest.mark.slow
 def test_parallel_sampling_shares_blocks_with_copy_on_write():
     engine = LLMEngine(
         "tiny-random-llama",
@@ -144,6 +147,7 @@ def test_parallel_sampling_shares_blocks_with_copy_on_write():
     assert [tuple(c.token_ids) for c in again.outputs] == tokens
 
 
+@pytest.mark.slow
 def test_chat_renders_the_template_and_generates():
     llm = LLM(
         "tiny-random-llama",

@@ -45,6 +45,7 @@ def _hf_scores(folder: pathlib.Path, pairs) -> list[float]:
     return scores
 
 
+@pytest.mark.slow
 def test_text_scores_match_transformers(checkpoint):
     llm = LLM(str(checkpoint), dtype="float32", num_kv_blocks=32, block_size=8, warmup=False)
     prompts, conts = zip(*PAIRS, strict=True)
@@ -60,6 +61,7 @@ def test_text_scores_match_transformers(checkpoint):
     assert_nothing_held(llm.engine)
 
 
+@pytest.mark.slow
 def test_tokenizer_argument_is_used(checkpoint, tmp_path):
     bare = write_tiny_hf_checkpoint(tmp_path / "bare", "llama", seed=3, with_tokenizer=False)
     without = LLM(str(bare), num_kv_blocks=16, block_size=8, warmup=False)

@@ -44,6 +44,7 @@ def _run_batch_args(tmp_path, inp, out) -> list[str]:
             "--compilation-cache-dir", str(cache)]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_every_line_is_answered_and_a_rerun_has_nothing_to_do(tmp_path, capsys):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}

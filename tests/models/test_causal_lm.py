@@ -213,6 +213,7 @@ print("TP_OK")
 """
 
 
+@pytest.mark.slow
 def test_partition_specs_run_sharded_on_two_cpu_devices() -> None:
     """The specs are valid shardings and GSPMD over them reproduces the unsharded logits."""
     env = dict(os.environ)

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec
 
 from jaxserve import config
 from jaxserve.checkpoints_tools.tiny_random import tiny_random_llama_arch
-from jaxserve.models import get_model
+from jaxserve.models import AttentionMetadata, get_model
 from jaxserve.models.quant import (
     INPUT_AXES,
     QMAX,
@@ -107,3 +107,29 @@ def test_bad_quantization_values_are_refused():
     with pytest.raises(ValueError, match="ModelConfig.quantization must be one of"):
         config.EngineConfig.from_kwargs(quantization="fp4")
     assert config.QUANTIZATIONS == (None, *QUANTIZATIONS)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_the_step_never_holds_the_model_converted(dtype):
+    """Only the weights of the matmuls in flight are held converted, never every layer's."""
+    arch = tiny_random_llama_arch()  # 4 layers
+    model = get_model(arch, dtype=dtype, quantization="int8")
+    kv = [(jax.ShapeDtypeStruct(model.kv_cache_shape(8, 16), dtype),) * 2] * arch.num_layers
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    md = AttentionMetadata(
+        positions=i32(4),
+        slot_mapping=i32(4),
+        block_tables=i32(1, 4),
+        seq_lens=i32(1),
+        query_start_loc=i32(2),
+        num_seqs=i32(1),
+    )
+    step = jax.jit(model.forward).lower(model.param_shapes(), kv, i32(4), md).compile()
+    linear = sum(
+        leaf.size
+        for path, leaf in jax.tree_util.tree_flatten_with_path(model.param_shapes())[0]
+        if path[-1].key in INPUT_AXES
+    )
+    converted = linear * 4  # every linear weight as f32, XLA:CPU's dot operand
+    temp = step.memory_analysis().temp_size_in_bytes
+    assert temp < converted / 4, f"step temporaries {temp} bytes, the model converted {converted}"

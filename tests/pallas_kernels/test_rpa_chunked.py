@@ -84,6 +84,7 @@ def _batches(draw):
     return seqs
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seqs=_batches(),

@@ -42,6 +42,7 @@ def _run(env_updates: dict[str, str | None], **kwargs) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_a_second_process_loads_every_step_from_the_cache(tmp_path):
     home = tmp_path / "xdg"
     env = {"JAXSERVE_COMPILATION_CACHE_DIR": None, "XDG_CACHE_HOME": str(home)}
@@ -52,6 +53,7 @@ def test_a_second_process_loads_every_step_from_the_cache(tmp_path):
     assert second == {"fresh": 0, "hits": first["fresh"], "dir": first["dir"]}
 
 
+@pytest.mark.slow
 def test_the_argument_and_the_environment_move_it_or_turn_it_off(tmp_path):
     moved = _run({"JAXSERVE_COMPILATION_CACHE_DIR": str(tmp_path / "env")})
     assert moved["dir"] == str(tmp_path / "env") and any((tmp_path / "env").iterdir())
@@ -61,6 +63,7 @@ def test_the_argument_and_the_environment_move_it_or_turn_it_off(tmp_path):
     assert off["dir"] is None and off["hits"] == 0
 
 
+@pytest.mark.slow
 def test_a_users_own_jax_cache_folder_wins(tmp_path):
     own = _run({"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "own")}, compilation_cache_dir="x")
     assert own["dir"] == str(tmp_path / "own")

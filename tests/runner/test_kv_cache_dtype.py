@@ -225,6 +225,7 @@ def test_the_self_check_runs_a_kernel_on_fp8_pages() -> None:
         assert self_check(AttentionImpl("cpu", "cpu"), f32_pages) is None
 
 
+@pytest.mark.slow
 def test_an_fp8_kv_checkpoint_loads_and_its_scales_reach_the_engine(tmp_path: pathlib.Path):
     """llm-compressor's FP8-KV checkpoints carry self_attn.k_scale / v_scale beside the weights:
     the weight loader passes over them and the engine runs with them."""

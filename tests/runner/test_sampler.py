@@ -209,6 +209,7 @@ def _concat(a: SamplingMetadata, b: SamplingMetadata) -> SamplingMetadata:
     return jax.tree.map(lambda x, y: np.concatenate([x, y]), a, b)
 
 
+@pytest.mark.slow
 def test_seeded_token_does_not_depend_on_row_or_batch() -> None:
     rng = np.random.default_rng(0)
     num_rows, vocab = 64, 16

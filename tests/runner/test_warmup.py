@@ -25,6 +25,7 @@ def _expected_compilations(engine: LLMEngine) -> int:
     return len(runner.buckets.all_shapes()) * len(VARIANT_WIDTHS) + len(runner.copy_sizes)
 
 
+@pytest.mark.slow
 def test_warmup_is_on_by_default():
     engine = LLMEngine("tiny-random-llama", **ENGINE)
     stats = engine.get_stats()
@@ -36,6 +37,7 @@ def test_warmup_is_on_by_default():
     assert not cold.runner.compiles.warmed_up
 
 
+@pytest.mark.slow
 def test_concurrent_warmup_compiles_each_shape_once_and_the_engine_reuses_them():
     engine = LLMEngine("tiny-random-llama", warmup=False, **ENGINE)
     runner = engine.runner

@@ -75,6 +75,7 @@ def test_a_model_that_cannot_be_found_exits_with_code_2(capsys, tmp_path, jaxser
     assert "jaxserve serve: error:" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
 def test_jaxserve_serve_listens_answers_and_stops_on_a_signal(stop):
     env = {**os.environ, "JAXSERVE_API_KEY": "env-key", "JAX_PLATFORMS": "cpu"}
