@@ -22,9 +22,10 @@ dynamic false, input_scale tensors), output activation quantization, sparse form
 weight transforms (sparsity_config, transform_config), other quant_methods. A decoder linear
 the checkpoint kept in full precision (listed in `ignore`) is refused too: every dense layer's
 projections are 8-bit or none are. Which tensors are 8-bit is read from the safetensors headers,
-so `ignore` itself is not parsed. Dynamic activation quantization is run weight-only: activations stay in the model dtype (see
-models/quant.py), which is at least as accurate. The LM head and the embedding are never
-quantized; a checkpoint that stores them in 8 bits is refused.
+so `ignore` itself is not parsed. Dynamic activation quantization is run weight-only:
+activations stay in the model dtype (see models/quant.py), which is at least as accurate. The
+LM head and the embedding are never quantized; a checkpoint that stores them in 8 bits is
+refused.
 """
 
 from __future__ import annotations
