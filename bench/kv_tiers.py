@@ -174,10 +174,9 @@ def _print_capacity(result: dict) -> None:
     )
 
 
-def run_host_tier(args: argparse.Namespace) -> dict:
-    """(b) A multi-turn chat whose conversations take ~4x the device pool: the host tier against
-    none (bench/_kv_tier_workloads.py)."""
-    result = host_tier_workload(
+def _workload_kwargs(args: argparse.Namespace) -> dict:
+    """The command line's settings that (b) and (c) share."""
+    return dict(
         model=args.model,
         dtype=args.dtype,
         warmup=not args.no_warmup,
@@ -185,6 +184,12 @@ def run_host_tier(args: argparse.Namespace) -> dict:
         interleave=args.interleave,
         seed=args.seed,
     )
+
+
+def run_host_tier(args: argparse.Namespace) -> dict:
+    """(b) A multi-turn chat whose conversations take ~4x the device pool: the host tier against
+    none (bench/_kv_tier_workloads.py)."""
+    result = host_tier_workload(**_workload_kwargs(args))
     w, wo = result["with"], result["without"]
     print(
         f"(b) host tier on a multi-turn chat ({result['settings']['num_conversations']} "
@@ -200,14 +205,7 @@ def run_host_tier(args: argparse.Namespace) -> dict:
 def run_preemption(args: argparse.Namespace) -> dict:
     """(c) A batch several times the device pool: swap, recompute and auto preemption
     (bench/_kv_tier_workloads.py)."""
-    result = preemption_workload(
-        model=args.model,
-        dtype=args.dtype,
-        warmup=not args.no_warmup,
-        repeats=args.repeats,
-        interleave=args.interleave,
-        seed=args.seed,
-    )
+    result = preemption_workload(**_workload_kwargs(args))
     print("(c) preemption modes on a batch ~3x the device pool")
     print(f"{'mode':>28} {'out tok/s':>10} {'preemptions':>12}")
     for name in ("recompute", "swap", "auto", "recompute_without_host_tier"):

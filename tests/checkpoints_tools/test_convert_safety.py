@@ -91,6 +91,7 @@ assert "jax" not in sys.modules  # the guard is installed before jax loads
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
 def test_ctrl_c_during_the_jax_import_stops_with_130(hf_dir, tmp_path, entry):
     proc = _wrapped(_CTRL_C_DURING_JAXLIB_IMPORT, hf_dir, tmp_path / "orbax", entry)
@@ -121,6 +122,7 @@ hf_loader.load_hf_checkpoint = load_with_ctrl_c_in_gc
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
 def test_ctrl_c_dropped_by_a_gc_callback_still_stops_the_conversion(hf_dir, tmp_path, entry):
     proc = _wrapped(_CTRL_C_INSIDE_GC_CALLBACK, hf_dir, tmp_path / "orbax", entry)

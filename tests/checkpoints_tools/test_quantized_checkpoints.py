@@ -192,6 +192,7 @@ def test_quantize_on_load_logits_and_bytes(llama, reference, quantization):
     assert linear + 4 * scales < 0.6 * (2 * linear)  # the linears: about half of bf16's bytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3", "phi3"])
 def test_other_families(tmp_path, family):
     """Qwen3 (q/k norms after the 8-bit projections); Phi-3's fused qkv_proj / gate_up_proj,

@@ -12,6 +12,9 @@ from engine_utils import SMALL, assert_nothing_held, random_prompts
 from jaxserve import LLM, AsyncLLM, RequestOutputKind, SamplingParams
 from jaxserve.engine.async_llm import EngineError, QueueFullError
 
+# Every test builds and steps an AsyncLLM: the slow tier (tests/serve keeps it in the fast one).
+pytestmark = pytest.mark.slow
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 DELTA = dataclasses.replace(GREEDY, output_kind=RequestOutputKind.DELTA)
 TIMEOUT_S = 120

@@ -31,6 +31,7 @@ def _hf_greedy(folder) -> tuple[list[int], list[float]]:
     return tokens, margins
 
 
+@pytest.mark.slow
 def test_max_model_len_within_the_original_context_uses_the_short_factors(tmp_path):
     folder = write_tiny_hf_checkpoint(tmp_path, "phi3", with_tokenizer=False)
     llm = LLM(

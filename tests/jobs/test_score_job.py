@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from jaxserve import LLM, cli
 
 ENGINE = dict(warmup=False, max_model_len=128, num_kv_blocks=64, block_size=8)
@@ -16,6 +18,7 @@ def _args(inp, out) -> list[str]:
     return ["score", "-i", str(inp), "-o", str(out), "--no-progress", *FLAGS]
 
 
+@pytest.mark.slow
 def test_scores_match_llm_score_and_a_rerun_finishes_the_rest(tmp_path, capsys):
     pairs = [
         {"id": "fr", "prompt": "The capital of France is", "continuation": " Paris"},

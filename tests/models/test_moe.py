@@ -43,6 +43,7 @@ def _weights(seed: int):
 MANY = np.random.default_rng(0).integers(0, E, (37, 2)).tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", GROUPED_IMPLS)  # the MoE block tests the default (None)
 @pytest.mark.parametrize(
     "experts",

@@ -59,6 +59,7 @@ def test_skipped_rows_and_padding_are_zero_the_rest_match_the_reference() -> Non
     assert not got[[0, 1, 6, 7, 8]].any() and not got[9:].any()
 
 
+@pytest.mark.slow
 @needs_kernel
 @pytest.mark.parametrize("head_dim", [8, 16, 24, 64, 128])
 @pytest.mark.parametrize("group", [1, 3, 4, 8])

@@ -72,7 +72,8 @@ def _tiered(names) -> list:
     ]
 
 
-@pytest.mark.parametrize("kernel_name", _tiered(KERNELS))
+@pytest.mark.slow  # the whole grid; the fast tier runs test_small_tiles_match_reference
+@pytest.mark.parametrize("kernel_name", sorted(KERNELS))
 @pytest.mark.parametrize(
     ("shape", "kind", "options"), [c[1:] for c in _GRID], ids=[c[0] for c in _GRID]
 )

@@ -157,6 +157,7 @@ def _export(specs, options: dict, compute_capability: str = "9.0"):
 _LOWER = _lower_cases()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("spec", "options"), [c[1:] for c in _LOWER], ids=[c[0] for c in _LOWER])
 def test_kernel_lowers_to_mosaic_gpu_for_cuda(spec, options: dict, kernel_modules) -> None:
     batch, group, head_dim, page_size, dtype = spec
@@ -567,6 +568,7 @@ def _brute_force_plan(kv_lens, cu_q_lens, num_seqs, *, block_q, block_kv, page_s
     return tiles
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("window", [None, 37])
 def test_plan_tiles_matches_brute_force(seed: int, window) -> None:
@@ -607,6 +609,7 @@ def test_plan_tiles_matches_brute_force(seed: int, window) -> None:
     assert (meta[:, mg.PAGE_END] <= width).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize(("group", "block_q"), [(1, 64), (4, 16), (3, 5), (8, 1)])
 def test_query_tiles_and_output_rows_round_trip(seed: int, group: int, block_q: int) -> None:

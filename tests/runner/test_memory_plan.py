@@ -225,6 +225,7 @@ ENGINE = dict(
 )
 
 
+@pytest.mark.slow
 def test_engine_pool_agrees_with_the_plan_on_cpu() -> None:
     config = EngineConfig.from_kwargs(
         model="tiny-random-llama", gpu_memory_utilization=0.005, **ENGINE
