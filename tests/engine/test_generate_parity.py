@@ -64,9 +64,19 @@ def checkpoint(request, tmp_path_factory):
     return folder, prompts, hf_greedy(folder, prompts)
 
 
-@pytest.mark.parametrize("prefix_caching", [True, False])
-def test_greedy_matches_transformers_under_scheduler_stress(checkpoint, prefix_caching):
-    folder, prompts, expected = checkpoint
+def test_greedy_matches_transformers_under_scheduler_stress(checkpoint):
+    _check_under_stress(*checkpoint, prefix_caching=True)
+
+
+def test_without_prefix_caching_too(tmp_path):
+    """Prefix caching off changes the scheduler's path, not the model's: one family."""
+    family, overrides = FAMILIES["llama3_rope"]
+    folder = write_tiny_hf_checkpoint(tmp_path, family, **overrides)
+    prompts = make_prompts(512)
+    _check_under_stress(folder, prompts, hf_greedy(folder, prompts), prefix_caching=False)
+
+
+def _check_under_stress(folder, prompts, expected, *, prefix_caching: bool) -> None:
     llm = LLM(
         str(folder),
         dtype="float32",
