@@ -7,7 +7,8 @@ reshaped) and placed on device before the next is read, so host memory holds at 
 tensor, never a second copy of the model. Two cases hold a little more: a fused tensor (Phi-3's
 qkv_proj) is cut into its params from the one read, and per-expert MoE tensors are copied into
 a host buffer of their stacked param, which is placed once its last expert arrives (the
-buffer is one stacked param, e.g. one layer's experts_gate).
+buffer is one stacked param, e.g. one layer's experts_gate; 8-bit experts fill an 8-bit buffer
+and its f32 scales' buffer).
 
 Only floating-point weights (F16, BF16, F32, F64) are cast: an integer or boolean weight is
 refused rather than cast (a cast would make nonsense weights), except the 8-bit linears of a
@@ -243,6 +244,10 @@ def _load_tensors(
                     else:
                         tensor = _read_tensor(f, name, file)
                     parts = quant.params(spec, tensor, scale)
+                    if spec.stack is not None:  # a MoE expert: its 8-bit slice and scale row
+                        oks = [_stack_slice(stacks, p, spec.stack, h, put) for p, h in parts]
+                        finite[name] = all(oks)
+                        continue
                     flags = [put(path, host) for path, host in parts]
                     finite[name] = functools.reduce(jnp.logical_and, flags)
                     continue
@@ -252,7 +257,8 @@ def _load_tensors(
                 with np.errstate(over="ignore"):
                     tensor = _read_tensor(f, name, file).astype(dtype, copy=False)
                 if spec.stack is not None:
-                    finite[name] = _stack_slice(stacks, spec, spec.convert(tensor), put)
+                    host = spec.convert(tensor)
+                    finite[name] = _stack_slice(stacks, spec.param_path, spec.stack, host, put)
                     continue
                 flags = [put(part.param_path, part.convert(tensor)) for part in spec.targets()]
                 finite[name] = functools.reduce(jnp.logical_and, flags)
@@ -276,21 +282,23 @@ def _read_scales(names: Iterable[str], found: dict[str, _Located]) -> dict[str, 
 
 def _stack_slice(
     stacks: dict[tuple[str, ...], _Stack],
-    spec: TensorSpec,
+    path: tuple[str, ...],
+    slot: tuple[int, int],
     host: np.ndarray,
     put: Callable[[tuple[str, ...], np.ndarray], jax.Array],
 ) -> bool:
-    """Copy one converted expert tensor into its stacked param's buffer; place the param when
-    its last slice arrives. Returns whether the slice is all finite (checked on the host: the
+    """Copy one converted expert tensor (or an 8-bit expert's weight or scale) into slice
+    slot[0] of the stacked param `path`'s buffer of slot[1] slices; place the param when its
+    last slice arrives. Returns whether the slice is all finite (checked on the host: the
     placed stack's check could not name the expert)."""
-    index, count = spec.stack
-    stack = stacks.get(spec.param_path)
+    index, count = slot
+    stack = stacks.get(path)
     if stack is None:
-        stack = stacks[spec.param_path] = _Stack(np.empty((count, *host.shape), host.dtype), set())
+        stack = stacks[path] = _Stack(np.empty((count, *host.shape), host.dtype), set())
     stack.value[index] = host
     stack.filled.add(index)
     if len(stack.filled) == count:
-        put(spec.param_path, stacks.pop(spec.param_path).value)
+        put(path, stacks.pop(path).value)
     return bool(np.isfinite(host).all())
 
 
@@ -355,8 +363,8 @@ def load_hf_checkpoint(
             (key named); a missing, unexpected, mis-shaped, integer, boolean or FP8 tensor
             (tensor, file and dtype named); a truncated or corrupt safetensors file (file and,
             when reading its data, tensor named); malformed JSON (file named); a
-            quantization_config the engine cannot honour (key named), a quantization that
-            differs from the checkpoint's own, or one of a MoE model.
+            quantization_config the engine cannot honour (key named), or a quantization that
+            differs from the checkpoint's own.
         TypeError: a config.json value of the wrong type (key named).
     """
     folder = pathlib.Path(path)

@@ -6,6 +6,10 @@ Two ways to get 8-bit weights (models/quant.py holds the format and the math):
   stored     an FP8 or int8 checkpoint, as llm-compressor writes them: each quantized linear
              `<linear>.weight` in F8_E4M3 or I8 [out, in] with `<linear>.weight_scale` f32
              (or bf16 / f16) of shape [] (per tensor) or [out] / [out, 1] (per channel).
+             A MoE model's experts are such linears, one per expert and projection (Mixtral's
+             `experts.<e>.w1` / `w2` / `w3`, Qwen3-MoE's `experts.<e>.gate_proj` / ...), their
+             weights and scales stacked on load into experts_gate / experts_up / experts_down
+             and experts_*_scale [E, out] (a per-tensor scale is spread over the channels).
              config.json declares it: {"quant_method": "fp8", "activation_scheme":
              "dynamic", "weight_block_size": null}, or {"quant_method": "compressed-tensors",
              "format": "float-quantized" | "naive-quantized" | "int-quantized",
@@ -13,19 +17,21 @@ Two ways to get 8-bit weights (models/quant.py holds the format and the math):
              "strategy": "tensor" | "channel", "symmetric": true, ...}}}, "ignore": ["lm_head"]}.
   on load    a float checkpoint with LLM(quantization="int8" | "fp8"): each linear weight is
              read, converted to our layout and quantized per output channel on the host, one
-             tensor at a time (quant.quantize_host), never the model upcast or held twice.
+             tensor at a time (quant.quantize_host), never the model upcast or held twice; a
+             MoE expert's tensor is quantized alone and copied into its 8-bit stack's buffer.
 
-What the engine cannot honour is refused with the config key and value named: block-wise
-scales (weight_block_size, strategy "block" / "group"), other bit widths, asymmetric weights
-(zero points), static activation scales (activation_scheme "static", input_activations with
-dynamic false, input_scale tensors), output activation quantization, sparse formats and
-weight transforms (sparsity_config, transform_config), other quant_methods. A decoder linear
-the checkpoint kept in full precision (listed in `ignore`) is refused too: every dense layer's
-projections are 8-bit or none are. Which tensors are 8-bit is read from the safetensors headers,
-so `ignore` itself is not parsed. Dynamic activation quantization is run weight-only:
-activations stay in the model dtype (see models/quant.py), which is at least as accurate. The
-LM head and the embedding are never quantized; a checkpoint that stores them in 8 bits is
-refused.
+What the engine cannot honour is refused with the config key and value named: block-wise scales
+(weight_block_size, strategy "block" / "group"), other bit widths, asymmetric weights (zero
+points), static activation scales (activation_scheme "static", input_activations with dynamic
+false, input_scale tensors), output activation quantization, sparse formats and weight
+transforms (sparsity_config, transform_config), other quant_methods. A decoder linear the
+checkpoint kept in full precision (listed in `ignore`) is refused too: every layer's
+projections and MoE experts are 8-bit or none are (an unquantized expert is named), and so is
+an 8-bit MoE router (routers stay in the model dtype, as in vLLM). Which tensors are 8-bit is
+read from the safetensors headers, so `ignore` itself is not parsed. Dynamic activation
+quantization is run weight-only: activations stay in the model dtype (see models/quant.py),
+which is at least as accurate. The LM head and the embedding are never quantized; a checkpoint
+that stores them in 8 bits is refused.
 """
 
 from __future__ import annotations
@@ -44,7 +50,13 @@ import numpy as np
 
 from jaxserve.checkpoints_tools.hf_names import ParamPart, TensorSpec
 from jaxserve.models import ModelArchConfig
-from jaxserve.models.quant import INPUT_AXES, SCALE_SUFFIX, check_quantizable, quantize_host
+from jaxserve.models.quant import (
+    INPUT_AXES,
+    SCALE_SUFFIX,
+    check_quantizable,
+    quantize_host,
+    slice_input_axes,
+)
 
 logger = logging.getLogger("jaxserve")
 
@@ -254,10 +266,11 @@ class QuantizedLoad:
         with .file, .shape and .dtype (the safetensors header).
 
         Raises:
-            ValueError: a MoE model; a quantized linear stored in another dtype, or a plain
-                weight (LM head, embedding, norm, router) stored in 8 bits; a missing or
-                mis-shaped scale, or one in another dtype; input_scale tensors (static
-                activation scales). Tensor, file and dtype named.
+            ValueError: a quantized linear or MoE expert stored in another dtype (an expert
+                or linear left in full precision), or a plain weight (LM head, embedding,
+                norm, MoE router) stored in 8 bits; a missing or mis-shaped scale, or one in
+                another dtype; input_scale tensors (static activation scales). Tensor, file
+                and dtype named.
         """
         check_quantizable(arch, self.quantization)
         if self.stored is None:
@@ -285,9 +298,9 @@ class QuantizedLoad:
             if located.dtype != want:
                 raise ValueError(
                     f"tensor {name!r} in {located.file} has dtype {located.dtype}, expected "
-                    f"{want} ({self.quantization} checkpoint): every decoder linear must be "
-                    "quantized (a linear kept in full precision by quantization_config's "
-                    "ignore is not implemented)"
+                    f"{want} ({self.quantization} checkpoint): every decoder linear and MoE "
+                    "expert must be quantized (one kept in full precision by "
+                    "quantization_config's ignore is not implemented)"
                 )
             quantized.add(name)
         for name, scale in self.scale_names(specs).items():
@@ -318,15 +331,19 @@ class QuantizedLoad:
         Args:
             tensor: the HF tensor as read ([out, in]; 8-bit when stored, else float).
             scale: its stored weight_scale ([], [out] or [out, 1]); None when quantizing.
+
+        A MoE expert's tensor (spec.stack set) gives its slice of the stacked weight and of the
+        stacked scale (one expert's [D, F] and [F], say), which the loader stacks.
         """
         out: list[tuple[tuple[str, ...], np.ndarray]] = []
         for part in spec.targets():
             name = part.param_path[-1]
+            axes = INPUT_AXES[name] if spec.stack is None else slice_input_axes(name)
             scale_path = (*part.param_path[:-1], name + SCALE_SUFFIX)
             if scale is None:
-                w, s = quantize_host(part.convert(tensor), INPUT_AXES[name], self.quantization)
+                w, s = quantize_host(part.convert(tensor), axes, self.quantization)
             else:
-                w, s = part.convert(tensor), _scale_in_layout(part, scale, tensor.shape)
+                w, s = part.convert(tensor), _scale_in_layout(part, scale, tensor.shape, axes)
             out += [(part.param_path, w), (scale_path, s)]
         return out
 
@@ -350,13 +367,13 @@ def read_fp8_tensor(file: pathlib.Path, name: str) -> np.ndarray:
     return np.array(raw).view(ml_dtypes.float8_e4m3fn).reshape(shape)
 
 
-def _scale_in_layout(part: ParamPart, scale: np.ndarray, hf_shape: tuple[int, ...]) -> np.ndarray:
+def _scale_in_layout(
+    part: ParamPart, scale: np.ndarray, hf_shape: tuple[int, ...], input_axes: tuple[int, ...]
+) -> np.ndarray:
     """A stored scale in the param's output-axes layout: the per-row scale broadcast over the
     HF tensor's [out, in] (a view, no copy), converted as the weight is (rows cut, transposed,
-    split into heads), then one element along the input axes."""
+    split into heads), then one element along the converted tensor's `input_axes`."""
     rows = np.broadcast_to(np.asarray(scale, np.float32).reshape(-1), (hf_shape[0],))
     full = part.convert(np.broadcast_to(rows[:, None], hf_shape))
-    index = tuple(
-        0 if i in INPUT_AXES[part.param_path[-1]] else slice(None) for i in range(full.ndim)
-    )
+    index = tuple(0 if i in input_axes else slice(None) for i in range(full.ndim))
     return np.ascontiguousarray(full[index], dtype=np.float32)

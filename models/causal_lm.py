@@ -61,6 +61,10 @@ _TP_SPECS = {
     "experts_gate": PartitionSpec(None, None, TP_AXIS),  # [E, D, F]  column-parallel
     "experts_up": PartitionSpec(None, None, TP_AXIS),  # [E, D, F]
     "experts_down": PartitionSpec(None, TP_AXIS, None),  # [E, F, D]  row-parallel
+    # 8-bit experts' scales, with their output axis: gate/up over F; experts_down_scale [E, D]
+    # is replicated (not listed).
+    "experts_gate_scale": PartitionSpec(None, TP_AXIS),  # [E, F]
+    "experts_up_scale": PartitionSpec(None, TP_AXIS),  # [E, F]
     "embed": PartitionSpec(TP_AXIS, None),  # [V, D]  vocab-sharded
     "lm_head": PartitionSpec(TP_AXIS, None),  # [V, D]  vocab-sharded logits
 }
@@ -85,10 +89,11 @@ class CausalLM:
         final_norm {scale f[D]}
         lm_head f[V, D]   absent when arch.tie_word_embeddings (logits use embed)
 
-    With `quantization` ("int8" / "fp8", quant.py) each dense layer's q/k/v/o_proj and
-    gate/up/down_proj is 8-bit (int8 / float8_e4m3fn) with a sibling f32 `{name}_scale` of its
-    output axes (q_proj_scale [N, H], o_proj_scale [D], gate/up_proj_scale [F],
-    down_proj_scale [D]); embed, lm_head, norms and biases stay in `dtype`.
+    With `quantization` ("int8" / "fp8", quant.py) each layer's q/k/v/o_proj, gate/up/down_proj
+    and MoE expert stacks are 8-bit (int8 / float8_e4m3fn) with a sibling f32 `{name}_scale` of
+    their output axes (q_proj_scale [N, H], o_proj_scale [D], gate/up_proj_scale [F],
+    down_proj_scale [D], experts_gate/up_scale [E, F], experts_down_scale [E, D]); embed,
+    lm_head, norms, biases and MoE routers stay in `dtype`.
     """
 
     def __init__(
@@ -182,7 +187,9 @@ class CausalLM:
         Column-parallel (output axis sharded): q/k/v_proj and their biases (heads), gate_proj,
         up_proj, experts_gate, experts_up (F). Row-parallel (input axis sharded): o_proj
         (heads), down_proj, experts_down (F). Vocab-sharded: embed (V axis) and lm_head (V
-        axis). Replicated: norms, o_bias and the MoE router.
+        axis). Replicated: norms, o_bias and the MoE router. 8-bit weights' scales shard with
+        their output axis (q/k/v over heads, gate/up and the experts' gate/up over F) and are
+        replicated where that axis is D (o_proj, down_proj, experts_down).
 
         Args:
             tp_size: the size of the "tp" mesh axis. None: the full layout, which requires
@@ -329,10 +336,10 @@ def get_model(
             choice; the default is the pure-jnp reference, which runs anywhere).
         max_model_len: the longest sequence the engine serves (None: max_position_embeddings);
             it only picks LongRoPE's short or long factors (Phi-3, see rope.py).
-        quantization: None, or "int8" / "fp8": 8-bit linear weights (see CausalLM).
+        quantization: None, or "int8" / "fp8": 8-bit linear weights and MoE experts (see
+            CausalLM).
 
     Raises:
-        ValueError: dtype not float32/bfloat16/float16; an unknown quantization, or one of a
-            mixture-of-experts model (its experts are not quantized).
+        ValueError: dtype not float32/bfloat16/float16, or an unknown quantization.
     """
     return CausalLM(arch, dtype, attention, max_model_len, quantization)

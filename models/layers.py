@@ -191,7 +191,7 @@ class DecoderLayer(nn.Module):
             h = norm("attn_out_norm")(h)
         x = x + h
         if a.is_moe_layer(self.layer_index):  # Mixtral, Qwen3-MoE: routed experts
-            mlp = MoE(a, self.dtype, name="moe")
+            mlp = MoE(a, self.dtype, self.quantization, name="moe")
         else:
             mlp = MLP(a, self.dtype, self.quantization, name="mlp")
         h = mlp(norm("post_attn_norm")(x))

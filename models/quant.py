@@ -25,8 +25,15 @@ native FP8 GEMM (cuBLASLt on Hopper) is matched for dots whose two operands are 
 dequantized by scalar scales; an FP8 weight against bf16 activations is not that pattern, so
 it runs as a converted operand like int8 (what the GPU compiler makes of it is not measured).
 
+MoE experts (models/moe.py) are quantized the same way, per expert and per output channel:
+the stacks experts_gate / experts_up [E, D, F] and experts_down [E, F, D] are 8-bit with
+experts_gate_scale / experts_up_scale [E, F] and experts_down_scale [E, D] (the input axis is
+axis 1). They do not go through `matmul`: the grouped matmul of moe.py converts one tile's
+expert ("tiles") or hands the 8-bit stack to ragged_dot ("ragged_dot"), and scales the f32
+result row by row with each row's expert's scales (see moe.py).
+
 The LM head, the embedding, norms, biases and MoE routers stay in the model dtype (vLLM's
-default too); MoE experts are not quantized, so CausalLM refuses a quantization of a MoE model.
+default too).
 """
 
 from __future__ import annotations
@@ -59,7 +66,21 @@ INPUT_AXES = {
     "gate_proj": (0,),  # [D, F] -> scale [F]
     "up_proj": (0,),  # [D, F] -> scale [F]
     "down_proj": (0,),  # [F, D] -> scale [D]
+    # MoE expert stacks (moe.py): one scale per expert and output channel.
+    "experts_gate": (1,),  # [E, D, F] -> scale [E, F]
+    "experts_up": (1,),  # [E, D, F] -> scale [E, F]
+    "experts_down": (1,),  # [E, F, D] -> scale [E, D]
 }
+# The stacked (per-expert) weights among INPUT_AXES: axis 0 is the expert, so one expert's
+# slice has the input axes of slice_input_axes (a checkpoint stores each expert apart).
+STACKED = ("experts_gate", "experts_up", "experts_down")
+
+
+def slice_input_axes(name: str) -> tuple[int, ...]:
+    """The input axes of one expert's slice of the stacked weight `name` (one axis less)."""
+    if name not in STACKED:
+        raise ValueError(f"{name!r} is not a stacked expert weight (one of {STACKED})")
+    return tuple(i - 1 for i in INPUT_AXES[name])
 
 
 def check_quantization(quantization: object) -> str | None:
@@ -78,17 +99,14 @@ def check_quantization(quantization: object) -> str | None:
 def check_quantizable(arch: ModelArchConfig, quantization: str | None) -> None:
     """Refuse a quantization this code cannot apply to all of `arch`'s big weights.
 
+    Every family's linear weights are covered (dense projections and MoE experts alike), so
+    this only checks the value; it stays the one place CausalLM and the loader ask.
+
     Raises:
-        ValueError: an unknown quantization, or any quantization of a mixture-of-experts model
-            (its experts are not quantized: they would silently run in full precision).
+        ValueError: an unknown quantization (the choices named).
     """
+    del arch  # every architecture's linears and experts quantize
     check_quantization(quantization)
-    if quantization is not None and arch.num_experts:
-        raise ValueError(
-            f"quantization={quantization!r} is not implemented for mixture-of-experts models "
-            f"({arch.architecture}: its experts would run unquantized); load it with "
-            "quantization=None"
-        )
 
 
 def scale_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -141,8 +159,9 @@ def matmul(equation: str, x: jax.Array, w: jax.Array, scale: jax.Array | None) -
     channel scale: (x @ w.astype(x.dtype)) accumulated in float32, times the scale broadcast over
     the result's leading axes, rounded once to x.dtype.
 
-    The scale's axes must be the trailing axes of the result (every layout of INPUT_AXES puts
-    them last: "TD,DNH->TNH" with scale [N, H], "TD,DF->TF" with [F], ...).
+    The scale's axes must be the trailing axes of the result (every dense layout of INPUT_AXES
+    puts them last: "TD,DNH->TNH" with scale [N, H], "TD,DF->TF" with [F], ...; the MoE expert
+    stacks are multiplied by moe.py's grouped matmul instead).
     """
     if scale is None:
         return jnp.einsum(equation, x, w)

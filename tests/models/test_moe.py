@@ -121,7 +121,7 @@ def test_moe_block_matches_reference(norm_topk_prob):
 @pytest.mark.slow
 def test_tensor_parallel_moe_tokens_match_one_device(tmp_path):
     """tp 1, 2, 4 on simulated CPU devices: the experts' F axis sharded, the router replicated,
-    the same greedy tokens."""
+    the same greedy tokens; int8 experts' logits at tp 2 as at tp 1, scales sharded with F."""
     pytest.importorskip("torch")  # the checkpoint is written with transformers
     env = dict(os.environ)
     flags = " ".join(f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f)
@@ -146,3 +146,13 @@ def test_tensor_parallel_moe_tokens_match_one_device(tmp_path):
         assert layout["experts_down"]["shard_shape"] == [E, 32 // tp, 64]
         assert layout["router"]["shard_shape"] == [64, E]
     assert runs["2"]["layout"]["experts_gate"]["spec"] == [None, None, "tp"]
+    # 8-bit experts (int8 on load): one prefill's logits at tp 2 as at tp 1 (f32, up to the
+    # all-reduce's summation order); the gate scales [E, F] sharded on F, [E, D] replicated.
+    quantized = runs["int8"]
+    assert quantized["max_abs_diff"] < 1e-4 * quantized["max_abs"], quantized
+    assert quantized["same_argmax"]
+    layout = quantized["layout"]
+    assert layout["experts_gate"]["shard_shape"] == [E, 64, 32 // 2]
+    assert layout["experts_gate_scale"]["spec"] == [None, "tp"]
+    assert layout["experts_gate_scale"]["shard_shape"] == [E, 32 // 2]
+    assert layout["experts_down_scale"]["shard_shape"] == [E, 64]
