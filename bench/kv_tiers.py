@@ -207,10 +207,18 @@ def run_preemption(args: argparse.Namespace) -> dict:
     (bench/_kv_tier_workloads.py)."""
     result = preemption_workload(**_workload_kwargs(args))
     print("(c) preemption modes on a batch ~3x the device pool")
-    print(f"{'mode':>28} {'out tok/s':>10} {'preemptions':>12}")
+    # Per run: its preemptions, how many of them swapped (auto: its choices), and its steps.
+    print(
+        f"{'mode':>28} {'out tok/s':>10} {'all runs':>24} {'preempt':>8} {'swapped':>8} "
+        f"{'steps':>6}"
+    )
     for name in ("recompute", "swap", "auto", "recompute_without_host_tier"):
         r = result[name]
-        print(f"{name:>28} {r['output_tokens_per_s']:>10.1f} {r['num_preemptions']:>12}")
+        runs = " ".join(f"{x:.0f}" for x in r["all_output_tokens_per_s"])
+        print(
+            f"{name:>28} {r['output_tokens_per_s']:>10.1f} {runs:>24} {r['num_preemptions']:>8} "
+            f"{r['num_swap_preemptions']:>8} {r['num_steps']:>6}"
+        )
     if "auto_vs_best_fixed" in result:
         print(f"auto / the better fixed mode: {result['auto_vs_best_fixed']:.3f}")
     print(f"same outputs: {result['same_outputs']}")

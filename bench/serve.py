@@ -30,6 +30,7 @@ throughput (over the time from the first send to the last finish). jaxserve's of
 that served-at-saturation / offline throughput shows what serving costs.
 
     python bench/serve.py                        # llama-57m, jaxserve + vLLM, ~20 min
+    python bench/serve.py --preset queueing      # the same with max_num_seqs 32: a queue forms
     python bench/serve.py --preset tiny --vllm-python ''    # built-in tiny model, < 2 min
     python bench/serve.py --rates 0.5,1,2 --num-requests 64 --plot
 
@@ -108,6 +109,18 @@ PRESETS = {
         # a step), so the rates reach well past saturation to find where p99 TTFT breaks.
         num_requests=128,
         rate_fractions=(0.5, 1.0, 2.0, 4.0),
+    ),
+    # The default model with a batch cap that queues: at 32 running sequences a server admits
+    # arrivals only as others finish, so p99 TTFT grows once the rate passes what it sustains
+    # (with 256 neither server queues and the TTFT goal's rate cannot tell them apart). Rates
+    # from half to twice jaxserve's saturation rate, in steps fine enough to place that knee.
+    "queueing": ServePreset(
+        model="default",
+        builtin=False,
+        engine=dict(throughput.PRESETS["default"].engine, max_num_seqs=32),
+        num_requests=96,
+        rate_fractions=(0.5, 0.75, 1.0, 1.25, 1.5, 2.0),
+        output="serve_queueing.json",
     ),
     # For tests/bench: the built-in demo model, a handful of short requests, one rate.
     "tiny": ServePreset(

@@ -5,7 +5,8 @@
 XLA_FLAGS must hold --xla_force_host_platform_device_count=8 before jax starts, hence a
 separate process; test_tensor_parallel.py runs it once and checks the JSON it writes:
 
-    parity[family][tp]      greedy tokens, param/KV specs and local shard shapes at tp 1, 2, 4, 8;
+    parity[family][tp]      greedy tokens, param/KV specs and local shard shapes at the family's
+                            TP_SIZES (llama at 1, 2, 4 and 8, the others at 1 and one more);
                             for llama at tp 1 and 2 also "seeded": seeded sampled tokens; at
                             tp 2 (warmed up) also "compiles": step compilations in warm-up, then
                             step traces and XLA backend compiles while serving
@@ -32,7 +33,6 @@ from jaxserve.checkpoints_tools.convert import convert_hf_to_orbax
 from jaxserve.checkpoints_tools.testing import write_tiny_hf_checkpoint
 from jaxserve.runner.sharding import plan_sharding
 
-TP_SIZES = (1, 2, 4, 8)
 # N = 8 query heads everywhere; K from 1 (MQA) to 8, so K < tp, K == tp and K > tp all occur.
 # mistral's vocabulary (515) is divisible by no tp > 1: embed and lm_head are replicated.
 FAMILIES: dict[str, dict[str, Any]] = {
@@ -41,6 +41,10 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "qwen2": dict(num_key_value_heads=4, tie_word_embeddings=True),
     "qwen3": dict(num_key_value_heads=8),
 }
+# Every tp for llama (K == tp at 2, K < tp at 4 and 8); one more for each other family, the
+# case its K or vocabulary adds (each engine costs ~12 s of compiling on 8 CPU devices):
+# mistral K < tp with a replicated vocabulary, qwen2 K == tp with tied embeddings, qwen3 K > tp.
+TP_SIZES = {"llama": (1, 2, 4, 8), "mistral": (1, 2), "qwen2": (1, 4), "qwen3": (1, 4)}
 COMMON = dict(num_attention_heads=8, head_dim=16)
 ENGINE = dict(
     dtype="float32",
@@ -126,7 +130,7 @@ def _serve_stream(engine: LLMEngine) -> None:
 
 
 def run_parity(work: pathlib.Path) -> dict[str, Any]:
-    """Every family at every tp. The llama engines also sample seeded requests (tp 1, 2); the
+    """Every family at its TP_SIZES. The llama engines also sample seeded requests (tp 1, 2); the
     llama tp 2 engine is warmed up, and everything it serves is counted for compilations."""
     compiles = _BackendCompiles()
     results: dict[str, Any] = {}
@@ -134,7 +138,7 @@ def run_parity(work: pathlib.Path) -> dict[str, Any]:
         folder = write_tiny_hf_checkpoint(work / family, family, **COMMON, **overrides)
         prompts = _prompts(overrides.get("vocab_size", 512))
         results[family] = {}
-        for tp in TP_SIZES:
+        for tp in TP_SIZES[family]:
             warm = family == "llama" and tp == 2
             llm = LLM(str(folder), tensor_parallel_size=tp, **{**ENGINE, "warmup": warm})
             compiles.on = warm
