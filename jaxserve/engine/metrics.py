@@ -4,7 +4,10 @@ prefix, in a registry of their own (one per engine: two engines in a process nev
     gauges      num_requests_running, num_requests_waiting (scheduler requests: one per sample),
                 kv_cache_usage_perc (0..1, as vLLM)
     counters    prefix_cache_queries, prefix_cache_hits (tokens), num_preemptions,
-                prompt_tokens, generation_tokens, request_success{finished_reason}
+                prompt_tokens, generation_tokens, request_success{finished_reason};
+                the host KV tier's (jaxserve's own names, as get_stats() has them; all 0
+                without a tier): host_cache_hits (tokens), device_to_host_bytes,
+                host_to_device_bytes, num_swap_preemptions, num_swap_fallbacks
     histograms  time_to_first_token_seconds, inter_token_latency_seconds,
                 e2e_request_latency_seconds, request_queue_time_seconds
 
@@ -37,6 +40,11 @@ _MIRRORED = {
     "prefix_cache_queries": "prefix_cache_queries",
     "prefix_cache_hits": "prefix_cache_hits",
     "num_preemptions": "num_preemptions",
+    "host_cache_hits": "host_cache_hits",
+    "device_to_host_bytes": "device_to_host_bytes",
+    "host_to_device_bytes": "host_to_device_bytes",
+    "num_swap_preemptions": "num_swap_preemptions",
+    "num_swap_fallbacks": "num_swap_fallbacks",
 }
 
 
