@@ -179,6 +179,7 @@ def _workload_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         model=args.model,
         dtype=args.dtype,
+        block_size=args.block_size,
         warmup=not args.no_warmup,
         repeats=args.repeats,
         interleave=args.interleave,
@@ -205,7 +206,12 @@ def run_host_tier(args: argparse.Namespace) -> dict:
 def run_preemption(args: argparse.Namespace) -> dict:
     """(c) A batch several times the device pool: swap, recompute and auto preemption
     (bench/_kv_tier_workloads.py)."""
-    result = preemption_workload(**_workload_kwargs(args))
+    result = preemption_workload(
+        **_workload_kwargs(args),
+        num_requests=args.preemption_requests,
+        prompt_tokens=args.preemption_prompt_len,
+        output_tokens=args.preemption_output_len,
+    )
     print("(c) preemption modes on a batch ~3x the device pool")
     # Per run: its preemptions, how many of them swapped (auto: its choices), and its steps.
     print(
@@ -242,24 +248,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--model", default="tiny-random-llama")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--vocab", type=int, default=256, help="prompt ids are drawn below it")
-    p.add_argument(
+    p.add_argument("--block-size", type=int, default=16)
+    a = p.add_argument_group("(a) capacity")
+    a.add_argument("--vocab", type=int, default=256, help="prompt ids are drawn below it")
+    a.add_argument(
         "--budget-mib", type=float, default=8.0, help="the engine's memory budget (weights + KV)"
     )
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-requests", type=int, default=32)
-    p.add_argument("--prompt-len", type=int, default=96)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=256)
-    p.add_argument(
+    a.add_argument("--num-requests", type=int, default=32)
+    a.add_argument("--prompt-len", type=int, default=96)
+    a.add_argument("--output-len", type=int, default=64)
+    a.add_argument("--max-num-batched-tokens", type=int, default=256)
+    a.add_argument(
         "--max-num-seqs",
         type=int,
         default=64,
         help="above --num-requests: the pool is capped at max_num_seqs x max_model_len tokens, "
         "and the cap must not be what limits it",
     )
-    p.add_argument("--max-model-len", type=int, help="default: prompt + output length")
-    p.add_argument("--attention-backend", default="xla")
+    a.add_argument("--max-model-len", type=int, help="default: prompt + output length")
+    a.add_argument("--attention-backend", default="xla")
+    c = p.add_argument_group("(c) preemption (the device pool holds a third of the batch's KV)")
+    c.add_argument("--preemption-requests", type=int, default=16)
+    c.add_argument("--preemption-prompt-len", type=int, default=256)
+    c.add_argument("--preemption-output-len", type=int, default=64)
     p.add_argument(
         "--repeats", type=int, default=3, help="(b), (c): runs per engine, the fastest reported"
     )
