@@ -114,7 +114,7 @@ class ModelRunner:
         self.compiles = compiles = StepCompiles("the engine step")
         step_shardings, copy_shardings = _jit_shardings(sharding, model.arch.num_layers)
         self._jitted_step = jitted = jax.jit(
-            functools.partial(_step_fn, model, plan.sampler_draw),
+            functools.partial(_step_fn, _SharedTraces(model), plan.sampler_draw),
             donate_argnames=("kv_caches",),
             **step_shardings,
         )
@@ -438,8 +438,21 @@ STEP_ARGS = (  # the step's positional arguments, named for compilation explanat
 COPY_ARGS = ("kv_caches", "src", "dst")
 
 
+class _SharedTraces:
+    """The model's forward and logits as jax.jit(..., inline=True) functions, made once per
+    runner: jax keeps each one's traced jaxpr by argument shapes, so the step's two sampler
+    variants of a bucket (VARIANT_WIDTHS), and the logits of the R rows and of every row when
+    R == T, trace the model once instead of once each. Inlined: the step's HLO is what calling
+    the model directly gives (no nested call, the same executables and cache keys)."""
+
+    def __init__(self, model: CausalLM) -> None:
+        self.arch = model.arch
+        self.forward = jax.jit(model.forward, inline=True)
+        self.compute_logits = jax.jit(model.compute_logits, inline=True)
+
+
 def _step_fn(
-    model: CausalLM,
+    model: CausalLM | _SharedTraces,
     draw: str,
     params: Any,
     kv_caches: list[tuple[jax.Array, jax.Array]],

@@ -5,17 +5,20 @@ A compilation after warm-up costs seconds (minutes on TPU) in the middle of serv
 logs a warning that names the function and the arguments whose shape, dtype or static value no
 earlier compilation had, and is kept in ``events`` (get_stats()["recompilations"]).
 
-Warm-up compiles ahead of time (``compile_concurrently``): each call is lowered and compiled,
-several at once in a thread pool (XLA compiles without holding the GIL), and jax keeps the
-executable, so the later call with the same arguments runs it without tracing again.
+Warm-up compiles ahead of time (``compile_concurrently``): each call is lowered (traced, in the
+calling thread: Python, under the GIL) and compiled or loaded from the persistent cache in a
+thread pool (XLA does both without holding the GIL), so the next call is traced while the
+earlier ones compile. jax keeps each executable, so the later call with the same arguments
+runs it without tracing again.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +46,8 @@ class StepCompiles:
         self.warmed_up = False  # set by the runner when its warm-up is done
         self.events: list[dict[str, Any]] = []  # compilations after warm-up, explained
         self._seen: list[Signature] = []
-        self._lock = threading.Lock()  # precompile runs in several threads at once
+        self._pending: list[Signature] = []  # lowered ahead of time, not compiled yet
+        self._lock = threading.Lock()  # lowered in one thread, compiled in others
 
     def __call__(
         self, fn: Callable[..., Any], args: Sequence[Any], names: Sequence[str], **static: Any
@@ -59,17 +63,37 @@ class StepCompiles:
     def precompile(self, fn: Any, args: Sequence[Any], names: Sequence[str]) -> None:
         """Lower and compile the jitted ``fn`` for ``args`` without running it (thread-safe);
         a later ``self(fn, args, names)`` then runs the compiled executable. Nothing is done
-        for arguments compiled before."""
+        for arguments compiled (or lowered to be compiled) before."""
+        lowered = self.lower(fn, args, names)
+        if lowered is not None:
+            lowered.compile()
+
+    def lower(self, fn: Any, args: Sequence[Any], names: Sequence[str]) -> Lowered | None:
+        """The first half of ``precompile``: trace and lower the jitted ``fn`` for ``args``;
+        the returned ``Lowered.compile()`` (in any thread) compiles it and counts the
+        compilation. None for arguments compiled, or lowered to be compiled, before."""
         sig = signature(args, names, {})
         with self._lock:
-            if sig in self._seen:
-                return
-        before = CompileEvents.in_thread()
-        fn.lower(*args).compile()
-        self._compiled(sig, CompileEvents.in_thread().since(before).cache_hits > 0)
+            if sig in self._seen or sig in self._pending:
+                return None
+            self._pending.append(sig)
+        try:
+            before = CompileEvents.in_thread()
+            lowered = fn.lower(*args)
+            hits = CompileEvents.in_thread().since(before).cache_hits
+        except BaseException:
+            self._discard(sig)
+            raise
+        return Lowered(self, sig, lowered, hits)
+
+    def _discard(self, sig: Signature) -> None:
+        with self._lock:
+            self._pending.remove(sig)
 
     def _compiled(self, sig: Signature, from_cache: bool) -> None:
         with self._lock:
+            if sig in self._pending:
+                self._pending.remove(sig)
             self._record(sig, from_cache)
 
     def _record(self, sig: Signature, from_cache: bool) -> None:
@@ -99,21 +123,62 @@ class Compilation:
     names: tuple[str, ...]
 
 
+@dataclass
+class Lowered:
+    """A call lowered ahead of time (``StepCompiles.lower``), to be compiled once."""
+
+    compiles: StepCompiles
+    sig: Signature
+    lowered: Any  # jax.stages.Lowered
+    cache_hits: int  # cache loads while lowering (in the lowering thread)
+
+    def compile(self) -> None:
+        """Compile (or load from the persistent cache) in the calling thread, and count it
+        from this thread's compilation events."""
+        try:
+            before = CompileEvents.in_thread()
+            self.lowered.compile()
+            hits = self.cache_hits + CompileEvents.in_thread().since(before).cache_hits
+        except BaseException:
+            self.discard()
+            raise
+        self.lowered = None  # the StableHLO module is no longer needed
+        self.compiles._compiled(self.sig, hits > 0)
+
+    def discard(self) -> None:
+        """Forget a lowered call that will not be compiled (failed, or cancelled)."""
+        self.compiles._discard(self.sig)
+
+
 def compile_concurrently(jobs: Sequence[Compilation], workers: int) -> None:
-    """Compile every job, ``workers`` at a time. The first failure (or an interrupt) cancels
-    the jobs not yet started and is raised once the running ones are done: no thread outlives
-    the call."""
+    """Compile every job, ``workers`` compilations at a time: this thread traces and lowers
+    the jobs in turn (Python, under the GIL) while a pool of ``workers`` threads compiles the
+    lowered ones or loads them from the persistent cache (XLA, without the GIL), at most
+    ``2 * workers`` lowered jobs waiting. With ``workers <= 1`` everything runs in this thread.
+    The first failure (or an interrupt) cancels the jobs not yet started and is raised once
+    the running ones are done: no thread outlives the call."""
     if workers <= 1:  # in this thread: plain tracebacks, nothing to wait for
         for job in jobs:
             job.compiles.precompile(job.fn, job.args, job.names)
         return
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="jaxserve-compile")
+    in_flight: deque[tuple[Future, Lowered]] = deque()
     try:
-        futures = [pool.submit(j.compiles.precompile, j.fn, j.args, j.names) for j in jobs]
-        for future in futures:
-            future.result()
+        for job in jobs:
+            # Collect finished compilations in job order (a failure is raised here, and stops
+            # the lowering), and wait while 2 * workers are in flight.
+            while in_flight and (in_flight[0][0].done() or len(in_flight) >= 2 * workers):
+                in_flight.popleft()[0].result()
+            lowered = job.compiles.lower(job.fn, job.args, job.names)
+            if lowered is not None:
+                in_flight.append((pool.submit(lowered.compile), lowered))
+        while in_flight:
+            in_flight.popleft()[0].result()
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+        for future, lowered in in_flight:
+            if future.cancelled():
+                lowered.discard()
 
 
 def signature(args: Sequence[Any], names: Sequence[str], static: dict[str, Any]) -> Signature:

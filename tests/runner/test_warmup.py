@@ -64,9 +64,12 @@ def test_concurrent_compilations_run_in_threads_and_are_reused_by_the_call():
     fn = jax.jit(body)
     compiles = StepCompiles("body")
     args = [(np.ones(n, np.float32),) for n in (3, 5, 7, 9)]
+    before = CompileEvents.in_thread()
     compile_concurrently([Compilation(compiles, fn, a, ("x",)) for a in args], workers=2)
     assert compiles.num_fresh + compiles.num_cache_hits == 4
-    assert len(names) == 4 and all(name.startswith("jaxserve-compile") for name in names)
+    # Traced in this thread (under the GIL anyway), compiled in the pool's threads.
+    assert names == [threading.current_thread().name] * 4
+    assert CompileEvents.in_thread().since(before).compilations == 0
     before = CompileEvents.in_thread()
     for a in args:
         np.testing.assert_allclose(compiles(fn, a, ("x",)), np.tanh(a[0]) * 2, rtol=1e-6)
@@ -90,3 +93,54 @@ def test_a_failed_compilation_is_raised_and_no_thread_outlives_the_call():
         compile_concurrently(jobs, workers=3)
     alive = [t.name for t in threading.enumerate() if t.name.startswith("jaxserve-compile")]
     assert alive == []
+
+
+class _FakeJitted:
+    """A jitted function's ahead-of-time interface whose compile of shape 5 fails (lowering
+    succeeds): the failure happens in the pool's threads."""
+
+    def __init__(self, fail: bool) -> None:
+        self.fail = fail
+        self.compiled: list[int] = []
+
+    def lower(self, x):
+        def compile_():
+            if self.fail and x.shape[0] == 5:
+                raise RuntimeError("shape 5 does not compile")
+            self.compiled.append(x.shape[0])
+
+        return type("Lowered", (), {"compile": staticmethod(compile_)})()
+
+
+def test_a_failed_pooled_compilation_is_raised_and_what_did_not_compile_can_compile_again():
+    compiles = StepCompiles("fake")
+    jobs = [(np.ones(n, np.float32),) for n in range(1, 13)]
+    bad = _FakeJitted(fail=True)
+    with pytest.raises(RuntimeError, match="shape 5 does not compile"):
+        compile_concurrently([Compilation(compiles, bad, a, ("x",)) for a in jobs], workers=2)
+    assert not [t for t in threading.enumerate() if t.name.startswith("jaxserve-compile")]
+    assert 5 not in bad.compiled and len(bad.compiled) == compiles.num_fresh
+    good = _FakeJitted(fail=False)
+    compile_concurrently([Compilation(compiles, good, a, ("x",)) for a in jobs], workers=2)
+    # Only what had not compiled (the failed shape, and the ones cancelled or never lowered).
+    assert sorted(bad.compiled + good.compiled) == list(range(1, 13))
+    assert compiles.num_fresh == 12
+
+
+def test_the_two_sampler_variants_of_a_bucket_trace_the_model_once(monkeypatch):
+    from jaxserve.models import CausalLM
+
+    calls = []
+    forward = CausalLM.forward
+
+    def counted(self, *args, **kwargs):
+        calls.append(args[2].shape)  # input_ids: i32[T]
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(CausalLM, "forward", counted)
+    engine = LLMEngine("tiny-random-llama", warmup=False, **ENGINE)
+    shape = engine.runner.buckets.all_shapes()[0]
+    assert engine.runner.warmup(shapes=[shape]) == len(VARIANT_WIDTHS) + len(
+        engine.runner.copy_sizes
+    )
+    assert calls == [(shape[0],)]
