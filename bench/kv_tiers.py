@@ -29,6 +29,8 @@ second, identical run is timed (its compilations are recorded: expect 0). Ratios
 absolute times, are the result: the machine is shared and noisy (its load average is saved).
 
     python bench/kv_tiers.py                        # tiny-random-llama, 8 MiB: < 3 min
+    python bench/kv_tiers.py --workloads preemption --model bench/.cache/llama-57m \
+        --repeats 5 --interleave --output bench/results/kv_tiers_preemption.json
     python bench/kv_tiers.py --budget-mib 16 --num-requests 64 --output /tmp/kv.json
 
 Writes bench/results/kv_tiers.json (--output overrides).
@@ -267,10 +269,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     a.add_argument("--max-model-len", type=int, help="default: prompt + output length")
     a.add_argument("--attention-backend", default="xla")
+    # Short prompts and long outputs: every request is admitted, and the batch outgrows the
+    # pool while decoding (19 preemptions a run at the defaults; with 256-token prompts and 64
+    # output tokens the scheduler admits fewer at once and preempts 3 times, too few to tell
+    # the modes apart).
     c = p.add_argument_group("(c) preemption (the device pool holds a third of the batch's KV)")
     c.add_argument("--preemption-requests", type=int, default=16)
-    c.add_argument("--preemption-prompt-len", type=int, default=256)
-    c.add_argument("--preemption-output-len", type=int, default=64)
+    c.add_argument("--preemption-prompt-len", type=int, default=32)
+    c.add_argument("--preemption-output-len", type=int, default=256)
     p.add_argument(
         "--repeats", type=int, default=3, help="(b), (c): runs per engine, the fastest reported"
     )
