@@ -34,9 +34,10 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["JAXSERVE_COMPILATION_CACHE_DIR"] = ""
     if platform == "cpu":
         # The tests compile far more than they run (tiny models, a few steps per engine), and
-        # LLVM's optimization is most of an XLA:CPU compilation: level 0 takes about a third
-        # off the suite's CPU time (measured on the engine-building tests). It changes code
-        # generation, not what is computed; subprocesses inherit it. A value already set wins.
+        # LLVM's optimization is a large part of an XLA:CPU compilation: level 0 took about a
+        # third off the CPU time of the engine-building tests measured (two of them). It
+        # changes code generation, not what is computed; subprocesses inherit it. A value
+        # already set wins.
         flags = os.environ.get("XLA_FLAGS", "")
         if "--xla_backend_optimization_level" not in flags:
             os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()
