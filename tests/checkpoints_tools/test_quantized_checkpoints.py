@@ -194,21 +194,8 @@ def test_quantize_on_load_logits_and_bytes(llama, reference, quantization):
     assert err < BOUNDS[quantization], f"{quantization} on load: relative logit error {err:.4g}"
     # The memory plan counts exactly what was loaded: 1 byte per linear weight, 4 per scale.
     arch = ckpt.arch
-    plan = lambda q: plan_memory(
-        arch,
-        dtype="bfloat16",
-        kv_cache_dtype="bfloat16",
-        tensor_parallel_size=1,
-        block_size=16,
-        max_model_len=64,
-        max_num_seqs=2,
-        max_num_batched_tokens=16,
-        device_memory_bytes=1 << 30,
-        memory_utilization=0.9,
-        quantization=q,
-    )
     loaded = per_device_bytes(ckpt.params)
-    assert plan(quantization).weights_bytes == loaded
+    assert _plan_weights_bytes(arch, quantization) == loaded
     shapes = get_model(arch, dtype="bfloat16").param_shapes()
     linear = scales = 0
     for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]:
@@ -216,7 +203,7 @@ def test_quantize_on_load_logits_and_bytes(llama, reference, quantization):
         if name in INPUT_AXES:
             linear += leaf.size
             scales += leaf.size // np.prod([leaf.shape[i] for i in INPUT_AXES[name]])
-    bf16 = plan(None).weights_bytes
+    bf16 = _plan_weights_bytes(arch, None)
     assert loaded == bf16 - 2 * linear + linear + 4 * scales
     assert linear + 4 * scales < 0.6 * (2 * linear)  # the linears: about half of bf16's bytes
 
@@ -358,7 +345,8 @@ def _moe_logit_error(ckpt, reference) -> tuple[float, float, list[int]]:
     return _relative_error(logits, ref_logits), alike, sorted(flipped)
 
 
-def _moe_plan_bytes(arch, quantization: str | None) -> int:
+def _plan_weights_bytes(arch, quantization: str | None) -> int:
+    """The memory plan's weight bytes of `arch` in bfloat16 (a small engine on 1 GiB)."""
     return plan_memory(
         arch,
         dtype="bfloat16",
@@ -403,7 +391,7 @@ def test_moe_quantize_on_load_logits_and_bytes(moe_checkpoints, family, quantiza
     assert alike < BOUNDS[quantization], report
     # The memory plan counts exactly what was loaded, the experts at 1 byte a weight.
     loaded = per_device_bytes(ckpt.params)
-    assert _moe_plan_bytes(a, quantization) == loaded
+    assert _plan_weights_bytes(a, quantization) == loaded
     experts = sum(
         moe[name].size * moe[name].dtype.itemsize
         + moe[name + "_scale"].size * moe[name + "_scale"].dtype.itemsize
@@ -416,7 +404,7 @@ def test_moe_quantize_on_load_logits_and_bytes(moe_checkpoints, family, quantiza
         if name in INPUT_AXES:
             linear += leaf.size
             scales += leaf.size // np.prod([leaf.shape[i] for i in INPUT_AXES[name]])
-    assert loaded == _moe_plan_bytes(a, None) - 2 * linear + linear + 4 * scales
+    assert loaded == _plan_weights_bytes(a, None) - 2 * linear + linear + 4 * scales
     # Each expert is quantized on its own: the stack's dequantized error is within half a step
     # of that expert's own channel (int8's rule).
     if quantization == "int8":
