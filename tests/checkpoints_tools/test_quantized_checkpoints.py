@@ -345,6 +345,18 @@ def _moe_logit_error(ckpt, reference) -> tuple[float, float, list[int]]:
     return _relative_error(logits, ref_logits), alike, sorted(flipped)
 
 
+def _assert_moe_logits_close(ckpt, reference, quantization: str, label: str) -> None:
+    """The quantized MoE's logit error against `reference`, reported, within BOUNDS over the
+    tokens routed as in full precision (_moe_logit_error checks the rerouted ones)."""
+    err, alike, rerouted = _moe_logit_error(ckpt, reference)
+    report = (
+        f"{label}: relative logit error {err:.4g} over every token, {alike:.4g} over the "
+        f"tokens routed alike (near ties rerouted: {rerouted})"
+    )
+    print(report)
+    assert alike < BOUNDS[quantization], report
+
+
 def _plan_weights_bytes(arch, quantization: str | None) -> int:
     """The memory plan's weight bytes of `arch` in bfloat16 (a small engine on 1 GiB)."""
     return plan_memory(
@@ -382,13 +394,7 @@ def test_moe_quantize_on_load_logits_and_bytes(moe_checkpoints, family, quantiza
     assert dense["q_proj"].dtype.itemsize == 1  # the attention of a MoE model, as for dense
     if family == "qwen3_moe":  # mlp_only_layers=[1]: a dense MLP, quantized as well
         assert ckpt.params["layers_1"]["mlp"]["down_proj"].dtype.itemsize == 1
-    err, alike, rerouted = _moe_logit_error(ckpt, reference)
-    report = (
-        f"{family} {quantization} on load: relative logit error {err:.4g} over every token, "
-        f"{alike:.4g} over the tokens routed alike (near ties rerouted: {rerouted})"
-    )
-    print(report)
-    assert alike < BOUNDS[quantization], report
+    _assert_moe_logits_close(ckpt, reference, quantization, f"{family} {quantization} on load")
     # The memory plan counts exactly what was loaded, the experts at 1 byte a weight.
     loaded = per_device_bytes(ckpt.params)
     assert _plan_weights_bytes(a, quantization) == loaded
@@ -450,13 +456,9 @@ def test_moe_quantized_checkpoint_loads_as_stored(
         )
         want = np.broadcast_to(stored[name + "_scale"].reshape(-1), (ckpt.arch.hidden_size,))
         np.testing.assert_array_equal(np.asarray(moe["experts_down_scale"][j]), want)
-    err, alike, rerouted = _moe_logit_error(ckpt, reference)
-    report = (
-        f"{family} {quantization} {strategy} checkpoint: relative logit error {err:.4g} over "
-        f"every token, {alike:.4g} over the tokens routed alike (rerouted: {rerouted})"
+    _assert_moe_logits_close(
+        ckpt, reference, quantization, f"{family} {quantization} {strategy} checkpoint"
     )
-    print(report)
-    assert alike < BOUNDS[quantization], report
     if family == "mixtral" and kind == "float":  # it generates, through the engine
         llm = LLM(
             model=str(folder),
