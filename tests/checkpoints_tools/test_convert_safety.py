@@ -4,7 +4,10 @@ and the source weights are never deleted.
 
 Ctrl-C is a real SIGINT sent to a conversion subprocess: at chosen moments (during the jaxlib
 import, inside a garbage-collector callback while loading, inside the save) by a wrapper that
-sends it to itself, and at a few moments spread over a run."""
+sends it to itself, and at a few moments spread over a run. The wrapper raises it in its own
+main thread (signal.raise_signal), so Python's handler runs at the wrapper's next bytecode:
+os.kill(getpid) may hand it to one of jax's threads, and the main thread then runs on a little
+before it sees the interrupt (a CI run saw it only after the gc callback had returned)."""
 
 from __future__ import annotations
 
@@ -76,14 +79,14 @@ def _assert_interrupted_cleanly(proc: subprocess.CompletedProcess, out: pathlib.
 # Ctrl-C while jax and jaxlib are imported (a real one there used to end as an ImportError from
 # jaxlib's extension, a SIGSEGV, or be dropped by a gc callback): held until the imports finish.
 _CTRL_C_DURING_JAXLIB_IMPORT = """
-import os, signal, sys
+import signal, sys
 class CtrlCWhenJaxlibLoads:
     fired = False
     def find_spec(self, name, path=None, target=None):
         if name == "jaxlib._jax" and not self.fired:
             self.fired = True
             print("sent Ctrl-C", file=sys.stderr)
-            os.kill(os.getpid(), signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)
         return None
 sys.meta_path.insert(0, CtrlCWhenJaxlibLoads())
 from jaxserve.checkpoints_tools import convert
@@ -110,7 +113,7 @@ fired = []
 def ctrl_c(phase, info):
     if phase == "start" and not fired:
         fired.append(True)
-        os.kill(os.getpid(), signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)
         fired.append("the KeyboardInterrupt is raised here, inside the callback")
 def load_with_ctrl_c_in_gc(*args, **kwargs):
     gc.callbacks.append(ctrl_c)
@@ -132,11 +135,11 @@ def test_ctrl_c_dropped_by_a_gc_callback_still_stops_the_conversion(hf_dir, tmp_
 
 
 _CTRL_C_AS_THE_SAVE_STARTS = """
-import os, signal, sys
+import signal, sys
 from jaxserve.checkpoints_tools import convert, orbax_checkpoint
 real_save = orbax_checkpoint.save_params
 def save_with_ctrl_c(params, directory):
-    os.kill(os.getpid(), signal.SIGINT)
+    signal.raise_signal(signal.SIGINT)
     real_save(params, directory)  # runs to its end: interrupting orbax leaves writer threads
     print("save finished", file=sys.stderr)
 orbax_checkpoint.save_params = save_with_ctrl_c
@@ -152,7 +155,7 @@ def test_ctrl_c_during_the_save_waits_for_it_then_removes_the_staging(hf_dir, tm
 # A second Ctrl-C stops the save at once; orbax's writer threads then go on writing into the
 # staging folder after it was removed (recreating it), as a real interrupted save did.
 _CTRL_C_TWICE_IN_THE_SAVE = """
-import os, signal, sys, threading, time
+import signal, sys, threading, time
 from jaxserve.checkpoints_tools import convert, orbax_checkpoint
 def save_interrupted_twice(params, directory):
     def writer():
@@ -160,9 +163,9 @@ def save_interrupted_twice(params, directory):
         (directory / "d").mkdir(parents=True, exist_ok=True)
         (directory / "d" / "late").write_text("written after the interrupt")
     threading.Thread(target=writer, name="like-orbax-writer").start()
-    os.kill(os.getpid(), signal.SIGINT)  # held: the save would go on
+    signal.raise_signal(signal.SIGINT)  # held: the save would go on
     time.sleep(0.1)  # the handler has run by the end of this
-    os.kill(os.getpid(), signal.SIGINT)  # raises KeyboardInterrupt here
+    signal.raise_signal(signal.SIGINT)  # raises KeyboardInterrupt here
     time.sleep(30)
     raise AssertionError("the second Ctrl-C did not stop the save")
 orbax_checkpoint.save_params = save_interrupted_twice
