@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 # A benchmark run end to end: the slow tier (test_bench_datasets.py stays in the fast one).
-pytestmark = pytest.mark.slow
+# On one xdist worker: the module's report fixture (a server and an offline run) is built once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("serve_bench")]
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))

@@ -13,7 +13,8 @@ from jaxserve import LLM, AsyncLLM, RequestOutputKind, SamplingParams
 from jaxserve.engine.async_llm import EngineError, QueueFullError
 
 # Every test builds and steps an AsyncLLM: the slow tier (tests/serve keeps it in the fast one).
-pytestmark = pytest.mark.slow
+# On one xdist worker: the module's engine fixture is built (and compiled) once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("async_llm")]
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 DELTA = dataclasses.replace(GREEDY, output_kind=RequestOutputKind.DELTA)

@@ -21,6 +21,9 @@ from jaxserve.engine.request_state import RequestState
 from jaxserve.runner.input_batch import InputBatch
 from jaxserve.runner.model_runner import ModelRunner
 
+# On one xdist worker: the module's llm fixture and its reference run are built once.
+pytestmark = pytest.mark.xdist_group("robustness")
+
 MAX_LEN = SMALL["max_model_len"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 SIGINT_SCRIPT = pathlib.Path(__file__).with_name("sigint_generate.py")

@@ -114,7 +114,11 @@ def test_a_job_killed_five_times_ends_with_every_line_once(tmp_path):
         [_completion(f"r{i}", p, max_tokens=rng.randrange(2, 12)) for i, p in enumerate(prompts)],
     )
     command = [sys.executable, "-m", "jaxserve.cli"]
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    # The runs share a compilation cache, as a resumed job does by default: the first compiles,
+    # the seven after it load (the suite turns the cache off elsewhere, to count compilations).
+    env = dict(
+        os.environ, JAX_PLATFORMS="cpu", JAXSERVE_COMPILATION_CACHE_DIR=str(tmp_path / "xla")
+    )
     reference = tmp_path / "reference.jsonl"
     subprocess.run([*command, *_run_batch_args(tmp_path, inp, reference)], env=env, check=True,
                    capture_output=True, timeout=600)  # fmt: skip
