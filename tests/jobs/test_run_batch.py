@@ -114,8 +114,8 @@ def test_a_job_killed_five_times_ends_with_every_line_once(tmp_path):
         [_completion(f"r{i}", p, max_tokens=rng.randrange(2, 12)) for i, p in enumerate(prompts)],
     )
     command = [sys.executable, "-m", "jaxserve.cli"]
-    # The runs share a compilation cache, as a resumed job does by default: the first compiles,
-    # the seven after it load (the suite turns the cache off elsewhere, to count compilations).
+    # The runs share a compilation cache, as resumed runs of a job do by default (the suite
+    # turns the cache off elsewhere, to count compilations).
     env = dict(
         os.environ, JAX_PLATFORMS="cpu", JAXSERVE_COMPILATION_CACHE_DIR=str(tmp_path / "xla")
     )
