@@ -136,11 +136,18 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="default")
     p.add_argument("--reps", type=int, help="timed generates per batch size (default: preset)")
+    p.add_argument(
+        "--batch-sizes",
+        type=lambda text: tuple(int(x) for x in text.split(",")),
+        help="comma list of decode batch sizes (default: preset's)",
+    )
     p.add_argument("--out", default=str(RESULTS / "moe_decode.json"))
     args = p.parse_args(argv)
     preset = dict(PRESETS[args.preset])
     if args.reps is not None:
         preset["reps"] = args.reps
+    if args.batch_sizes is not None:
+        preset["batch_sizes"] = args.batch_sizes
     load_before = loadavg()
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:

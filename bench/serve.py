@@ -829,18 +829,16 @@ class ServeBench:
             info["startup_s"] = server.wait_healthy(a.startup_timeout)
             print(f"  {name} healthy after {info['startup_s']:.0f} s", flush=True)
             self._warm_up(server)
+            # Saturation first (jaxserve's within its pairs with the offline runs): the first
+            # server's sets the rates when they are not fixed.
             if name == "jaxserve":
                 self._saturation_pairs(server, info)
-            # Saturation first: it sets the rates when they are not fixed.
-            for rate in [INF, *(self.rates or [])]:
-                if rate == INF and info["runs"]:
-                    continue  # measured with the offline runs
-                info["runs"].append(self._run_rate(server, rate))
-                if self.rates is None:
-                    self.rates = self._choose_rates(info["runs"][0])
-                    print(f"  rates (req/s): {self.rates}", flush=True)
-                    info["runs"].extend(self._run_rate(server, r) for r in self.rates)
-                    break
+            if not info["runs"]:
+                info["runs"].append(self._run_rate(server, INF))
+            if self.rates is None:
+                self.rates = self._choose_rates(info["runs"][0])
+                print(f"  rates (req/s): {self.rates}", flush=True)
+            info["runs"].extend(self._run_rate(server, r) for r in self.rates)
         except Exception as e:  # recorded (the other server still runs)
             print(f"{name}: FAILED: {e!r}"[:3000], flush=True)
             info["error"] = repr(e)[-3000:]

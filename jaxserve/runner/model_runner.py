@@ -202,9 +202,9 @@ class ModelRunner:
         these same compiled steps.
 
         Each is lowered and compiled ahead of time, ``workers`` at a time (threads: XLA
-        compiles without the GIL), for the arguments of an all-padding batch; nothing runs, and
-        the KV pages are not touched. jax keeps the executables, and the engine's calls with
-        the same shapes run them without tracing again (tests/runner/test_warmup.py).
+        compiles without the GIL), for the arguments of an all-padding batch. jax keeps the
+        executables, and the engine's calls with the same shapes run them without tracing
+        again (tests/runner/test_warmup.py). Then each runs once on that batch (run_once).
 
         Returns the number of compilations this caused (fresh or loaded from the cache);
         compilations after it are explained in the log (step_compiles.py).
@@ -234,7 +234,27 @@ class ModelRunner:
         compile_concurrently(jobs, workers)
         for compiles in self._all_compiles():
             compiles.warmed_up = True
+        self._run_once(shapes or self.buckets.all_shapes())
         return self.num_compilations + self.num_compilation_cache_hits - before
+
+    def _run_once(self, shapes: list[tuple[int, int, int]]) -> None:
+        """Run each warmed-up step and block copy once, on all-padding inputs: their KV writes
+        land in the null block, which no request reads. An executable's first run pays one-time
+        costs that compiling did not: XLA:CPU generates its kernels then (measured on the 57M
+        benchmark model: a prompt's first step of a new bucket took ~0.1 s more than the next,
+        and the first requests of a server waited for it).
+
+        Runs after warmed_up is set, so that a compilation here would be reported as one.
+        """
+        for t, r, b in shapes:
+            for penalty_width, ban_width in VARIANT_WIDTHS:
+                md = SamplingMetadata.neutral(
+                    r, self.vocab_size, penalty_width=penalty_width, ban_width=ban_width
+                )
+                self.run_prepared(PreparedBatch.padding(t, r, b), md)
+        for n in self.copy_sizes:
+            self.kv_caches = self._copy(self.kv_caches, *(np.zeros(n, np.int32),) * 2)
+        jax.block_until_ready(self.kv_caches)
 
     def _padding_step_inputs(
         self, padded_tokens: int, padded_rows: int, width: int, widths: tuple[int, int]

@@ -54,6 +54,26 @@ def test_concurrent_warmup_compiles_each_shape_once_and_the_engine_reuses_them()
     assert stats["recompilations"] == []
 
 
+@pytest.mark.slow
+def test_warmup_runs_each_step_once_writing_only_the_null_block(monkeypatch):
+    engine = LLMEngine("tiny-random-llama", warmup=False, **ENGINE)
+    runner = engine.runner
+    ran = []
+    real_run = runner.run_prepared
+    monkeypatch.setattr(
+        runner, "run_prepared", lambda batch, md, *a: ran.append(batch) or real_run(batch, md, *a)
+    )
+    runner.warmup()
+    shapes = runner.buckets.all_shapes()
+    assert len(ran) == len(shapes) * len(VARIANT_WIDTHS)
+    assert {(len(b.input_ids), *b.block_tables.shape) for b in ran} == set(shapes)
+    assert engine.get_stats()["recompilations"] == []  # the runs compiled nothing more
+    for k_pages, v_pages in runner.kv_caches:  # [K, S, P, H]: S = 0 is the null block
+        for pages in (np.asarray(k_pages), np.asarray(v_pages)):
+            assert not pages[:, 1:].any()
+            assert pages[:, 0].any()  # the padding tokens' K and V went there
+
+
 def test_concurrent_compilations_run_in_threads_and_are_reused_by_the_call():
     names = []
 

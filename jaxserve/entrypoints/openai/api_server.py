@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import hmac
 import json
 import logging
@@ -219,6 +220,11 @@ def run_server(args: argparse.Namespace) -> int:
             args.port,
             "required" if api_key else "not required",
         )
+        # The process's own: nothing built so far (jax, the model, the compiled steps: ~600k
+        # objects) is garbage, so the cyclic GC stops scanning it, as vLLM's server does. A
+        # full collection of that heap took ~0.4 s, a pause every stream felt at once.
+        gc.collect()
+        gc.freeze()
         _run_until_signal(uvicorn.Server(config))
     finally:
         engine.shutdown()
