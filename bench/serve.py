@@ -752,7 +752,7 @@ class ServeBench:
             for name in a.servers:
                 self.servers[name] = self._serve(name)
                 self.save(partial=True)
-            if self.offline_worker is not None:  # no jaxserve server: one offline run alone
+            if self.offline_worker is not None:  # no pairs were run: one offline run alone
                 self._offline_run()
         finally:
             self._stop_offline()
