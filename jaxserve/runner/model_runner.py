@@ -240,9 +240,9 @@ class ModelRunner:
     def _run_once(self, shapes: list[tuple[int, int, int]]) -> None:
         """Run each warmed-up step and block copy once, on all-padding inputs: their KV writes
         land in the null block, which no request reads. An executable's first run pays one-time
-        costs that compiling did not: XLA:CPU generates its kernels then (measured on the 57M
-        benchmark model: a prompt's first step of a new bucket took ~0.1 s more than the next,
-        and the first requests of a server waited for it).
+        costs that compiling did not (on XLA:CPU, probably its kernels generated lazily: with
+        the 57M benchmark model a prompt's first step of a new bucket took ~0.1 s more than the
+        next, and the first requests of a server waited for it).
 
         Runs after warmed_up is set, so that a compilation here would be reported as one.
         """
