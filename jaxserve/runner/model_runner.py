@@ -210,6 +210,7 @@ class ModelRunner:
         compilations after it are explained in the log (step_compiles.py).
         """
         before = self.num_compilations + self.num_compilation_cache_hits
+        shapes = shapes or self.buckets.all_shapes()
         jobs = [
             Compilation(
                 self.compiles,
@@ -217,7 +218,7 @@ class ModelRunner:
                 (self.params, self.kv_caches, *self._padding_step_inputs(t, r, b, widths)),
                 STEP_ARGS,
             )
-            for t, r, b in shapes or self.buckets.all_shapes()
+            for t, r, b in shapes
             for widths in VARIANT_WIDTHS
         ]
         jobs += [
@@ -234,7 +235,7 @@ class ModelRunner:
         compile_concurrently(jobs, workers)
         for compiles in self._all_compiles():
             compiles.warmed_up = True
-        self._run_once(shapes or self.buckets.all_shapes())
+        self._run_once(shapes)
         return self.num_compilations + self.num_compilation_cache_hits - before
 
     def _run_once(self, shapes: list[tuple[int, int, int]]) -> None:
