@@ -204,7 +204,7 @@ class ModelRunner:
         Each is lowered and compiled ahead of time, ``workers`` at a time (threads: XLA
         compiles without the GIL), for the arguments of an all-padding batch. jax keeps the
         executables, and the engine's calls with the same shapes run them without tracing
-        again (tests/runner/test_warmup.py). Then each runs once on that batch (run_once).
+        again (tests/runner/test_warmup.py). Then each runs once on that batch (_run_once).
 
         Returns the number of compilations this caused (fresh or loaded from the cache);
         compilations after it are explained in the log (step_compiles.py).
@@ -248,25 +248,28 @@ class ModelRunner:
         Runs after warmed_up is set, so that a compilation here would be reported as one.
         """
         for t, r, b in shapes:
-            for penalty_width, ban_width in VARIANT_WIDTHS:
-                md = SamplingMetadata.neutral(
-                    r, self.vocab_size, penalty_width=penalty_width, ban_width=ban_width
-                )
-                self.run_prepared(PreparedBatch.padding(t, r, b), md)
+            for widths in VARIANT_WIDTHS:
+                self.run_prepared(*self._padding_batch(t, r, b, widths))
         for n in self.copy_sizes:
             self.kv_caches = self._copy(self.kv_caches, *(np.zeros(n, np.int32),) * 2)
         jax.block_until_ready(self.kv_caches)
 
-    def _padding_step_inputs(
+    def _padding_batch(
         self, padded_tokens: int, padded_rows: int, width: int, widths: tuple[int, int]
-    ) -> tuple[Any, ...]:
-        """The step's arguments after params and KV pages for an all-padding batch of this
-        bucket, with sampling lists of ``widths`` (penalty, ban)."""
-        batch = PreparedBatch.padding(padded_tokens, padded_rows, width)
+    ) -> tuple[PreparedBatch, SamplingMetadata]:
+        """An all-padding batch of this bucket and its neutral sampling rows, with sampling
+        lists of ``widths`` (penalty, ban)."""
         penalty_width, ban_width = widths
         md = SamplingMetadata.neutral(
             padded_rows, self.vocab_size, penalty_width=penalty_width, ban_width=ban_width
         )
+        return PreparedBatch.padding(padded_tokens, padded_rows, width), md
+
+    def _padding_step_inputs(
+        self, padded_tokens: int, padded_rows: int, width: int, widths: tuple[int, int]
+    ) -> tuple[Any, ...]:
+        """The step's arguments after params and KV pages for _padding_batch."""
+        batch, md = self._padding_batch(padded_tokens, padded_rows, width, widths)
         return (
             batch.input_ids,
             _attention_metadata(batch, self.rope_tables, self.kv_scales),
