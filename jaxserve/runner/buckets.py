@@ -1,9 +1,9 @@
 """Padding buckets: the finite set of shapes the jitted step is compiled for.
 
 A step's shapes are (T, R, B): tokens, request rows and block-table width. Each is rounded up
-to a power of two (capped at its maximum), on the CPU small T also to the midpoints 3 * 2^k
-between them (6, 12, ..., 192) and a single token to T=1, so steady-state serving reuses a
-small, known set of compiled executables.
+to a power of two (capped at its maximum), on the CPU T also to the midpoints 3 * 2^k between
+them (6, 12, ..., 1536) and a single token to T=1, so steady-state serving reuses a small,
+known set of compiled executables.
 R is tied to T (R = min(T, padded max_num_seqs)): every scheduled request has at least one
 token, so R <= T always holds, and tying them removes one bucket dimension (the extra logits
 rows cost R x D x V flops, small next to the T-token forward).
@@ -19,13 +19,14 @@ from dataclasses import dataclass
 # Measurements: docs/benchmarks.md, "Design measurements".
 MIN_TOKEN_BUCKET = 4
 
-# On the CPU, T buckets up to here also come at 3 * 2^k, between the powers of two: padding is
-# then under 1.5x instead of 2x. Steps this small are mostly decodes, and on the CPU their cost
-# follows the padded T (the dense layers, the logits rows, the sampler); larger steps are
-# prefill chunks that fill the token budget. The price is a few more buckets to compile at
-# warm-up. On GPU / TPU such small steps are bound by reading the weights, whatever T is: no
-# midpoints there.
-MID_BUCKET_LIMIT = 256
+# On the CPU, T buckets also come at 3 * 2^k, between the powers of two: padding is then under
+# 1.5x instead of 2x. There a step's cost follows the padded T at every size (the dense layers'
+# GEMMs are compute-bound, and so are the logits rows and the sampler): small steps are mostly
+# decodes, and mid-sized ones are common in a server at low load (a few arrivals' prompts
+# prefilled together with the decodes: ~320 tokens padded to 512 set the p99 TTFT of
+# bench/serve.py's lowest rate). The price is a few more buckets to compile at warm-up (one per
+# power of two). On GPU / TPU small steps are bound by reading the weights, whatever T is, and
+# large ones are prefill chunks that fill the token budget: no midpoints there.
 
 # On the CPU, T=1 below MIN_TOKEN_BUCKET: a step of one token (a single request decoding, as in
 # an interactive session or an offline run's last request) skips the dense layers' GEMMs of
@@ -50,11 +51,11 @@ def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
 
 def token_bucket_sizes(lo: int, hi: int, *, midpoints: bool = True) -> tuple[int, ...]:
     """pow2_buckets(lo, hi), plus (midpoints) 3 * 2^k for each power of two 2^(k+1) in it whose
-    midpoint is at most min(hi, MID_BUCKET_LIMIT)."""
+    midpoint is below hi."""
     base = pow2_buckets(lo, hi)
     if not midpoints:
         return base
-    mids = {b * 3 // 2 for b in base if b % 2 == 0 and b * 3 // 2 <= min(hi, MID_BUCKET_LIMIT)}
+    mids = {b * 3 // 2 for b in base if b % 2 == 0 and b * 3 // 2 < hi}
     return tuple(sorted(set(base) | mids))
 
 

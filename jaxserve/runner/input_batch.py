@@ -58,6 +58,44 @@ class PreparedBatch:
             sampling_rows=np.zeros(0, bool),
         )
 
+    @classmethod
+    def null_block(
+        cls, padded_tokens: int, padded_rows: int, width: int, block_size: int
+    ) -> PreparedBatch:
+        """A batch of the given buckets whose rows attend as real ones do, reading and writing
+        the null block only (every block-table entry 0): for warm-up's first runs, which an
+        all-padding batch (no row, so no attention work) does not fully pay.
+
+        Rows 0 .. R-2 decode one token over a context of two pages (one when the width is
+        one page); the last row prefills the remaining tokens from position 0, up to the
+        width's capacity (tokens past it stay padding). Every row samples.
+        """
+        t, r, capacity = padded_tokens, padded_rows, width * block_size
+        q_lens = np.ones(r, np.int32)
+        q_lens[-1] = min(t - (r - 1), capacity)
+        seq_lens = np.full(r, min(block_size + 1, capacity), np.int32)
+        seq_lens[-1] = q_lens[-1]
+        query_start_loc = np.zeros(r + 1, np.int32)
+        query_start_loc[1:] = np.cumsum(q_lens)
+        positions = np.zeros(t, np.int32)
+        positions[: r - 1] = seq_lens[:-1] - 1
+        positions[r - 1 : query_start_loc[-1]] = np.arange(q_lens[-1])
+        zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+        return cls(
+            req_ids=[],
+            slots=zeros(0),
+            num_scheduled=zeros(0),
+            input_ids=zeros(t),
+            positions=positions,
+            slot_mapping=positions % block_size,  # block 0: the null block
+            block_tables=zeros(r, width),
+            seq_lens=seq_lens,
+            query_start_loc=query_start_loc,
+            num_seqs=np.array([r], np.int32),
+            logits_indices=query_start_loc[1:] - 1,
+            sampling_rows=np.zeros(0, bool),
+        )
+
 
 class InputBatch:
     """Per-slot token ids, block tables and counters of the requests the runner holds."""

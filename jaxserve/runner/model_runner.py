@@ -239,17 +239,23 @@ class ModelRunner:
         return self.num_compilations + self.num_compilation_cache_hits - before
 
     def _run_once(self, shapes: list[tuple[int, int, int]]) -> None:
-        """Run each warmed-up step and block copy once, on all-padding inputs: their KV writes
-        land in the null block, which no request reads. An executable's first run pays one-time
-        costs that compiling did not (on XLA:CPU, probably its kernels generated lazily: with
-        the 57M benchmark model a prompt's first step of a new bucket took ~0.1 s more than the
-        next, and the first requests of a server waited for it).
+        """Run each warmed-up step and block copy once, on inputs whose KV reads and writes
+        stay in the null block, which no request reads. An executable's first run pays
+        one-time costs that compiling did not (on XLA:CPU, probably its kernels generated
+        lazily: with the 57M benchmark model a prompt's first step of a new bucket took ~0.1 s
+        more than the next, and the first requests of a server waited for it).
+
+        An all-padding batch has no rows, so it skips the attention work: after running on one,
+        a bucket's first real step still took ~18 ms more than the next (20 ms, greedy or
+        sampled alike). So each step runs on PreparedBatch.null_block, whose rows decode and
+        prefill over the null block; after that, first steps took what later ones do.
 
         Runs after warmed_up is set, so that a compilation here would be reported as one.
         """
         for t, r, b in shapes:
+            batch = PreparedBatch.null_block(t, r, b, self.block_size)
             for widths in VARIANT_WIDTHS:
-                self.run_prepared(*self._padding_batch(t, r, b, widths))
+                self.run_prepared(batch, self._padding_batch(t, r, b, widths)[1])
         for n in self.copy_sizes:
             self.kv_caches = self._copy(self.kv_caches, *(np.zeros(n, np.int32),) * 2)
         jax.block_until_ready(self.kv_caches)

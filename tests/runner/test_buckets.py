@@ -8,7 +8,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from jaxserve.runner.buckets import (
-    MID_BUCKET_LIMIT,
     MIN_TOKEN_BUCKET,
     BucketSpec,
     pow2_buckets,
@@ -27,15 +26,15 @@ def test_pow2_buckets() -> None:
 
 def test_token_bucket_sizes() -> None:
     assert token_bucket_sizes(4, 2048) == (
-        4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024, 2048
+        4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048
     )  # fmt: skip
     assert token_bucket_sizes(4, 2048, midpoints=False) == pow2_buckets(4, 2048)
     assert token_bucket_sizes(1, 100) == (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 100)
     assert token_bucket_sizes(3, 7) == (4, 6, 7)
     assert token_bucket_sizes(4, 5) == (4, 5)
     assert max(token_bucket_sizes(4, 1 << 20)) == 1 << 20
-    assert MID_BUCKET_LIMIT in token_bucket_sizes(4, 4096)
-    assert MID_BUCKET_LIMIT * 3 // 2 not in token_bucket_sizes(4, 4096)
+    assert token_bucket_sizes(4, 300) == (4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 300)
+    assert token_bucket_sizes(4, 384)[-2:] == (256, 384)  # a midpoint at the budget: once
 
 
 def test_round_up_past_the_largest_raises() -> None:
@@ -82,7 +81,7 @@ def test_every_batch_lands_in_a_compiled_shape(
     b = spec.padded_width(blocks)
     assert (t, r, b) in spec.all_shapes()
     assert tokens <= t and (t < 2 * tokens or t == smallest)  # pow2: under 2x padding
-    if mid_token_buckets and smallest < t <= MID_BUCKET_LIMIT:
+    if mid_token_buckets and t > smallest:
         assert t < 1.5 * tokens  # with the midpoints: under 1.5x
     assert rows <= r <= t and blocks <= b <= max_blocks
     if not bucket_width:

@@ -12,6 +12,7 @@ import pytest
 
 from jaxserve import LLMEngine, SamplingParams
 from jaxserve.runner.compile_cache import CompileEvents
+from jaxserve.runner.input_batch import PreparedBatch
 from jaxserve.runner.sampling_metadata import VARIANT_WIDTHS
 from jaxserve.runner.step_compiles import Compilation, StepCompiles, compile_concurrently
 
@@ -67,11 +68,35 @@ def test_warmup_runs_each_step_once_writing_only_the_null_block(monkeypatch):
     shapes = runner.buckets.all_shapes()
     assert len(ran) == len(shapes) * len(VARIANT_WIDTHS)
     assert {(len(b.input_ids), *b.block_tables.shape) for b in ran} == set(shapes)
+    # Every row attends (num_seqs = R), over the null block only.
+    assert all(b.num_seqs[0] == len(b.seq_lens) and not b.block_tables.any() for b in ran)
     assert engine.get_stats()["recompilations"] == []  # the runs compiled nothing more
     for k_pages, v_pages in runner.kv_caches:  # [K, S, P, H]: S = 0 is the null block
         for pages in (np.asarray(k_pages), np.asarray(v_pages)):
             assert not pages[:, 1:].any()
             assert pages[:, 0].any()  # the padding tokens' K and V went there
+
+
+@pytest.mark.parametrize(
+    "tokens, rows, width, block_size",
+    [(1, 1, 1, 16), (4, 4, 2, 8), (48, 32, 64, 32), (2048, 8, 1, 16), (12, 8, 1, 1), (7, 2, 3, 4)],
+)
+def test_null_block_batch_rows_are_well_formed_and_touch_only_the_null_block(
+    tokens, rows, width, block_size
+):
+    b = PreparedBatch.null_block(tokens, rows, width, block_size)
+    assert len(b.input_ids) == len(b.positions) == len(b.slot_mapping) == tokens
+    assert b.block_tables.shape == (rows, width) and not b.block_tables.any()
+    assert b.num_seqs[0] == rows
+    q_lens = np.diff(b.query_start_loc)
+    assert (q_lens >= 1).all() and b.query_start_loc[-1] <= tokens
+    assert (q_lens <= b.seq_lens).all() and (b.seq_lens <= width * block_size).all()
+    for row in range(rows):  # a row's tokens end at its context's last position
+        start, end = b.query_start_loc[row], b.query_start_loc[row + 1]
+        expected = np.arange(b.seq_lens[row] - q_lens[row], b.seq_lens[row])
+        np.testing.assert_array_equal(b.positions[start:end], expected)
+    np.testing.assert_array_equal(b.logits_indices, b.query_start_loc[1:] - 1)
+    assert (b.slot_mapping < block_size).all()  # block 0's slots
 
 
 def test_concurrent_compilations_run_in_threads_and_are_reused_by_the_call():
