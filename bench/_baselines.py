@@ -19,6 +19,29 @@ from _metrics import RequestTiming, RunResult
 HERE = Path(__file__).resolve().parent
 PAD_ID = 0
 
+VLLM_SHIM = """\
+# Written by bench/_baselines.py, on vLLM's PYTHONPATH only. The vLLM venv's torchvision /
+# torchaudio / torchcodec builds do not load with its torch, and transformers imports them when
+# they are found (vLLM's LLM and its OpenAI server import transformers' image and audio
+# processors): marked missing here, transformers skips them. Text-only runs need none of them.
+import sys
+
+for _name in ("torchvision", "torchaudio", "torchcodec"):
+    sys.modules.setdefault(_name, None)
+"""
+
+
+def vllm_env(shim_dir: Path, log_level: str) -> dict:
+    """The environment of a vLLM subprocess: jaxserve's XLA_FLAGS removed, VLLM_SHIM as
+    sitecustomize.py in `shim_dir` on PYTHONPATH, VLLM_LOGGING_LEVEL (unless set)."""
+    shim_dir.mkdir(parents=True, exist_ok=True)
+    (shim_dir / "sitecustomize.py").write_text(VLLM_SHIM)
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(shim_dir), env.get("PYTHONPATH")) if p)
+    env.setdefault("VLLM_LOGGING_LEVEL", log_level)
+    return env
+
 
 # ---- Hugging Face transformers ------------------------------------------------------------
 
@@ -144,9 +167,7 @@ def run_vllm(
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps(spec))
         log_path = Path(tmp) / "log.txt"
-        env = dict(os.environ)
-        env.pop("XLA_FLAGS", None)
-        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        env = vllm_env(Path(tmp) / "shim", "WARNING")
         with open(log_path, "w") as log:
             proc = subprocess.run(
                 [python, str(HERE / "vllm_throughput.py"), str(spec_path), str(out_path)],

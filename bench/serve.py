@@ -219,18 +219,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-VLLM_SHIM = """\
-# Written by bench/serve.py, on vLLM's PYTHONPATH only. The vLLM venv's torchvision /
-# torchaudio / torchcodec builds do not load with its torch, and transformers imports them when
-# they are found (vLLM's OpenAI server imports transformers' image and audio processors): marked
-# missing here, transformers skips them. Text-only serving needs none of them.
-import sys
-
-for _name in ("torchvision", "torchaudio", "torchcodec"):
-    sys.modules.setdefault(_name, None)
-"""
-
-
 class ServerProcess:
     """One server subprocess (its own process group), its log file and its health wait."""
 
@@ -361,17 +349,6 @@ def vllm_command(python: str, model: Model, engine: dict, port: int, seed: int) 
         "--uvicorn-log-level", "warning",
     ]  # fmt: skip
     return cmd
-
-
-def vllm_env(cache: Path) -> dict:
-    shim = cache / "vllm-shim"
-    shim.mkdir(parents=True, exist_ok=True)
-    (shim / "sitecustomize.py").write_text(VLLM_SHIM)
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(shim), env.get("PYTHONPATH")) if p)
-    env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
-    return env
 
 
 # ---- the client ---------------------------------------------------------------------------
@@ -810,7 +787,8 @@ class ServeBench:
             return f"vllm not importable with --vllm-python {a.vllm_python!r}"
         self.vllm_version = version
         cmd = vllm_command(a.vllm_python, model, engine, port, a.seed)
-        return ServerProcess(name, cmd, vllm_env(self.cache), port, log)
+        env = _baselines.vllm_env(self.cache / "vllm-shim", "INFO")
+        return ServerProcess(name, cmd, env, port, log)
 
     def _serve(self, name: str) -> dict:
         a = self.args
