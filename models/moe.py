@@ -78,15 +78,25 @@ def route(
 
 
 GROUPED_IMPLS = ("ragged_dot", "tiles")
-TILE_ROWS = 16  # the "tiles" implementation's smallest tile, and the multiple of every tile
+TILE_ROWS = 16  # the "tiles" implementation's tile multiple (but for small decodes, below)
+SMALL_TILE_ROWS = 2  # up to this many rows per expert, a tile of exactly that many
 
 
 def _tile_rows(num_rows: int, num_experts: int) -> int:
     """Rows per tile for M = num_rows rows over E experts: M / E rounded up to a multiple of
     TILE_ROWS. Then there are at most ceil(M / tile) + E <= 2E + 1 tiles, so each expert's
     weights are read at most a few times per step, and the padded rows at most E * tile,
-    about M: at most about twice the multiply work of M rows (decode: a tile of TILE_ROWS)."""
+    about M: at most about twice the multiply work of M rows.
+
+    A small decode (M / E <= SMALL_TILE_ROWS: 1 or 2 rows an expert, on average) gets tiles of
+    M / E rows: each tile's matmuls are then matrix-vector products, bound by reading its
+    expert, where a 16-row tile multiplied mostly padding. Measured on the CPU (D 256, F 512,
+    E 8, top-2, 4 layers, the MoE MLPs alone): batch 1 0.97 -> 0.42 ms, batch 8 3.9 -> 2.7 ms;
+    from 4 rows an expert (batch 32) smaller tiles read the experts more often and cost more.
+    """
     per_expert = -(-num_rows // num_experts)
+    if per_expert <= SMALL_TILE_ROWS:
+        return per_expert
     return max(TILE_ROWS, -(-per_expert // TILE_ROWS) * TILE_ROWS)
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from jaxserve.models import ModelArchConfig
-from jaxserve.models.moe import GROUPED_IMPLS, MoE, grouped_swiglu, route
+from jaxserve.models.moe import GROUPED_IMPLS, MoE, _tile_rows, grouped_swiglu, route
 from jaxserve.runner.xla_flags import CPU_YNN_FUSION_FLAG
 
 HERE = pathlib.Path(__file__).parent
@@ -50,9 +50,10 @@ MANY = np.random.default_rng(0).integers(0, E, (37, 2)).tolist()
     [
         [[3, 3], [3, 3], [3, 3]],  # all rows to the last expert, the others empty
         [[0], [0], [2]],  # k = 1, experts 1 and 3 empty
+        [[0, 1], [0, 2], [0, 3], [1, 0]],  # decode tiles of 2 rows: expert 0 spans two
         MANY,  # every expert, in both slots
     ],
-    ids=["one", "k1", "many"],
+    ids=["one", "k1", "small", "many"],
 )
 def test_grouped_swiglu_matches_reference(experts, impl):
     experts = jnp.asarray(experts, jnp.int32)
@@ -64,6 +65,11 @@ def test_grouped_swiglu_matches_reference(experts, impl):
     ours = jnp.einsum("TkD,Tk->TD", out, weights)
     ref = _reference(x, experts, weights, gate, up, down)
     np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-4)
+
+
+def test_tile_rows_small_decodes_get_matrix_vector_tiles():
+    assert [_tile_rows(m, 8) for m in (1, 2, 8, 9, 16)] == [1, 1, 1, 2, 2]  # M / E <= 2
+    assert [_tile_rows(m, 8) for m in (17, 64, 256, 257)] == [16, 16, 32, 48]
 
 
 def test_unknown_impl_is_refused():
