@@ -12,7 +12,7 @@ Two implementations of the grouped SwiGLU compute the same thing (GROUPED_IMPLS)
   "tiles"       a lax.scan over row tiles, each tile holding rows of one expert only (every
                 group padded to whole tiles), each multiplied by its expert's weights; tiles
                 past the used ones are skipped (lax.cond), so a step reads the weights of the
-                experts its rows route to, once per tile (see _tile_rows for the tile size).
+                experts its rows route to, once per tile (see tile_rows for the tile size).
 jax lowers ragged_dot for the CPU generically: it masks the rows per group and contracts over
 the expert axis too, so XLA:CPU multiplies every row by every expert's weights (E times the
 work of the grouped product, every expert read for any batch). The MoE block therefore picks
@@ -82,7 +82,7 @@ TILE_ROWS = 16  # the "tiles" implementation's tile multiple (but for small deco
 SMALL_TILE_ROWS = 2  # up to this many rows per expert, a tile of exactly that many
 
 
-def _tile_rows(num_rows: int, num_experts: int) -> int:
+def tile_rows(num_rows: int, num_experts: int) -> int:
     """Rows per tile for M = num_rows rows over E experts: M / E rounded up to a multiple of
     TILE_ROWS. Then there are at most ceil(M / tile) + E <= 2E + 1 tiles, so each expert's
     weights are read at most a few times per step, and the padded rows at most E * tile,
@@ -162,7 +162,7 @@ def _tiled_swiglu(
     down: jax.Array,  # [E, F, D]
     scales: Scales = None,
 ) -> jax.Array:  # [M, D]
-    """The grouped SwiGLU as a scan over tiles of `tile` rows (_tile_rows) of one expert each.
+    """The grouped SwiGLU as a scan over tiles of `tile` rows (tile_rows) of one expert each.
 
     Group e covers ceil(size_e / tile) tiles, numbered after the previous groups' (empty groups
     none), so at most ceil(M / tile) + min(E, M) tiles exist (a static bound: at most min(E, M)
@@ -173,7 +173,7 @@ def _tiled_swiglu(
     """
     del row_experts
     num_rows, num_experts = rows.shape[0], group_sizes.shape[0]
-    tile = _tile_rows(num_rows, num_experts)
+    tile = tile_rows(num_rows, num_experts)
     tiles_of = (group_sizes + tile - 1) // tile  # i32[E]
     tile_end = jnp.cumsum(tiles_of)  # i32[E]: one past each group's last tile
     row_start = jnp.cumsum(group_sizes) - group_sizes  # i32[E]: each group's first row

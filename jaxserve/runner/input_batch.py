@@ -66,20 +66,27 @@ class PreparedBatch:
         the null block only (every block-table entry 0): for warm-up's first runs, which an
         all-padding batch (no row, so no attention work) does not fully pay.
 
-        Rows 0 .. R-2 decode one token over a context of two pages (one when the width is
-        one page); the last row prefills the remaining tokens from position 0, up to the
-        width's capacity (tokens past it stay padding). Every row samples.
+        The first rows decode one token each over a context of two pages (one when the width
+        is one page), the next is a prefill chunk of the remaining tokens after a page of
+        context (as a chunked prefill or a prefix-cache hit continues), within the width's
+        capacity (tokens past it stay padding). R - 1 decodes when T > R; else (R = T) T // 2
+        of them, so that the chunk has several tokens too, and the last rows are padding.
         """
         t, r, capacity = padded_tokens, padded_rows, width * block_size
-        q_lens = np.ones(r, np.int32)
-        q_lens[-1] = min(t - (r - 1), capacity)
-        seq_lens = np.full(r, min(block_size + 1, capacity), np.int32)
-        seq_lens[-1] = q_lens[-1]
+        decodes = r - 1 if t > r else t // 2
+        q_lens = np.zeros(r, np.int32)
+        q_lens[:decodes] = 1
+        q_lens[decodes] = min(t - decodes, max(capacity - 1, 1))  # room for some context
+        seq_lens = np.zeros(r, np.int32)
+        seq_lens[:decodes] = min(block_size + 1, capacity)
+        seq_lens[decodes] = min(q_lens[decodes] + block_size, capacity)
         query_start_loc = np.zeros(r + 1, np.int32)
         query_start_loc[1:] = np.cumsum(q_lens)
         positions = np.zeros(t, np.int32)
-        positions[: r - 1] = seq_lens[:-1] - 1
-        positions[r - 1 : query_start_loc[-1]] = np.arange(q_lens[-1])
+        positions[:decodes] = seq_lens[:decodes] - 1
+        chunk = seq_lens[decodes] - q_lens[decodes]
+        positions[decodes : query_start_loc[-1]] = np.arange(chunk, seq_lens[decodes])
+        logits_indices = np.where(q_lens > 0, query_start_loc[1:] - 1, 0).astype(np.int32)
         zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
         return cls(
             req_ids=[],
@@ -91,8 +98,8 @@ class PreparedBatch:
             block_tables=zeros(r, width),
             seq_lens=seq_lens,
             query_start_loc=query_start_loc,
-            num_seqs=np.array([r], np.int32),
-            logits_indices=query_start_loc[1:] - 1,
+            num_seqs=np.array([decodes + 1], np.int32),
+            logits_indices=logits_indices,
             sampling_rows=np.zeros(0, bool),
         )
 

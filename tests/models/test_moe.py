@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from jaxserve.models import ModelArchConfig
-from jaxserve.models.moe import GROUPED_IMPLS, MoE, _tile_rows, grouped_swiglu, route
+from jaxserve.models.moe import GROUPED_IMPLS, MoE, grouped_swiglu, route, tile_rows
 from jaxserve.runner.xla_flags import CPU_YNN_FUSION_FLAG
 
 HERE = pathlib.Path(__file__).parent
@@ -68,8 +68,8 @@ def test_grouped_swiglu_matches_reference(experts, impl):
 
 
 def test_tile_rows_small_decodes_get_matrix_vector_tiles():
-    assert [_tile_rows(m, 8) for m in (1, 2, 8, 9, 16)] == [1, 1, 1, 2, 2]  # M / E <= 2
-    assert [_tile_rows(m, 8) for m in (17, 64, 256, 257)] == [16, 16, 32, 48]
+    assert [tile_rows(m, 8) for m in (1, 2, 8, 9, 16)] == [1, 1, 1, 2, 2]  # M / E <= 2
+    assert [tile_rows(m, 8) for m in (17, 64, 256, 257)] == [16, 16, 32, 48]
 
 
 def test_unknown_impl_is_refused():
