@@ -247,8 +247,10 @@ class ModelRunner:
 
         An all-padding batch has no rows, so it skips the attention work: after running on one,
         a bucket's first real step still took ~18 ms more than the next (20 ms, greedy or
-        sampled alike). So each step runs on PreparedBatch.null_block, whose rows decode and
-        prefill over the null block; after that, first steps took what later ones do.
+        sampled alike), and after a batch without a prefill chunk that follows cached context,
+        a bucket's first such chunk took 10-20 ms more. So each step runs on
+        PreparedBatch.null_block, whose rows decode and continue a prefill over the null
+        block; after that, first steps took what later ones do (docs/benchmarks.md, Serving).
 
         Runs after warmed_up is set, so that a compilation here would be reported as one.
         """
