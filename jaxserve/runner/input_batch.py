@@ -8,7 +8,7 @@ is rebuilt per step; prepare() gathers the rows of this step's batch with vector
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -87,20 +87,14 @@ class PreparedBatch:
         chunk = seq_lens[decodes] - q_lens[decodes]
         positions[decodes : query_start_loc[-1]] = np.arange(chunk, seq_lens[decodes])
         logits_indices = np.where(q_lens > 0, query_start_loc[1:] - 1, 0).astype(np.int32)
-        zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
-        return cls(
-            req_ids=[],
-            slots=zeros(0),
-            num_scheduled=zeros(0),
-            input_ids=zeros(t),
+        return replace(
+            cls.padding(t, r, width),
             positions=positions,
             slot_mapping=positions % block_size,  # block 0: the null block
-            block_tables=zeros(r, width),
             seq_lens=seq_lens,
             query_start_loc=query_start_loc,
             num_seqs=np.array([decodes + 1], np.int32),
             logits_indices=logits_indices,
-            sampling_rows=np.zeros(0, bool),
         )
 
 

@@ -204,7 +204,7 @@ class ModelRunner:
         Each is lowered and compiled ahead of time, ``workers`` at a time (threads: XLA
         compiles without the GIL), for the arguments of an all-padding batch. jax keeps the
         executables, and the engine's calls with the same shapes run them without tracing
-        again (tests/runner/test_warmup.py). Then each runs once on that batch (_run_once).
+        again (tests/runner/test_warmup.py). Then each runs once (_run_once).
 
         Returns the number of compilations this caused (fresh or loaded from the cache);
         compilations after it are explained in the log (step_compiles.py).
@@ -257,32 +257,29 @@ class ModelRunner:
         for t, r, b in shapes:
             batch = PreparedBatch.null_block(t, r, b, self.block_size)
             for widths in VARIANT_WIDTHS:
-                self.run_prepared(batch, self._padding_batch(t, r, b, widths)[1])
+                self.run_prepared(batch, self._neutral_sampling(r, widths))
         for n in self.copy_sizes:
             self.kv_caches = self._copy(self.kv_caches, *(np.zeros(n, np.int32),) * 2)
         jax.block_until_ready(self.kv_caches)
 
-    def _padding_batch(
-        self, padded_tokens: int, padded_rows: int, width: int, widths: tuple[int, int]
-    ) -> tuple[PreparedBatch, SamplingMetadata]:
-        """An all-padding batch of this bucket and its neutral sampling rows, with sampling
-        lists of ``widths`` (penalty, ban)."""
+    def _neutral_sampling(self, padded_rows: int, widths: tuple[int, int]) -> SamplingMetadata:
+        """Neutral sampling rows with sampling lists of ``widths`` (penalty, ban)."""
         penalty_width, ban_width = widths
-        md = SamplingMetadata.neutral(
+        return SamplingMetadata.neutral(
             padded_rows, self.vocab_size, penalty_width=penalty_width, ban_width=ban_width
         )
-        return PreparedBatch.padding(padded_tokens, padded_rows, width), md
 
     def _padding_step_inputs(
         self, padded_tokens: int, padded_rows: int, width: int, widths: tuple[int, int]
     ) -> tuple[Any, ...]:
-        """The step's arguments after params and KV pages for _padding_batch."""
-        batch, md = self._padding_batch(padded_tokens, padded_rows, width, widths)
+        """The step's arguments after params and KV pages for an all-padding batch of this
+        bucket, with sampling lists of ``widths``."""
+        batch = PreparedBatch.padding(padded_tokens, padded_rows, width)
         return (
             batch.input_ids,
             _attention_metadata(batch, self.rope_tables, self.kv_scales),
             batch.logits_indices,
-            md,
+            self._neutral_sampling(padded_rows, widths),
             np.full(padded_tokens, -1, np.int32),  # no prompt-logprob targets
         )
 
