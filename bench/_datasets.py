@@ -95,12 +95,14 @@ def sharegpt_like(
     max_prompt_len: int = MAX_PROMPT_LEN,
     max_total_len: int = MAX_TOTAL_LEN,
     seed: int = 0,
+    token_seed: int | None = None,
 ) -> Dataset:
     """ShareGPT-like lengths without the ShareGPT file: lognormal input and output lengths.
 
     Lengths are clipped (not resampled) to [MIN_LEN, max_prompt_len] and to a total of
     max_total_len, so the clipped means sit slightly below the requested ones; the summary
-    reports the drawn means.
+    reports the drawn means. ``token_seed`` draws the prompt tokens from a generator of their
+    own: the same lengths (the same work) with other prompts, which no prefix cache has seen.
     """
     rng = np.random.default_rng(seed)
     ins = np.clip(
@@ -108,8 +110,9 @@ def sharegpt_like(
     )
     outs = _lognormal_lengths(rng, num_requests, mean_output, sigma_output)
     outs = np.clip(outs, MIN_LEN, max_total_len - ins)
+    token_rng = rng if token_seed is None else np.random.default_rng(token_seed)
     requests = [
-        BenchRequest(_tokens(rng, int(i), vocab_size), int(o))
+        BenchRequest(_tokens(token_rng, int(i), vocab_size), int(o))
         for i, o in zip(ins, outs, strict=True)
     ]
     params = dict(
@@ -120,6 +123,7 @@ def sharegpt_like(
         max_prompt_len=max_prompt_len,
         max_total_len=max_total_len,
         seed=seed,
+        token_seed=token_seed,
     )
     return Dataset("sharegpt", requests, params)
 

@@ -11,10 +11,17 @@ warmed up with a few short requests, then driven at every request rate in turn:
                  sets the rates (default preset: fractions of jaxserve's, see --rate-fractions)
     rate r       request i sent at its arrival time of a seeded Poisson process of rate r
                  (bench/_jaxserve_runs.poisson_arrivals); the same arrivals for both servers
+    search       then, per server, a bisection for the highest rate it sustains with p99 TTFT
+                 <= 2 s (--search-steps runs between the grid's last passing and first failing
+                 rate; sustained_rate below)
 
-The client (this process; httpx, or httpx2 where httpx is not installed) runs one asyncio task
-per request; every request and every run is bounded by a timeout. Measured per request, from
-the moment its POST is sent:
+Every run sends prompts of its own: the same lengths (the same work) with other token ids
+(_datasets.sharegpt_like's token_seed, from the run's key), identical for both servers at a
+rate, so that no run reads a prefix cache that an earlier run filled (the workload has no
+shared prefixes). The client (this process, aiohttp, as vLLM's `bench serve`: a third of
+httpx's CPU per streamed chunk, which matters on a machine the servers share) runs one asyncio
+task per request; every request and every run is bounded by a timeout. Measured per request,
+from the moment its POST is sent:
 
     TTFT   until the first streamed chunk carrying a choice (its text may be empty)
     ITL    the gaps between consecutive choice chunks, each divided by the tokens per gap of
@@ -31,7 +38,7 @@ served-at-saturation / offline throughput shows what serving costs: --overhead-r
 an offline run and a saturation run, back to back, and the median of their ratios (the machine's
 speed drifts between runs minutes apart by more than serving costs).
 
-    python bench/serve.py                        # llama-57m, jaxserve + vLLM, ~20 min
+    python bench/serve.py                        # llama-57m, jaxserve + vLLM, ~25 min
     python bench/serve.py --preset queueing      # the same with max_num_seqs 32: a queue forms
     python bench/serve.py --preset tiny --vllm-python ''    # built-in tiny model, < 2 min
     python bench/serve.py --rates 0.5,1,2 --num-requests 64 --plot
@@ -60,6 +67,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -103,6 +111,8 @@ class ServePreset:
     # served / offline goal is the median of those pairs (the 2-core machine's speed drifts by
     # 10-20% between runs minutes apart, more than what serving costs).
     overhead_repeats: int = 3
+    # Bisection runs per server for its sustained rate, after the grid (0: the grid alone).
+    search_steps: int = 3
 
 
 PRESETS = {
@@ -127,6 +137,7 @@ PRESETS = {
         engine=dict(throughput.PRESETS["default"].engine, max_num_seqs=32),
         num_requests=96,
         rate_fractions=(0.5, 0.75, 1.0, 1.25, 1.5, 2.0),
+        overhead_repeats=5,
         output="serve_queueing.json",
     ),
     # For tests/bench: the built-in demo model, a handful of short requests, one rate.
@@ -145,6 +156,7 @@ PRESETS = {
         rates=(8.0,),
         servers=("jaxserve",),
         overhead_repeats=1,
+        search_steps=0,
         output="serve_tiny.json",
     ),
 }
@@ -354,18 +366,6 @@ def vllm_command(python: str, model: Model, engine: dict, port: int, seed: int) 
 # ---- the client ---------------------------------------------------------------------------
 
 
-def _http_client_module():
-    """httpx, or httpx2 (the fork the installed openai uses) where httpx is not installed."""
-    try:
-        import httpx
-
-        return httpx
-    except ImportError:
-        import httpx2
-
-        return httpx2
-
-
 @dataclass
 class RequestRecord:
     """One request of a run; times are seconds from the run's start."""
@@ -389,17 +389,17 @@ class RequestRecord:
         return self.error is None and self.completion_tokens == self.output_len
 
 
-async def _stream_one(client, url: str, body: dict, rec: RequestRecord, times: list) -> None:
-    async with client.stream("POST", url, json=body) as resp:
-        if resp.status_code != 200:
-            text = (await resp.aread()).decode(errors="replace")
-            rec.error = f"HTTP {resp.status_code}: {text[:300]}"
+async def _stream_one(session, url: str, body: dict, rec: RequestRecord, times: list) -> None:
+    async with session.post(url, json=body) as resp:
+        if resp.status != 200:
+            text = (await resp.read()).decode(errors="replace")
+            rec.error = f"HTTP {resp.status}: {text[:300]}"
             return
-        async for line in resp.aiter_lines():
-            if not line.startswith("data:"):
+        async for line in resp.content:  # one line of the event stream at a time
+            if not line.startswith(b"data:"):
                 continue
             data = line[5:].strip()
-            if data == "[DONE]":
+            if data == b"[DONE]":
                 return
             obj = json.loads(data)
             if "error" in obj:
@@ -467,16 +467,17 @@ async def _run_load(
 ) -> tuple[list[RequestRecord], list[float], float]:
     """Every request at its arrival time (one task each). Returns (records, ITL samples (s),
     elapsed from the start to the last finish)."""
-    httpx = _http_client_module()
+    import aiohttp
+
     url = f"{base_url}/v1/completions"
     records = [
         RequestRecord(i, r.prompt_len, max_tokens[i] if max_tokens else r.output_len, float(a))
         for i, (r, a) in enumerate(zip(requests, arrivals, strict=True))
     ]
     itl: list[float] = []
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    timeout = httpx.Timeout(request_timeout_s, connect=60.0)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+    connector = aiohttp.TCPConnector(limit=0)  # no connection cap: one per request in flight
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=60.0)  # _one bounds each request
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
         t0 = time.perf_counter() + 0.05  # every task is created before the first send
         tasks = [
             asyncio.ensure_future(
@@ -539,9 +540,10 @@ def summarize(rate: float, records: list[RequestRecord], itl: list[float], elaps
 
 
 def offline_worker(spec_path: str) -> None:
-    """jaxserve's LLM.generate on the spec's requests: built (warm-up on), one short untimed
-    generate, then one timed generate of all requests per line read from stdin. Prints
-    "READY {json}" once built, then "RESULT {json}" per run (stdout carries nothing else)."""
+    """jaxserve's LLM.generate: built (warm-up on), one short untimed generate of the spec's
+    warm-up requests, then one timed generate per line read from stdin (a JSON list of
+    [prompt token ids, output length]). Prints "READY {json}" once built, then "RESULT {json}"
+    per run (stdout carries nothing else)."""
     from jaxserve import LLM, SamplingParams
 
     spec = json.loads(Path(spec_path).read_text())
@@ -562,19 +564,19 @@ def offline_worker(spec_path: str) -> None:
         **kw,
     )
     startup = time.perf_counter() - t0
-    reqs = spec["requests"]
 
     def params(n: int) -> SamplingParams:
         return SamplingParams(max_tokens=n, ignore_eos=True, temperature=spec["temperature"])
 
-    warm = reqs[:4]
+    warm = spec["warmup"]
     llm.generate(
         [{"prompt_token_ids": p} for p, _ in warm],
-        [params(min(n, 8)) for _, n in warm],
+        [params(n) for _, n in warm],
         use_tqdm=False,
     )
     print("READY " + json.dumps({"startup_s": startup}), flush=True)
-    for _ in sys.stdin:
+    for line in sys.stdin:
+        reqs = json.loads(line)
         t0 = time.perf_counter()
         outs = llm.generate(
             [{"prompt_token_ids": p} for p, _ in reqs],
@@ -599,9 +601,9 @@ def offline_worker(spec_path: str) -> None:
 
 class OfflineWorker:
     """The offline_worker subprocess: started once (its engine built and warmed up), then
-    asked for timed runs of all requests, interleaved with the served runs."""
+    asked for timed runs of a request set, interleaved with the served runs."""
 
-    def __init__(self, model: Model, engine: dict, requests, args) -> None:
+    def __init__(self, model: Model, engine: dict, warmup: list[tuple[list[int], int]], args):
         self.args = args
         self._tmp = tempfile.TemporaryDirectory(prefix="serve-offline-")
         spec_path = Path(self._tmp.name) / "spec.json"
@@ -612,7 +614,7 @@ class OfflineWorker:
             "compilation_cache_dir": str(Path(args.cache) / "jax"),
             "seed": args.seed,
             "temperature": args.temperature,
-            "requests": [[r.prompt_token_ids, r.output_len] for r in requests],
+            "warmup": warmup,
         }
         spec_path.write_text(json.dumps(spec))
         self.log = Path(args.log_dir) / "offline.log"
@@ -628,9 +630,10 @@ class OfflineWorker:
         )
         self.startup_s = self._read("READY", args.startup_timeout)["startup_s"]
 
-    def run(self) -> dict:
-        """One timed LLM.generate of all requests."""
-        self.proc.stdin.write("run\n")
+    def run(self, requests: list[_datasets.BenchRequest]) -> dict:
+        """One timed LLM.generate of `requests`."""
+        line = json.dumps([[r.prompt_token_ids, r.output_len] for r in requests])
+        self.proc.stdin.write(line + "\n")
         self.proc.stdin.flush()
         result = self._read("RESULT", self.args.run_timeout)
         result["loadavg_after"] = loadavg()
@@ -706,11 +709,9 @@ class ServeBench:
         self.args, self.preset = args, preset
         self.cache = Path(args.cache)
         self.model = prepare_model(preset, self.cache)
-        n = args.num_requests or preset.num_requests
-        self.dataset = _datasets.sharegpt_like(
-            n, self.model.vocab_size, seed=args.seed, **preset.dataset_kw
-        )
-        self.requests = self.dataset.requests
+        self.num_requests = args.num_requests or preset.num_requests
+        self.dataset = self._draw(None)  # the lengths every run shares (its summary)
+        self._request_sets: dict[str, list[_datasets.BenchRequest]] = {}
         self.rates: list[float] | None = list(args.rates) if args.rates else None
         self.servers: dict[str, dict] = {}
         self.offline: dict | None = None
@@ -718,6 +719,26 @@ class ServeBench:
         self.notes: list[str] = []
         self.load = {"start": loadavg()}
         self.wall_s: float | None = None
+
+    # -- request sets --
+
+    def _draw(self, token_seed: int | None) -> _datasets.Dataset:
+        return _datasets.sharegpt_like(
+            self.num_requests,
+            self.model.vocab_size,
+            seed=self.args.seed,
+            token_seed=token_seed,
+            **self.preset.dataset_kw,
+        )
+
+    def request_set(self, key: str) -> list[_datasets.BenchRequest]:
+        """The requests of the run named `key`: the shared lengths with prompts of their own,
+        the same for every server (see the module docstring)."""
+        if key not in self._request_sets:
+            entropy = [self.args.seed, zlib.crc32(key.encode())]
+            token_seed = int(np.random.SeedSequence(entropy).generate_state(1)[0])
+            self._request_sets[key] = self._draw(token_seed).requests
+        return self._request_sets[key]
 
     # -- stages --
 
@@ -730,15 +751,16 @@ class ServeBench:
                 self.servers[name] = self._serve(name)
                 self.save(partial=True)
             if self.offline_worker is not None:  # no pairs were run: one offline run alone
-                self._offline_run()
+                self._offline_run(_saturation_key(0))
         finally:
             self._stop_offline()
         self.load["end"] = loadavg()
 
     def _start_offline(self) -> None:
         print("offline: jaxserve LLM.generate (subprocess, warm-up on) ...", flush=True)
+        warm = [[r.prompt_token_ids, min(r.output_len, 8)] for r in self._warm_up_requests()]
         try:
-            worker = OfflineWorker(self.model, self.preset.engine, self.requests, self.args)
+            worker = OfflineWorker(self.model, self.preset.engine, warm, self.args)
         except Exception as e:  # recorded; the served runs still go ahead
             print(f"offline: FAILED: {e!r}"[:2000], flush=True)
             self.offline = {"error": repr(e)[-2000:]}
@@ -747,17 +769,19 @@ class ServeBench:
         self.offline = {"startup_s": worker.startup_s, "runs": []}
         print(f"  offline engine ready after {worker.startup_s:.0f} s", flush=True)
 
-    def _offline_run(self) -> dict | None:
-        """One timed offline run; the first one's numbers are also the offline figures."""
+    def _offline_run(self, key: str) -> dict | None:
+        """One timed offline run of request set `key`; the first one's numbers are also the
+        offline figures."""
         if self.offline_worker is None:
             return None
         try:
-            run = self.offline_worker.run()
+            run = self.offline_worker.run(self.request_set(key))
         except Exception as e:
             print(f"offline: FAILED: {e!r}"[:2000], flush=True)
             self.offline["error"] = repr(e)[-2000:]
             self._stop_offline()
             return None
+        run["request_set"] = key
         if not self.offline["runs"]:
             self.offline.update(run)
         self.offline["runs"].append(run)
@@ -817,6 +841,7 @@ class ServeBench:
                 self.rates = self._choose_rates(info["runs"][0])
                 print(f"  rates (req/s): {self.rates}", flush=True)
             info["runs"].extend(self._run_rate(server, r) for r in self.rates)
+            self._search(server, info)
         except Exception as e:  # recorded (the other server still runs)
             print(f"{name}: FAILED: {e!r}"[:3000], flush=True)
             info["error"] = repr(e)[-3000:]
@@ -833,11 +858,11 @@ class ServeBench:
         if self.offline_worker is None or repeats < 1:
             return
         pairs = info["overhead_pairs"] = []
-        for _ in range(repeats):
-            off = self._offline_run()
+        for j in range(repeats):
+            off = self._offline_run(_saturation_key(j))
             if off is None:
                 break
-            served = self._run_rate(server, INF)
+            served = self._run_rate(server, INF, _saturation_key(j))
             if not info["runs"]:
                 info["runs"].append(served)
             pairs.append(
@@ -856,9 +881,22 @@ class ServeBench:
         self.rate_base = {"requests_per_s": base}
         return sorted({_round_rate(f * base) for f in self.args.rate_fractions})
 
+    def _search(self, server: ServerProcess, info: dict) -> None:
+        """Up to --search-steps runs bisecting the server's sustained rate (next_search_rate)."""
+        for _ in range(self.args.search_steps):
+            rate = next_search_rate(_by_rate(info["runs"]))
+            if rate is None:
+                break
+            run = self._run_rate(server, rate)
+            run["search"] = True
+            info["runs"].append(run)
+
+    def _warm_up_requests(self) -> list[_datasets.BenchRequest]:
+        return self.request_set("warm-up")[:4]
+
     def _warm_up(self, server: ServerProcess) -> None:
         """A few short requests, untimed (connections, first-request paths)."""
-        warm = self.requests[:4]
+        warm = self._warm_up_requests()
         records, _, _ = asyncio.run(
             _run_load(
                 server.base_url,
@@ -874,15 +912,19 @@ class ServeBench:
         if bad:
             raise RuntimeError(f"{server.name}: warm-up requests failed: {bad[:2]}")
 
-    def _run_rate(self, server: ServerProcess, rate: float) -> dict:
+    def _run_rate(self, server: ServerProcess, rate: float, key: str | None = None) -> dict:
+        """One run at `rate` of request set `key` (default: the first saturation set at inf,
+        else the rate's own)."""
         a = self.args
-        arrivals = poisson_arrivals(len(self.requests), rate, a.seed)
+        key = key or (_saturation_key(0) if rate == INF else f"rate-{rate:g}")
+        requests = self.request_set(key)
+        arrivals = poisson_arrivals(len(requests), rate, a.seed)
         load_before = loadavg()
         cpu_before, client_before = group_cpu_seconds(server.proc.pid), _own_cpu_seconds()
         records, itl, elapsed = asyncio.run(
             _run_load(
                 server.base_url,
-                self.requests,
+                requests,
                 arrivals,
                 temperature=a.temperature,
                 request_timeout_s=a.request_timeout,
@@ -890,6 +932,7 @@ class ServeBench:
             )
         )
         s = summarize(rate, records, itl, elapsed)
+        s["request_set"] = key
         s["loadavg_before"], s["loadavg_after"] = load_before, loadavg()
         s["cpu_s"] = _cpu_delta(cpu_before, group_cpu_seconds(server.proc.pid))
         s["cpu_s"]["client"] = _own_cpu_seconds() - client_before
@@ -932,12 +975,15 @@ class ServeBench:
                 "kv_note": "num_kv_blocks usable blocks on both: jaxserve --num-kv-blocks N+1 "
                 "(its null block), vLLM --kv-cache-memory-bytes N x block_size x KV bytes/token",
                 "dataset": self.dataset.summary(),
-                "num_requests": len(self.requests),
+                "request_sets": "each run its own prompts: these lengths, tokens drawn with "
+                "token_seed from the run's key (request_set of a run), the same on both servers",
+                "num_requests": self.num_requests,
                 "rates": self.rates,
                 "rate_fractions": None if self.args.rates else list(self.args.rate_fractions),
                 "rate_base": getattr(self, "rate_base", None),
                 "temperature": self.args.temperature,
                 "overhead_repeats": self.args.overhead_repeats,
+                "search_steps": self.args.search_steps,
                 "ignore_eos": True,
                 "seed": self.args.seed,
                 "request_timeout_s": self.args.request_timeout,
@@ -974,35 +1020,80 @@ def _log_facts(log: str) -> dict:
 
 
 def _client_version() -> str:
-    mod = _http_client_module()
-    return f"{mod.__name__} {getattr(mod, '__version__', '?')}"
+    import aiohttp
+
+    return f"aiohttp {aiohttp.__version__}"
+
+
+def _saturation_key(j: int) -> str:
+    return f"saturation-{j}"
+
+
+def _by_rate(runs: list[dict]) -> dict[float, dict]:
+    """Runs by rate; of several at one rate (the saturation pairs), the first."""
+    out: dict[float, dict] = {}
+    for r in runs:
+        out.setdefault(r["rate"], r)
+    return out
 
 
 def _runs(report: dict, server: str) -> dict[float, dict]:
     info = report["servers"].get(server) or {}
-    return {r["rate"]: r for r in info.get("runs", [])}
+    return _by_rate(info.get("runs", []))
 
 
-def max_rate_within_slo(runs: dict[float, dict]) -> float | None:
-    """The highest rate tested (inf included) whose p99 TTFT <= the SLO, with every request
-    completed."""
-    ok = [
-        rate
-        for rate, s in runs.items()
-        if s["failed"] == 0
-        and s["ttft_ms_p99"] is not None
-        and s["ttft_ms_p99"] <= TTFT_SLO_S * 1e3
-    ]
-    return max(ok) if ok else None
+def meets_slo(s: dict) -> bool:
+    """Every request completed and p99 TTFT <= the SLO."""
+    p99 = s["ttft_ms_p99"]
+    return s["failed"] == 0 and p99 is not None and p99 <= TTFT_SLO_S * 1e3
+
+
+def slo_bracket(runs: dict[float, dict]) -> tuple[float | None, float | None]:
+    """(lo, hi): hi the lowest rate tested (inf included) that misses the SLO, lo the highest
+    tested below hi that meets it; None where there is none."""
+    missed = [rate for rate, s in runs.items() if not meets_slo(s)]
+    hi = min(missed) if missed else None
+    met = [rate for rate, s in runs.items() if meets_slo(s) and (hi is None or rate < hi)]
+    return (max(met) if met else None), hi
+
+
+def sustained_rate(runs: dict[float, dict]) -> float | None:
+    """The highest rate tested at which the SLO holds, and holds at every lower rate tested (a
+    noisy pass above a miss does not count)."""
+    return slo_bracket(runs)[0]
+
+
+SEARCH_REL_TOL = 0.03  # stop bisecting once the bracket is this narrow
+
+
+def next_search_rate(runs: dict[float, dict]) -> float | None:
+    """The next rate of the bisection for sustained_rate (three significant digits): the middle
+    of slo_bracket, twice lo while only inf missed, half hi while nothing met; None once the
+    bracket is narrower than SEARCH_REL_TOL, or nothing missed, or no finite rate was run."""
+    lo, hi = slo_bracket(runs)
+    if hi is None:
+        return None  # met everywhere, all-at-once included: nothing to find
+    if lo is None:
+        mid = hi / 2 if math.isfinite(hi) else None
+    elif not math.isfinite(hi):
+        mid = 2 * lo
+    elif hi / lo - 1 <= SEARCH_REL_TOL:
+        return None
+    else:
+        mid = (lo + hi) / 2
+    if mid is None:
+        return None
+    mid = float(f"{mid:.3g}")
+    if mid in runs or mid <= (lo or 0.0) or mid >= hi:
+        return None  # rounding reached the bracket's ends
+    return mid
 
 
 def compare(report: dict) -> dict:
     js, vl = _runs(report, "jaxserve"), _runs(report, "vllm")
     out: dict = {
-        "max_rate_p99_ttft_le_2s": {
-            name: max_rate_within_slo(runs)
-            for name, runs in (("jaxserve", js), ("vllm", vl))
-            if runs
+        "sustained_rate": {
+            name: sustained_rate(runs) for name, runs in (("jaxserve", js), ("vllm", vl)) if runs
         },
         "per_rate": [],
     }
@@ -1065,7 +1156,7 @@ def goals(report: dict) -> list[dict]:
         c.get("served_saturation_over_offline"),
         GOAL_SERVED_OVER_OFFLINE,
     )
-    rates = c["max_rate_p99_ttft_le_2s"]
+    rates = c["sustained_rate"]
     ratio = None
     if "jaxserve" in rates and "vllm" in rates:
         j, v = rates["jaxserve"], rates["vllm"]
@@ -1074,7 +1165,7 @@ def goals(report: dict) -> list[dict]:
         elif j:
             ratio = INF  # vLLM met the SLO at no rate tested, jaxserve at some
     goal(
-        f"highest rate with p99 TTFT <= {TTFT_SLO_S:g} s: jaxserve / vLLM",
+        f"sustained rate (p99 TTFT <= {TTFT_SLO_S:g} s there and below): jaxserve / vLLM",
         ratio,
         GOAL_RATE_RATIO,
     )
@@ -1140,7 +1231,7 @@ def print_table(report: dict) -> None:
         f"{report['machine']['loadavg'].get('end')}"
     )
     head = (
-        f"{'server':8s} {'rate':>5s} {'ok':>7s} {'req/s':>6s} {'out tok/s':>9s} "
+        f"{'server':8s} {'rate':>6s} {'ok':>7s} {'req/s':>6s} {'out tok/s':>9s} "
         f"{'ttft p50':>8s} {'ttft p99':>8s} {'itl p50':>8s} {'itl p99':>8s} "
         f"{'e2e p50':>8s} {'e2e p99':>8s} {'tok/chk':>7s}"
     )
@@ -1151,8 +1242,9 @@ def print_table(report: dict) -> None:
             continue
         runs = sorted(info.get("runs", []), key=lambda r: r["rate"])
         for r in runs:
+            rate = _rate_str(r["rate"]) + ("*" if r.get("search") else "")
             print(
-                f"{name:8s} {_rate_str(r['rate']):>5s} "
+                f"{name:8s} {rate:>6s} "
                 f"{r['tokens_match']:>3d}/{r['num_requests']:<3d} {_num(r['requests_per_s'])} "
                 f"{_num(r['output_tokens_per_s'], 9, 1)} {_ms(r['ttft_ms_p50'])} "
                 f"{_ms(r['ttft_ms_p99'])} {_ms(r['itl_ms_p50'])} {_ms(r['itl_ms_p99'])} "
@@ -1160,7 +1252,10 @@ def print_table(report: dict) -> None:
             )
         if info.get("error"):
             print(f"{name:8s} FAILED: {info['error'][:300]}")
-    print("(times in ms; ok = requests that got exactly the tokens asked for)")
+    print(
+        "(times in ms; ok = requests that got exactly the tokens asked for; * a run of the "
+        "sustained-rate search)"
+    )
     off = report.get("offline") or {}
     c = report["comparison"]
     if off.get("output_tokens_per_s"):
@@ -1172,9 +1267,9 @@ def print_table(report: dict) -> None:
             f"{_num(ratio, 1, 2).strip()}"
             + (f" (median of {' '.join(f'{r:.2f}' for r in pairs)})" if len(pairs) > 1 else "")
         )
-    rates = c["max_rate_p99_ttft_le_2s"]
+    rates = c["sustained_rate"]
     print(
-        f"highest rate with p99 TTFT <= {TTFT_SLO_S:g} s: "
+        f"sustained rate (p99 TTFT <= {TTFT_SLO_S:g} s there and at every lower rate run): "
         + ", ".join(f"{k} {_rate_str(v) if v is not None else 'none'}" for k, v in rates.items())
     )
     for row in c["per_rate"]:
@@ -1211,6 +1306,7 @@ def plot(report: dict, output: Path) -> Path:
         for r in info.get("runs", [])
         if r["rate"] not in (INF, "inf")
     ]
+    grid = [r for r in report["settings"]["rates"] or [] if r not in (INF, "inf")]
     inf_x = (max(finite) * 1.3) if finite else 1.0
     fig, (ax_t, ax_p) = plt.subplots(1, 2, figsize=(12, 4.6))
     for name, info in report["servers"].items():
@@ -1233,7 +1329,7 @@ def plot(report: dict, output: Path) -> Path:
     ax_p.set_ylabel("output tokens/s")
     for ax in (ax_t, ax_p):
         ax.set_xlabel("request rate (req/s); rightmost: all at once")
-        ticks = sorted(set(finite)) + [inf_x]
+        ticks = sorted(set(grid)) + [inf_x]  # the search's rates are points between them
         ax.set_xticks(ticks)
         ax.set_xticklabels([f"{t:g}" for t in ticks[:-1]] + ["inf"])
         ax.grid(alpha=0.3)
@@ -1281,6 +1377,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         help="offline + saturation run pairs for the served / offline goal (preset's default)",
     )
+    p.add_argument(
+        "--search-steps",
+        type=int,
+        help="bisection runs per server for its sustained rate (preset's default; 0: none)",
+    )
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds, per request")
@@ -1308,6 +1409,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.rate_fractions = list(preset.rate_fractions)
     if args.overhead_repeats is None:
         args.overhead_repeats = preset.overhead_repeats
+    if args.search_steps is None:
+        args.search_steps = preset.search_steps
     args.output = Path(args.output) if args.output else RESULTS / preset.output
     if args.plot is not None:
         args.plot = Path(args.plot) if args.plot else args.output.with_suffix(".png")

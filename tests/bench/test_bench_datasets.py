@@ -33,6 +33,20 @@ def test_sharegpt_like_is_seeded():
     assert a == b
 
 
+def test_sharegpt_like_token_seed_keeps_the_lengths_and_draws_other_prompts():
+    base = _datasets.sharegpt_like(16, VOCAB, seed=3).requests
+    a = _datasets.sharegpt_like(16, VOCAB, seed=3, token_seed=11).requests
+    b = _datasets.sharegpt_like(16, VOCAB, seed=3, token_seed=12).requests
+    for x, y, z in zip(base, a, b, strict=True):
+        assert x.prompt_len == y.prompt_len == z.prompt_len
+        assert x.output_len == y.output_len == z.output_len
+    # Other prompts: no request shares its first block-sized prefix with another set's.
+    sets = (base, a, b)
+    firsts = [{tuple(r.prompt_token_ids[:16]) for r in s if r.prompt_len >= 16} for s in sets]
+    assert not (firsts[0] & firsts[1]) and not (firsts[1] & firsts[2]) and firsts[1]
+    assert a == _datasets.sharegpt_like(16, VOCAB, seed=3, token_seed=11).requests
+
+
 @pytest.mark.parametrize("ratio", [0.0, 0.5])
 def test_random_fixed_range_ratio(ratio):
     ds = _datasets.random_fixed(200, VOCAB, input_len=100, output_len=40, range_ratio=ratio)
