@@ -38,7 +38,7 @@ served-at-saturation / offline throughput shows what serving costs: --overhead-r
 an offline run and a saturation run, back to back, and the median of their ratios (the machine's
 speed drifts between runs minutes apart by more than serving costs).
 
-    python bench/serve.py                        # llama-57m, jaxserve + vLLM, ~25 min
+    python bench/serve.py                        # llama-57m, jaxserve + vLLM, ~30 min
     python bench/serve.py --preset queueing      # the same with max_num_seqs 32: a queue forms
     python bench/serve.py --preset tiny --vllm-python ''    # built-in tiny model, < 2 min
     python bench/serve.py --rates 0.5,1,2 --num-requests 64 --plot
