@@ -68,9 +68,10 @@ import time
 import urllib.error
 import urllib.request
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+import aiohttp
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
@@ -89,6 +90,7 @@ DEFAULT_VLLM_PYTHON = throughput.DEFAULT_VLLM_PYTHON
 SERVERS = ("jaxserve", "vllm")
 SERVED_NAME = "bench"  # --served-model-name of both servers
 TTFT_SLO_S = 2.0
+WARM_UP_MAX_TOKENS = 8
 GOAL_SERVED_OVER_OFFLINE = 0.90
 GOAL_RATE_RATIO = 1.5
 INF = float("inf")
@@ -443,11 +445,11 @@ async def _one(client, url, body, rec, t0, timeout_s, itl_out: list) -> None:
             itl_out.extend(np.diff(times) / per_gap)
 
 
-def _body(req: _datasets.BenchRequest, temperature: float, max_tokens: int | None = None) -> dict:
+def _body(req: _datasets.BenchRequest, temperature: float) -> dict:
     return {
         "model": SERVED_NAME,
         "prompt": req.prompt_token_ids,
-        "max_tokens": max_tokens or req.output_len,
+        "max_tokens": req.output_len,
         "ignore_eos": True,
         "temperature": temperature,
         "stream": True,
@@ -463,15 +465,12 @@ async def _run_load(
     temperature: float,
     request_timeout_s: float,
     run_timeout_s: float,
-    max_tokens: list[int] | None = None,
 ) -> tuple[list[RequestRecord], list[float], float]:
     """Every request at its arrival time (one task each). Returns (records, ITL samples (s),
     elapsed from the start to the last finish)."""
-    import aiohttp
-
     url = f"{base_url}/v1/completions"
     records = [
-        RequestRecord(i, r.prompt_len, max_tokens[i] if max_tokens else r.output_len, float(a))
+        RequestRecord(i, r.prompt_len, r.output_len, float(a))
         for i, (r, a) in enumerate(zip(requests, arrivals, strict=True))
     ]
     itl: list[float] = []
@@ -484,7 +483,7 @@ async def _run_load(
                 _one(
                     client,
                     url,
-                    _body(r, temperature, rec.output_len),
+                    _body(r, temperature),
                     rec,
                     t0,
                     request_timeout_s,
@@ -758,7 +757,7 @@ class ServeBench:
 
     def _start_offline(self) -> None:
         print("offline: jaxserve LLM.generate (subprocess, warm-up on) ...", flush=True)
-        warm = [[r.prompt_token_ids, min(r.output_len, 8)] for r in self._warm_up_requests()]
+        warm = [[r.prompt_token_ids, r.output_len] for r in self._warm_up_requests()]
         try:
             worker = OfflineWorker(self.model, self.preset.engine, warm, self.args)
         except Exception as e:  # recorded; the served runs still go ahead
@@ -892,7 +891,11 @@ class ServeBench:
             info["runs"].append(run)
 
     def _warm_up_requests(self) -> list[_datasets.BenchRequest]:
-        return self.request_set("warm-up")[:4]
+        """Four short requests (at most WARM_UP_MAX_TOKENS each), prompts of their own."""
+        return [
+            replace(r, output_len=min(r.output_len, WARM_UP_MAX_TOKENS))
+            for r in self.request_set("warm-up")[:4]
+        ]
 
     def _warm_up(self, server: ServerProcess) -> None:
         """A few short requests, untimed (connections, first-request paths)."""
@@ -905,7 +908,6 @@ class ServeBench:
                 temperature=self.args.temperature,
                 request_timeout_s=self.args.request_timeout,
                 run_timeout_s=self.args.request_timeout,
-                max_tokens=[min(r.output_len, 8) for r in warm],
             )
         )
         bad = [r.error for r in records if r.error]
@@ -1020,8 +1022,6 @@ def _log_facts(log: str) -> dict:
 
 
 def _client_version() -> str:
-    import aiohttp
-
     return f"aiohttp {aiohttp.__version__}"
 
 
@@ -1071,18 +1071,16 @@ def next_search_rate(runs: dict[float, dict]) -> float | None:
     of slo_bracket, twice lo while only inf missed, half hi while nothing met; None once the
     bracket is narrower than SEARCH_REL_TOL, or nothing missed, or no finite rate was run."""
     lo, hi = slo_bracket(runs)
-    if hi is None:
-        return None  # met everywhere, all-at-once included: nothing to find
+    if hi is None or (lo is None and not math.isfinite(hi)):
+        return None  # met everywhere (nothing to find), or only all-at-once was run
     if lo is None:
-        mid = hi / 2 if math.isfinite(hi) else None
+        mid = hi / 2
     elif not math.isfinite(hi):
         mid = 2 * lo
     elif hi / lo - 1 <= SEARCH_REL_TOL:
         return None
     else:
         mid = (lo + hi) / 2
-    if mid is None:
-        return None
     mid = float(f"{mid:.3g}")
     if mid in runs or mid <= (lo or 0.0) or mid >= hi:
         return None  # rounding reached the bracket's ends
