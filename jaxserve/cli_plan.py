@@ -38,6 +38,7 @@ from jaxserve.config import (
 EXIT_FITS = 0
 EXIT_DOES_NOT_FIT = 1
 EXIT_BAD_INPUT = 2
+MAX_DEVICE_GIB = 2**20  # 1 PiB: far above any one device, far below a float's overflow
 PLATFORMS = ("cpu", "gpu", "tpu")
 GIB = 1 << 30
 
@@ -221,6 +222,8 @@ def _flag_device_bytes(gib: float | None) -> int | None:
         return None
     if not math.isfinite(gib) or gib <= 0:
         raise PlanInputError(f"--device-memory-gb must be a number > 0, got {gib}")
+    if gib > MAX_DEVICE_GIB:  # (1e300 GiB is no device, and int(gib * GIB) overflows)
+        raise PlanInputError(f"--device-memory-gb must be at most {MAX_DEVICE_GIB}, got {gib}")
     device_bytes = int(gib * GIB)
     if device_bytes < 1:
         raise PlanInputError(f"--device-memory-gb {gib} is under one byte")

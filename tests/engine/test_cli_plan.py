@@ -152,6 +152,7 @@ def test_fp8_kv_cache_doubles_the_kv_tokens(
     [
         (["--device-memory-gb", "0"], "--device-memory-gb must be a number > 0, got 0.0"),
         (["--device-memory-gb", "nan"], "--device-memory-gb must be a number > 0"),
+        (["--device-memory-gb", "1e300"], "--device-memory-gb must be at most 1048576, got 1e+300"),
         (["--gpu-memory-utilization", "1.5"], r"gpu_memory_utilization must be in (0, 1], got 1.5"),
         (["--block-size", "0"], "CacheConfig.block_size must be >= 1, got 0"),
         (["--max-model-len", "9000"], "max_model_len=9000 exceeds the model's"),
