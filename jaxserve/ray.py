@@ -36,9 +36,12 @@ import logging
 import math
 import secrets
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # pragma: no cover
+    from jaxserve.config import EngineConfig
 
 logger = logging.getLogger("jaxserve")
 
@@ -71,6 +74,34 @@ def _import_ray() -> Any:
             "pip install 'jaxserve[ray]' (or pip install 'ray[data]')"
         ) from e
     return ray
+
+
+def _check_model(config: EngineConfig) -> None:
+    """What every actor's LLM would check first, here in the driver: the model resolves (a
+    built-in name, a folder with its config.json, a Hub ID: config.json only is fetched) and
+    max_model_len is within its max_position_embeddings. Reads no weight and starts no Ray.
+
+    Raises:
+        FileNotFoundError / ValueError / TypeError: as LLM(...) would, prefixed by the call.
+    """
+    from jaxserve.checkpoints_tools.hub import CONFIG_FILES
+    from jaxserve.checkpoints_tools.load import load_arch, resolve_model
+
+    model = config.model
+    try:
+        source = resolve_model(
+            model.model, revision=model.revision, download_dir=model.download_dir,
+            files=CONFIG_FILES,
+        )  # fmt: skip
+        arch = load_arch(source)
+    except (OSError, TypeError, ValueError) as e:
+        raise type(e)(f"build_processor: model={model.model!r}: {e}") from None
+    limit = arch.max_position_embeddings
+    if model.max_model_len is not None and model.max_model_len > limit:
+        raise ValueError(
+            f"build_processor: engine_kwargs: max_model_len={model.max_model_len} exceeds the "
+            f"model's max_position_embeddings={limit}"
+        )
 
 
 def _check_count(name: str, value: object) -> None:
@@ -237,7 +268,10 @@ def build_processor(
 
     Raises:
         ImportError: Ray Data is not installed (install the ``jaxserve[ray]`` extra).
-        TypeError / ValueError: a bad argument, engine argument or SamplingParams field.
+        TypeError / ValueError: a bad argument, engine argument or SamplingParams field, or
+            a max_model_len beyond the model's max_position_embeddings.
+        FileNotFoundError: the model is not a built-in name, a folder with config.json or a
+            Hub model ID that resolves (only its config.json is fetched here).
     """
     _import_ray()
     if engine_kwargs is None:
@@ -252,9 +286,10 @@ def build_processor(
     from jaxserve.config import EngineConfig  # no jax: plain validation of the arguments
 
     try:
-        EngineConfig.from_kwargs(model=model, **engine_kwargs)
+        config = EngineConfig.from_kwargs(model=model, **engine_kwargs)
     except (TypeError, ValueError) as e:
         raise type(e)(f"build_processor: engine_kwargs: {e}") from None
+    _check_model(config)
     base = {} if sampling_params is None else sampling_params
     _make_params(base, "build_processor: sampling_params")
     _check_count("concurrency", concurrency)

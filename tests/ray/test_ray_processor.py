@@ -193,6 +193,25 @@ def test_build_processor_refuses_bad_arguments(kwargs, error, match):
         build_processor(MODEL, **kwargs)
 
 
+@pytest.mark.parametrize(
+    ("model", "engine_kwargs", "error", "match"),
+    [
+        ("/no/such/model/folder", {}, FileNotFoundError, "model='/no/such/model/folder'"),
+        ("tiny-random-lama", {}, FileNotFoundError, "model='tiny-random-lama'"),
+        (MODEL, {"max_model_len": 10**7}, ValueError, "max_model_len=10000000 exceeds"),
+    ],
+)
+def test_build_processor_checks_the_model_before_ray_runs(model, engine_kwargs, error, match):
+    """What every actor's LLM would refuse, refused in the driver (no Ray cluster here)."""
+    with pytest.raises(error, match=match):
+        build_processor(model, engine_kwargs=engine_kwargs)
+
+
+def test_build_processor_refuses_a_folder_without_config_json(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        build_processor(str(tmp_path))
+
+
 def test_processor_refuses_what_is_not_a_dataset():
     with pytest.raises(TypeError, match="ray.data.Dataset"):
         build_processor(MODEL)([{"prompt": "Hi"}])
