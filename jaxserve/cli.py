@@ -140,6 +140,8 @@ def parse_prompt_line(line: str, where: str, defaults: dict[str, Any], index: in
         obj = json.loads(line)
     except json.JSONDecodeError as e:
         raise InputError(f"{where}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise InputError(f"{where}: JSON nested too deeply to read") from None
     if not isinstance(obj, dict):
         raise InputError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     unknown = sorted(set(obj) - set(_PROMPT_FIELDS) - set(SAMPLING_FIELDS))
@@ -245,15 +247,13 @@ def collect_requests(args: argparse.Namespace) -> list[PromptRequest]:
             PromptRequest(str(i), p, None, params, f"--prompt {i + 1}")
             for i, p in enumerate(args.prompt)
         ]
-    if args.input == "-":
-        return read_prompt_lines(sys.stdin, "<stdin>", defaults)
+    from jaxserve.cli_jobs import read_input_lines
+
     try:
-        with open(args.input, encoding="utf-8") as f:
-            return read_prompt_lines(f, args.input, defaults)
-    except OSError as e:
-        raise InputError(f"--input: cannot read {args.input!r} ({e.strerror})") from None
-    except UnicodeDecodeError as e:
-        raise InputError(f"--input: {args.input!r} is not UTF-8 text ({e})") from None
+        lines = read_input_lines(args.input)
+    except InputError as e:
+        raise InputError(f"--input: {e}") from None
+    return read_prompt_lines(lines, "<stdin>" if args.input == "-" else args.input, defaults)
 
 
 def _logprobs_record(completion_logprobs: list[dict[int, Any]]) -> list[list[dict[str, Any]]]:
@@ -374,7 +374,7 @@ def run_generate(args: argparse.Namespace) -> int:
     results = None
     if args.output is not None:
         try:
-            results = _open_results(args.output, requests)
+            results = _open_results(args, requests)
         except (OSError, ValueError) as e:
             return _fail(f"--output: {e}")
         requests = [r for r in requests if r.request_id not in results.done]
@@ -404,16 +404,29 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _open_results(path: str, requests: Sequence[PromptRequest]):
-    """The --output file, recovered: a request counts as done once all its n records are in."""
-    from jaxserve.jobs.results import ResultsFile
+def _open_results(args: argparse.Namespace, requests: Sequence[PromptRequest]):
+    """The --output file, recovered and checked against this job (cli_jobs.open_results): a
+    request counts as done once all its n records are in."""
+    from jaxserve.cli_jobs import job_settings, open_results
 
     n_of = {r.request_id: r.params.n for r in requests}
-    return ResultsFile(
-        path,
-        key=lambda record: str(record["request_id"]),
+    return open_results(
+        args,
+        "generate",
+        lambda record: str(record["request_id"]),
+        {r.request_id: request_hash(r) for r in requests},
+        record_fields=frozenset({"request_id", "index", "token_ids"}),
+        settings=job_settings(args, sampling=sampling_defaults(args)),
         expected=lambda request_id: n_of.get(request_id, 1),
     )
+
+
+def request_hash(request: PromptRequest) -> str:
+    """The hash a --output record stores of its request (prompt and every sampling field)."""
+    from jaxserve.jobs.job_spec import request_hash as hash_of
+
+    params = {name: getattr(request.params, name) for name in SAMPLING_FIELDS}
+    return hash_of([request.prompt, request.prompt_token_ids, params])
 
 
 def _generate(llm, requests: Sequence[PromptRequest], results, *, progress: bool):
@@ -442,7 +455,8 @@ def _generate(llm, requests: Sequence[PromptRequest], results, *, progress: bool
                 num_out += sum(len(c.token_ids) for c in out.outputs)
                 if results is not None:
                     request = requests[index_of[out.request_id]]
-                    results.append(*output_records(request, out))
+                    stamp = {"input_hash": request_hash(request)}
+                    results.append(*({**r, **stamp} for r in output_records(request, out)))
                 elapsed = max(time.perf_counter() - start, 1e-9)
                 bar.set_postfix_str(f"out: {num_out / elapsed:.1f} tok/s", refresh=False)
                 bar.update(1)
@@ -481,7 +495,12 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
         'SamplingParams fields ("-": stdin)',
     )
     source.add_argument("--prompt", action="append", help="a prompt (repeatable)")
-    p.add_argument("--output", metavar="OUT.jsonl", help="write one JSON object per completion")
+    p.add_argument(
+        "--output",
+        metavar="OUT.jsonl",
+        help="write one JSON object per completion, after a job header (resumable)",
+    )
+    add_overwrite_flag(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     s = p.add_argument_group("sampling (SamplingParams defaults)")
@@ -515,6 +534,16 @@ def add_job_flags(parser: argparse.ArgumentParser, input_help: str) -> None:
         help="a built-in model name, an HF or Orbax checkpoint folder, or a Hub model ID",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_overwrite_flag(parser)
+
+
+def add_overwrite_flag(parser: argparse.ArgumentParser) -> None:
+    """``--overwrite``: start a job again (jobs/results.py replaces only a job's own file)."""
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start the job again: replace the results file (only a file a jaxserve job wrote)",
+    )
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -611,7 +640,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``jaxserve`` script; returns the exit code."""
     args = build_parser().parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:  # a job's results are durable; one line says how to go on
+        from jaxserve.cli_jobs import EXIT_INTERRUPTED, interrupted_message
+
+        print(interrupted_message(args), file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -3,10 +3,13 @@
     jaxserve run-batch -i IN.jsonl -o OUT.jsonl [--model M] [--served-model-name NAME]
                        [--max-in-flight N] [--no-progress] [engine flags]
 
-Resumable: results are appended as requests finish; after a crash or ``kill -9`` the same
-command skips every custom_id already in OUT (a torn last line is dropped) and runs the rest.
-Exit status: 0 (every line has its output line, failed requests included), 2 bad input (a
-repeated custom_id, an unreadable file, a bad flag or model).
+Resumable: results are appended as requests finish; after a crash, ``kill -9`` or Ctrl-C the
+same command skips every custom_id already in OUT (a torn last line is dropped) and runs the
+rest. OUT starts with a job header; a resume whose input lines, model or settings changed is
+refused naming the first difference (``--overwrite`` starts again), and a file that is not this
+job's output is never modified. Exit status: 0 (every line has its output line, failed requests
+included), 2 bad input (a repeated custom_id, an unreadable, non-UTF-8 or too-deep line, OUT
+being IN, an OUT that is not this job's, a bad flag or model), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -44,21 +47,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jaxserve.jobs.results import ResultsFile
-    from jaxserve.jobs.run_batch import BatchInputError, output_key, parse_batch_lines
+    from jaxserve.cli_jobs import job_settings, open_results, read_input_lines
+    from jaxserve.jobs.run_batch import RECORD_FIELDS, output_key, parse_batch_lines
 
     if args.max_in_flight is not None and args.max_in_flight < 1:
         return _fail(f"--max-in-flight must be >= 1, got {args.max_in_flight}")
     try:
-        if args.input == "-":
-            lines = parse_batch_lines(sys.stdin, "<stdin>")
-        else:
-            with open(args.input, encoding="utf-8") as f:
-                lines = parse_batch_lines(f, args.input)
-        results = ResultsFile(args.output, key=output_key)
+        source = "<stdin>" if args.input == "-" else args.input
+        lines = parse_batch_lines(read_input_lines(args.input), source)
+        settings = job_settings(args, served_model_name=args.served_model_name or args.model)
+        results = open_results(
+            args,
+            "run-batch",
+            output_key,
+            {item.key: item.input_hash for item in lines},
+            record_fields=RECORD_FIELDS,
+            settings=settings,
+        )
     except OSError as e:
-        return _fail(f"cannot read {e.filename!r} ({e.strerror})")
-    except (BatchInputError, ValueError, UnicodeDecodeError) as e:
+        return _fail(f"cannot use {e.filename!r} ({e.strerror})")
+    except ValueError as e:  # BatchInputError, InputError, the results file's checks
         return _fail(str(e))
     with results:
         if all(item.key in results.done for item in lines):

@@ -3,7 +3,9 @@
     jaxserve score -i IN.jsonl -o OUT.jsonl [--model M] [--no-progress] [engine flags]
 
 Resumable as run-batch: records are appended as pairs finish, and a rerun skips the ids already
-in OUT. Exit status: 0, or 2 for bad input (a bad line, flag or model; nothing runs then).
+in OUT, after checking the job header and each pair's hash (``--overwrite`` starts again).
+Exit status: 0, 2 for bad input (a bad line, flag or model, OUT being IN, an OUT that is not
+this job's; nothing runs then), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -29,19 +31,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jaxserve.jobs.results import ResultsFile
-    from jaxserve.jobs.score_job import ScoreInputError, parse_score_lines
+    from jaxserve.cli_jobs import job_settings, open_results, read_input_lines
+    from jaxserve.jobs.score_job import RECORD_FIELDS, ScoreInputError, parse_score_lines
 
     try:
-        if args.input == "-":
-            lines = parse_score_lines(sys.stdin, "<stdin>")
-        else:
-            with open(args.input, encoding="utf-8") as f:
-                lines = parse_score_lines(f, args.input)
-        results = ResultsFile(args.output, key=lambda record: str(record["id"]))
+        source = "<stdin>" if args.input == "-" else args.input
+        lines = parse_score_lines(read_input_lines(args.input), source)
+        results = open_results(
+            args,
+            "score",
+            lambda record: str(record["id"]),
+            {item.id: item.input_hash for item in lines},
+            record_fields=RECORD_FIELDS,
+            settings=job_settings(args),
+        )
     except OSError as e:
-        return _fail(f"cannot read {e.filename!r} ({e.strerror})")
-    except (ScoreInputError, ValueError, UnicodeDecodeError) as e:
+        return _fail(f"cannot use {e.filename!r} ({e.strerror})")
+    except ValueError as e:  # ScoreInputError, InputError, the results file's checks
         return _fail(str(e))
     with results:
         done_before = sum(item.id in results.done for item in lines)

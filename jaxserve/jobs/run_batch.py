@@ -4,12 +4,13 @@ Input, one request a line::
 
     {"custom_id": "r1", "method": "POST", "url": "/v1/completions", "body": {...}}
 
-Output, one line per input line, appended as requests finish (ResultsFile: crash-safe; a rerun
-skips every custom_id already written)::
+Output: a job header (job_spec.py), then one line per input line, appended as requests finish
+(ResultsFile: crash-safe; a rerun skips every custom_id already written, after checking that
+its request did not change)::
 
     {"id": "batch_req_...", "custom_id": "r1",
      "response": {"status_code": 200, "request_id": "...", "body": {<what POST url answers>}},
-     "error": null}
+     "error": null, "input_hash": "<16 hex digits>"}
 
 A request the handlers refuse (a bad field, a prompt over the context) gets its status code
 and OpenAI's error body as its response; a line that is not a request at all (not JSON, no
@@ -23,6 +24,7 @@ a time, so the engine always has work queued and nothing is tokenized far ahead.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -33,6 +35,7 @@ from typing import Any
 from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.entrypoints.openai.protocol import OpenAIError
 from jaxserve.entrypoints.openai.serving import OpenAIServing, api_error
+from jaxserve.jobs.job_spec import request_hash
 from jaxserve.jobs.results import ResultsFile
 
 URLS = ("/v1/completions", "/v1/chat/completions")
@@ -51,11 +54,13 @@ class BatchLine:
     url: str | None = None
     body: dict[str, Any] | None = None
     error: str | None = None
+    input_hash: str = ""  # job_spec.request_hash of the request (or of the bad line's text)
 
     @property
-    def key(self) -> str:
-        """Its key in the output: the custom_id, or its line for a line without one."""
-        return self.custom_id if self.custom_id is not None else f"line {self.line}"
+    def key(self) -> str | tuple[str, int]:
+        """Its key in the output: the custom_id, or ("line", its line) for a line without one
+        (a tuple, so that no custom_id, a string, can collide with it)."""
+        return self.custom_id if self.custom_id is not None else ("line", self.line)
 
 
 def parse_batch_lines(lines: Iterable[str], source: str) -> list[BatchLine]:
@@ -69,7 +74,10 @@ def parse_batch_lines(lines: Iterable[str], source: str) -> list[BatchLine]:
     for number, text in enumerate(lines, start=1):
         if not text.strip():
             continue
-        item = _parse_line(text, number)
+        try:
+            item = _parse_line(text, number)
+        except RecursionError:
+            raise BatchInputError(f"{source}:{number}: JSON nested too deeply to read") from None
         if item.custom_id is not None:
             if item.custom_id in first:
                 raise BatchInputError(
@@ -84,6 +92,12 @@ def parse_batch_lines(lines: Iterable[str], source: str) -> list[BatchLine]:
 
 
 def _parse_line(text: str, number: int) -> BatchLine:
+    item = _parse_request(text, number)
+    request = text.strip() if item.error is not None else [item.url, item.body]
+    return dataclasses.replace(item, input_hash=request_hash(request))
+
+
+def _parse_request(text: str, number: int) -> BatchLine:
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
@@ -111,11 +125,15 @@ def _parse_line(text: str, number: int) -> BatchLine:
     return BatchLine(number, custom_id, url, body)
 
 
-def output_key(record: dict[str, Any]) -> str:
+def output_key(record: dict[str, Any]) -> str | tuple[str, int]:
     """The key of an output record (ResultsFile's), matching BatchLine.key."""
     if record["custom_id"] is not None:
         return record["custom_id"]
-    return f"line {record['error']['line']}"
+    return ("line", record["error"]["line"])
+
+
+# Fields every output record has (recognises an older, header-less results file).
+RECORD_FIELDS = frozenset({"id", "custom_id", "response", "error"})
 
 
 @dataclass
@@ -184,6 +202,7 @@ async def _answer(serving: OpenAIServing, item: BatchLine) -> dict[str, Any]:
         "custom_id": item.custom_id,
         "response": None,
         "error": None,
+        "input_hash": item.input_hash,
     }
     if item.error is not None:
         record["error"] = {"code": "invalid_request", "message": item.error, "line": item.line}

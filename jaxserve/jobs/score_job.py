@@ -5,10 +5,12 @@ Input, one pair a line (``id`` optional: the line's 0-based index)::
     {"id": "q1", "prompt": "The capital of France is", "continuation": " Paris"}
     {"prompt_token_ids": [1, 40, 41], "continuation_token_ids": [42, 43]}
 
-Output, one line per pair, appended as pairs finish (ResultsFile: a rerun skips the ids
-already written)::
+Output: a job header (job_spec.py), then one line per pair, appended as pairs finish
+(ResultsFile: a rerun skips the ids already written, after checking their pairs did not
+change)::
 
-    {"id": "q1", "logprob": -3.2, "token_logprobs": [-1.2, -2.0], "num_tokens": 2}
+    {"id": "q1", "logprob": -3.2, "token_logprobs": [-1.2, -2.0], "num_tokens": 2,
+     "input_hash": "<16 hex digits>"}
 
 Every line is checked (parsed, tokenized, its length checked) before any runs; a bad line stops
 the job with its line number.
@@ -23,10 +25,13 @@ from typing import Any
 
 from jaxserve.engine.llm import LLM
 from jaxserve.engine.scoring import SCORE_PARAMS, check_pair, continuation_logprobs
+from jaxserve.jobs.job_spec import request_hash
 from jaxserve.jobs.results import ResultsFile
 from jaxserve.sampling_params import RequestOutputKind
 
 _FIELDS = ("id", "prompt", "prompt_token_ids", "continuation", "continuation_token_ids")
+# Fields every output record has (recognises an older, header-less results file).
+RECORD_FIELDS = frozenset({"id", "logprob", "token_logprobs", "num_tokens"})
 
 
 class ScoreInputError(ValueError):
@@ -39,6 +44,7 @@ class ScoreLine:
     prompt: str | dict[str, list[int]]  # as LLM prompts: text, or {"prompt_token_ids": ...}
     continuation: str | dict[str, list[int]]
     where: str  # its input line ("pairs.jsonl:3")
+    input_hash: str = ""  # job_spec.request_hash of (id, prompt, continuation)
 
 
 def parse_score_lines(lines: Iterable[str], source: str) -> list[ScoreLine]:
@@ -54,6 +60,8 @@ def parse_score_lines(lines: Iterable[str], source: str) -> list[ScoreLine]:
             obj = json.loads(text)
         except json.JSONDecodeError as e:
             raise ScoreInputError(f"{where}: not valid JSON ({e})") from None
+        except RecursionError:
+            raise ScoreInputError(f"{where}: JSON nested too deeply to read") from None
         if not isinstance(obj, dict):
             raise ScoreInputError(f"{where}: expected a JSON object, got {type(obj).__name__}")
         unknown = sorted(set(obj) - set(_FIELDS))
@@ -70,7 +78,10 @@ def parse_score_lines(lines: Iterable[str], source: str) -> list[ScoreLine]:
         seen[item_id] = number
         prompt = _one_of(obj, "prompt", where)
         continuation = _one_of(obj, "continuation", where)
-        parsed.append(ScoreLine(item_id, prompt, continuation, where))
+        # The id is hashed too: an implicit id is a line index, and a deleted line must not
+        # let index 0 name another pair's score.
+        digest = request_hash([item_id, prompt, continuation])
+        parsed.append(ScoreLine(item_id, prompt, continuation, where, digest))
     if not parsed:
         raise ScoreInputError(f"{source}: no lines to score")
     return parsed
@@ -104,6 +115,7 @@ def score_lines(llm: LLM, lines: list[ScoreLine], results: ResultsFile) -> Itera
     if not todo:
         return
     num_prompt = {item.id: p.num_prompt_tokens for item, p in zip(todo, pairs, strict=True)}
+    hash_of = {item.id: item.input_hash for item in todo}
     params = SCORE_PARAMS.clone()
     params.output_kind = RequestOutputKind.FINAL_ONLY
     outputs = llm.stream([p.token_ids for p in pairs], params, request_ids=[i.id for i in todo])
@@ -114,6 +126,7 @@ def score_lines(llm: LLM, lines: list[ScoreLine], results: ResultsFile) -> Itera
             "logprob": sum(token_logprobs),
             "token_logprobs": token_logprobs,
             "num_tokens": len(token_logprobs),
+            "input_hash": hash_of[out.request_id],
         }
         results.append(record)
         yield record

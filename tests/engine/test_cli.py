@@ -41,6 +41,13 @@ STATS = {
 }
 
 
+def _results(path: pathlib.Path) -> list[dict]:
+    """The records of a --output file (its first line is the job header)."""
+    header, *records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert header["jaxserve_job"]["kind"] == "generate"
+    return records
+
+
 def generate_args(*argv: str) -> argparse.Namespace:
     return cli.build_parser().parse_args(["generate", *argv])
 
@@ -267,7 +274,7 @@ def test_generate_end_to_end(tmp_path: pathlib.Path, capsys: pytest.CaptureFixtu
         "--max-num-batched-tokens", "16",
     ]  # fmt: skip
     assert cli.main(argv) == 0
-    records = [json.loads(line) for line in out.read_text().splitlines()]
+    records = _results(out)
     assert [(r["request_id"], r["index"]) for r in records] == [
         ("text", 0),
         ("1", 0),
@@ -309,14 +316,14 @@ def test_prompts_at_the_length_limit(
     out = tmp_path / "out.jsonl"
     argv = ["generate", "--input", str(prompts), "--output", str(out), "--no-progress"]
     assert cli.main([*argv, "--max-tokens", "4", *SMALL_ENGINE]) == 0
-    records = [json.loads(line) for line in out.read_text().splitlines()]
+    records = _results(out)
     assert [(r["request_id"], len(r["token_ids"]), r["finish_reason"]) for r in records] == [
         ("len31", 1, "length"),
         ("len32", 1, "length"),
     ]
     with prompts.open("a") as f:
         f.write(json.dumps({"prompt_token_ids": [5] * 33, "request_id": "len33"}) + "\n")
-    assert cli.main([*argv, *SMALL_ENGINE]) == 2
+    assert cli.main([*argv, "--max-tokens", "4", *SMALL_ENGINE]) == 2
     err = capsys.readouterr().err
     assert f"{prompts}:3 (request_id 'len33'): prompt has 33 tokens, more than " in err
     assert "max_model_len=32" in err
@@ -365,18 +372,19 @@ def test_generate_resumes_after_an_interrupted_run(
     out = tmp_path / "out.jsonl"
     argv = ["generate", "--input", str(prompts), "--output", str(out), "--no-progress"]
     assert cli.main([*argv, "--max-tokens", "3", *SMALL_ENGINE]) == 0
-    full = [json.loads(line) for line in out.read_text().splitlines()]
+    header = out.read_text().splitlines()[0]
+    full = _results(out)
     by_key = {(r["request_id"], r["index"]): r for r in full}
     assert sorted(by_key) == [("a", 0), ("b", 0), ("b", 1), ("c", 0)]
     prompt_logprobs = by_key[("c", 0)]["prompt_logprobs"]
     assert prompt_logprobs[0] is None and len(prompt_logprobs) == 4
     assert prompt_logprobs[1][0]["token_id"] == 11  # the prompt token first, then the top-1
     survivor = [json.dumps(by_key[("a", 0)]), json.dumps(by_key[("b", 0)])]
-    out.write_text("\n".join(survivor) + '\n{"request_id": "c", "ind')
+    out.write_text("\n".join([header, *survivor]) + '\n{"request_id": "c", "ind')
     capsys.readouterr()
     assert cli.main([*argv, "--max-tokens", "3", *SMALL_ENGINE]) == 0
     assert "already done:       1 requests" in capsys.readouterr().out
-    again = [json.loads(line) for line in out.read_text().splitlines()]
+    again = _results(out)
     assert sorted((r["request_id"], r["index"]) for r in again) == sorted(by_key)
     assert {(r["request_id"], r["index"]): r["token_ids"] for r in again} == {
         k: r["token_ids"] for k, r in by_key.items()

@@ -67,4 +67,6 @@ def test_bad_lines_are_refused_with_their_line(tmp_path, capsys):
         inp.write_text(text)
         assert cli.main(_args(inp, out)) == 2
         assert message in capsys.readouterr().err
-    assert not out.exists() or out.read_text() == ""
+    # nothing scored: at most the job header (the results file is opened before the engine)
+    lines = out.read_text().splitlines() if out.exists() else []
+    assert len(lines) <= 1 and all("jaxserve_job" in json.loads(line) for line in lines)
