@@ -239,6 +239,7 @@ def child_generate_cli(spec: dict) -> dict:
     """`jaxserve generate --input --output` through jaxserve.cli.main; cli._generate is wrapped
     to record the compilations of the timed part."""
     from jaxserve import cli
+    from jaxserve.jobs.job_spec import is_header
 
     info: dict = {}
     original = cli._generate
@@ -271,7 +272,8 @@ def child_generate_cli(spec: dict) -> dict:
     by_id = {}
     for line in Path(spec["output"]).read_text().splitlines():
         record = json.loads(line)
-        by_id[record["request_id"]] = record["token_ids"]
+        if not is_header(record):  # the job's header line comes first
+            by_id[record["request_id"]] = record["token_ids"]
     info["token_ids"] = [by_id.get(f"r{i}") for i in range(len(_requests(spec)))]
     return info
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING, Any
 
 from jaxserve.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, PREEMPTION_MODES, QUANTIZATIONS
+from jaxserve.jobs.interrupts import catching_interrupts
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -416,7 +417,10 @@ def _open_results(args: argparse.Namespace, requests: Sequence[PromptRequest]):
         lambda record: str(record["request_id"]),
         {r.request_id: request_hash(r) for r in requests},
         record_fields=frozenset({"request_id", "index", "token_ids"}),
-        settings=job_settings(args, sampling=sampling_defaults(args)),
+        # one setting per sampling flag, so that a changed flag is named on its own
+        settings=job_settings(
+            args, **{f"sampling.{k}": v for k, v in sampling_defaults(args).items()}
+        ),
         expected=lambda request_id: n_of.get(request_id, 1),
     )
 
@@ -641,7 +645,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``jaxserve`` script; returns the exit code."""
     args = build_parser().parse_args(argv)
     try:
-        return args.run(args)
+        with catching_interrupts():
+            return args.run(args)
     except KeyboardInterrupt:  # a job's results are durable; one line says how to go on
         from jaxserve.cli_jobs import EXIT_INTERRUPTED, interrupted_message
 

@@ -27,6 +27,7 @@ from collections import Counter
 from collections.abc import Callable, Hashable
 from typing import Any
 
+from jaxserve.jobs.interrupts import raise_if_interrupted
 from jaxserve.jobs.job_spec import HEADER_KEY, JobSpec, NotAResultsFileError, is_header
 
 logger = logging.getLogger("jaxserve")
@@ -175,7 +176,12 @@ class ResultsFile:
 
     # ---- writing ----------------------------------------------------------------------------
     def append(self, *records: Record) -> None:
-        """Queue records (written together, in one group); writes the group when it is due."""
+        """Queue records (written together, in one group); writes the group when it is due.
+
+        Raises:
+            KeyboardInterrupt: a Ctrl-C came that was not raised where it arrived (interrupts.py).
+        """
+        raise_if_interrupted()
         self._buffer.extend(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
         due = time.monotonic() - self._last_write >= self.group_seconds
         if len(self._buffer) >= self.group_size or due:

@@ -389,6 +389,17 @@ def test_generate_resumes_after_an_interrupted_run(
     assert {(r["request_id"], r["index"]): r["token_ids"] for r in again} == {
         k: r["token_ids"] for k, r in by_key.items()
     }
+    # A resume with another sampling flag or a changed line is refused, naming it.
+    done = out.read_bytes()
+    assert cli.main([*argv, "--max-tokens", "4", *SMALL_ENGINE]) == 2
+    assert (
+        "sampling.max_tokens = 3, this run has sampling.max_tokens = 4" in capsys.readouterr().err
+    )
+    lines[0]["prompt_token_ids"] = [5, 6, 8]
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert cli.main([*argv, "--max-tokens", "3", *SMALL_ENGINE]) == 2
+    assert "the request of id 'a' changed" in capsys.readouterr().err
+    assert out.read_bytes() == done
 
 
 def test_quantization_flag_reaches_the_engine_kwargs() -> None:

@@ -211,21 +211,29 @@ def test_score_implicit_ids_cannot_name_another_pair_after_a_line_is_deleted(tmp
 
 
 @pytest.mark.slow
-def test_ctrl_c_exits_130_with_one_line_and_the_rerun_finishes(tmp_path):
+@pytest.mark.parametrize("moment", ["loading", "running"])
+def test_ctrl_c_exits_130_with_one_line_and_the_rerun_finishes(moment, tmp_path):
+    """SIGINT while the engine loads (the header is out) or once records are being written."""
     inp, out = tmp_path / "batch.jsonl", tmp_path / "out.jsonl"
-    _write(inp, [_request(f"r{i}", [5 + i, 6, 7], max_tokens=4) for i in range(8)])
+    num = 48
+    _write(inp, [_request(f"r{i}", [5 + i, 6, 7], max_tokens=16) for i in range(num)])
     command = [sys.executable, "-m", "jaxserve.cli", *_argv("run-batch", inp, out, tmp_path)]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 120
-    while not out.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)  # the header is written before the engine loads
+    lines_before_sigint = 1 if moment == "loading" else 2  # the header, then a first record
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline:
+        if out.exists() and out.read_bytes().count(b"\n") >= lines_before_sigint:
+            break
+        time.sleep(0.01)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     err = err.decode()
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
     assert f"interrupted; the results so far are in {out}: rerun the same command" in err
+    assert out.read_bytes().count(b"\n") >= lines_before_sigint  # what was written stays
     done = subprocess.run(command, env=env, capture_output=True, timeout=600)
     assert done.returncode == 0, done.stderr.decode()
-    assert len(out.read_text().splitlines()) == 1 + 8
+    header, *records = map(json.loads, out.read_text().splitlines())
+    assert sorted(r["custom_id"] for r in records) == sorted(f"r{i}" for i in range(num))
