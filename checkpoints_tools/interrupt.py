@@ -1,4 +1,4 @@
-"""Ctrl-C (SIGINT) during a conversion: it always stops the conversion, and nothing half-written
+"""Ctrl-C (SIGINT) during a conversion or a job: it always stops it, and nothing half-written
 stays behind.
 
 Python's own KeyboardInterrupt is not enough, for three reasons found by sending SIGINT to
@@ -15,11 +15,15 @@ Python's own KeyboardInterrupt is not enough, for three reasons found by sending
    writing into the staging folder after the cleanup removed it, creating it again, and Python
    waits for those threads before exiting. That left the staging folder behind.
 
-So a conversion runs under a SigintGuard. Its handler counts every Ctrl-C. Inside a `deferred`
-section (the imports, writing the staging folder) it only counts, and the conversion checks the
-count when the section's step is done; elsewhere it also raises KeyboardInterrupt at once, and
-the conversion checks the count between steps, so an interrupt dropped by a gc callback still
-stops it. A second Ctrl-C inside a deferred section raises at once.
+So a conversion (and every `jaxserve` command: cli.main) runs under a SigintGuard. Its handler
+counts every Ctrl-C. Inside a `deferred` section (the imports, writing the staging folder) it
+only counts, and the conversion checks the count when the section's step is done; elsewhere it
+raises KeyboardInterrupt at once. One that Python cannot raise where it lands (reason 1: a gc
+or weakref callback, a `__del__`) reaches the guard's sys.unraisablehook instead of being printed
+and dropped, and a timer sends it again a moment later, until it is raised. The conversion also
+checks the count between steps and the jobs before each result they record (check_interrupted),
+so an interrupt lost some other way still stops them. A second Ctrl-C
+inside a deferred section raises at once.
 
 This module imports only the standard library: the guard must be in place before jax is
 imported.
@@ -27,14 +31,19 @@ imported.
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import logging
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from types import FrameType
+from typing import Any
 
 logger = logging.getLogger("jaxserve")
+
+_REDELIVERY_S = 0.05  # how soon a Ctrl-C that Python could not raise is sent again
 
 
 class SigintGuard:
@@ -49,6 +58,9 @@ class SigintGuard:
         self.num_interrupts = 0  # Ctrl-Cs received while installed; only the handler adds
         self.installed = False  # whether _handle is SIGINT's handler
         self._deferring: list[str] = []  # what each open deferred section is doing (nested)
+        # The timer that sends again a Ctrl-C that Python could not raise (None: none).
+        self._redelivery: threading.Timer | None = None
+        self._previous_unraisablehook = sys.unraisablehook
 
     @property
     def interrupted(self) -> bool:
@@ -56,14 +68,32 @@ class SigintGuard:
         return self.num_interrupts > 0
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self.num_interrupts += 1
-        if self._deferring and self.num_interrupts == 1:
-            logger.warning(
-                "Ctrl-C: stopping when %s (press Ctrl-C again to stop at once)",
-                self._deferring[-1],
-            )
-            return
+        if self._redelivery is None:  # else: the same Ctrl-C again, sent by the timer
+            self.num_interrupts += 1
+            if self._deferring and self.num_interrupts == 1:
+                logger.warning(
+                    "Ctrl-C: stopping when %s (press Ctrl-C again to stop at once)",
+                    self._deferring[-1],
+                )
+                return
+        self._redelivery = None
         raise KeyboardInterrupt
+
+    def _unraisable(self, unraisable: Any) -> None:
+        """sys.unraisablehook: a KeyboardInterrupt raised where Python cannot raise it (a gc
+        or weakref callback, a ``__del__``) is not printed; the timer sends it again in a
+        moment, when the main thread may have left that callback. Anything else goes to the
+        hook there was before."""
+        if not issubclass(unraisable.exc_type, KeyboardInterrupt):
+            self._previous_unraisablehook(unraisable)
+            return
+        self._redelivery = threading.Timer(_REDELIVERY_S, _thread.interrupt_main)
+        self._redelivery.start()
+
+    def _cancel_redelivery(self) -> None:
+        if self._redelivery is not None:
+            self._redelivery.cancel()
+            self._redelivery = None
 
     def check(self) -> None:
         """Raise KeyboardInterrupt if Ctrl-C was pressed.
@@ -90,8 +120,19 @@ class SigintGuard:
             self._deferring.pop()
 
 
-# The guard of the conversion running in the main thread, so nested users share one count.
+# The guard of the command running in the main thread, so nested users share one count.
 _active: SigintGuard | None = None
+
+
+def check_interrupted() -> None:
+    """Raise KeyboardInterrupt if the active guard (if any) saw a Ctrl-C: for loops that must
+    stop even when the KeyboardInterrupt itself was lost (a C extension, a weakref callback).
+
+    Raises:
+        KeyboardInterrupt: a guard is active and was interrupted.
+    """
+    if _active is not None:
+        _active.check()
 
 
 @contextlib.contextmanager
@@ -112,6 +153,7 @@ def sigint_guard() -> Iterator[SigintGuard]:
     guard = SigintGuard()
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, guard._handle)
+        sys.unraisablehook = guard._unraisable
         guard.installed = True
     _active = guard
     try:
@@ -119,4 +161,24 @@ def sigint_guard() -> Iterator[SigintGuard]:
     finally:
         _active = None
         if guard.installed:
+            guard._cancel_redelivery()
             signal.signal(signal.SIGINT, signal.default_int_handler)
+            sys.unraisablehook = guard._previous_unraisablehook
+
+
+@contextlib.contextmanager
+def sigint_to_asyncio() -> Iterator[None]:
+    """Python's default SIGINT handler inside the block, so that an ``asyncio.run`` in it
+    installs its own (Python 3.11+): a Ctrl-C then cancels the main task, whose ``finally``
+    blocks run (in-flight requests aborted, results flushed), and asyncio.run raises
+    KeyboardInterrupt once it has unwound. Raised by the guard's handler instead, the
+    KeyboardInterrupt ends whichever task runs, and no one retrieves it. The guard's handler
+    is back after the block."""
+    if _active is None or not _active.installed:
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, _active._handle)

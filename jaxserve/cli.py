@@ -28,8 +28,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING, Any
 
+from jaxserve.checkpoints_tools.interrupt import sigint_guard
 from jaxserve.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, PREEMPTION_MODES, QUANTIZATIONS
-from jaxserve.jobs.interrupts import catching_interrupts
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -645,7 +645,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``jaxserve`` script; returns the exit code."""
     args = build_parser().parse_args(argv)
     try:
-        with catching_interrupts():
+        with sigint_guard():
             return args.run(args)
     except KeyboardInterrupt:  # a job's results are durable; one line says how to go on
         from jaxserve.cli_jobs import EXIT_INTERRUPTED, interrupted_message

@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import sys
 
+from jaxserve.checkpoints_tools.interrupt import sigint_to_asyncio
 from jaxserve.cli import EXIT_BAD_INPUT, add_engine_flags, add_job_flags, engine_kwargs
 
 
@@ -79,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
         except (OSError, TypeError, ValueError) as e:
             return _fail(str(e))
         try:
-            summary = asyncio.run(_run(args, engine, lines, results))
+            with sigint_to_asyncio():  # Ctrl-C cancels _run: its finally flushes the results
+                summary = asyncio.run(_run(args, engine, lines, results))
         finally:
             engine.shutdown()
     print(

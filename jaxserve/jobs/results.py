@@ -27,7 +27,7 @@ from collections import Counter
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from jaxserve.jobs.interrupts import raise_if_interrupted
+from jaxserve.checkpoints_tools.interrupt import check_interrupted
 from jaxserve.jobs.job_spec import HEADER_KEY, JobSpec, NotAResultsFileError, is_header
 
 logger = logging.getLogger("jaxserve")
@@ -179,9 +179,10 @@ class ResultsFile:
         """Queue records (written together, in one group); writes the group when it is due.
 
         Raises:
-            KeyboardInterrupt: a Ctrl-C came that was not raised where it arrived (interrupts.py).
+            KeyboardInterrupt: a Ctrl-C came whose own KeyboardInterrupt was lost
+                (checkpoints_tools/interrupt.py).
         """
-        raise_if_interrupted()
+        check_interrupted()
         self._buffer.extend(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
         due = time.monotonic() - self._last_write >= self.group_seconds
         if len(self._buffer) >= self.group_size or due:
