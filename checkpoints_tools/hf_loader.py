@@ -34,6 +34,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from jaxserve.checkpoints_tools.checkpoint import (
+    DTYPE_NAMES,
     LoadedCheckpoint,
     ParamSharding,
     arch_from_config,
@@ -332,6 +333,24 @@ def _read_config(folder: pathlib.Path) -> dict[str, Any]:
     return read_json(config_file)
 
 
+def config_dtype(cfg: dict[str, Any], config_file: pathlib.Path) -> object:
+    """config.json's "dtype" (or the older "torch_dtype"), as written. A value jaxserve does not
+    compute in (e.g. "int8") logs one warning naming the key and saying that dtype="auto"
+    treats the checkpoint as float32 (the documented fallback: resolve_dtype, plan.py)."""
+    key = "dtype" if "dtype" in cfg else "torch_dtype"
+    value = cfg.get(key)
+    if value is not None and value not in DTYPE_NAMES:
+        logger.warning(
+            "%s %s=%r is not a dtype jaxserve computes in (%s): dtype='auto' treats the "
+            "checkpoint as float32 (bfloat16 on GPU and TPU); pass dtype= to choose",
+            config_file,
+            key,
+            value,
+            ", ".join(DTYPE_NAMES),
+        )
+    return value
+
+
 def load_hf_checkpoint(
     path: str | pathlib.Path,
     *,
@@ -369,8 +388,9 @@ def load_hf_checkpoint(
     """
     folder = pathlib.Path(path)
     cfg = _read_config(folder)
-    config_dtype = cfg.get("dtype", cfg.get("torch_dtype"))
-    np_dtype = resolve_dtype(dtype, config_dtype)
+    # The config's dtype matters (and is warned about) only for "auto".
+    declared = config_dtype(cfg, folder / "config.json") if dtype == "auto" else None
+    np_dtype = resolve_dtype(dtype, declared)
     arch = arch_from_config(cfg, folder / "config.json")
     stored = read_quantization_config(cfg)
     quantization = resolve_quantization(quantization, stored, str(folder))

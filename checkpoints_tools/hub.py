@@ -30,6 +30,9 @@ CHECKPOINT_FILES = (
     "config.json",
     "generation_config.json",
     "tokenizer.json",
+    # A sentencepiece-only repository (no tokenizer.json) is refused at load naming this file,
+    # rather than loading with no tokenizer (tokenizer.py).
+    "tokenizer.model",
     "tokenizer_config.json",
     "special_tokens_map.json",
     "chat_template.jinja",

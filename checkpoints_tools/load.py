@@ -21,7 +21,7 @@ import pathlib
 
 from jaxserve.checkpoints_tools import hub, orbax_checkpoint
 from jaxserve.checkpoints_tools.checkpoint import LoadedCheckpoint, ParamSharding, arch_from_config
-from jaxserve.checkpoints_tools.hf_loader import load_hf_checkpoint
+from jaxserve.checkpoints_tools.hf_loader import config_dtype, load_hf_checkpoint
 from jaxserve.checkpoints_tools.quantization import (
     CheckpointQuantization,
     read_quantization_config,
@@ -188,8 +188,7 @@ def declared_dtype(
     folder = _folder(model, revision=revision, download_dir=download_dir, files=hub.CONFIG_FILES)
     if orbax_checkpoint.is_orbax_checkpoint(folder):
         return orbax_checkpoint.read_marker(folder).get("dtype")
-    config = read_json(folder / "config.json")
-    value = config.get("dtype", config.get("torch_dtype"))
+    value = config_dtype(read_json(folder / "config.json"), folder / "config.json")
     return value if isinstance(value, str) else None
 
 

@@ -4,11 +4,14 @@ chat templates and special tokens."""
 from __future__ import annotations
 
 import json
+import logging
 import pathlib
 from dataclasses import dataclass, field
 from typing import Any
 
 from tokenizers import Tokenizer
+
+logger = logging.getLogger("jaxserve")
 
 
 @dataclass(frozen=True)
@@ -73,13 +76,54 @@ def _chat_template(folder: pathlib.Path, tok_cfg: dict[str, Any]) -> str | None:
     return template
 
 
+def _refuse_sentencepiece_only(folder: pathlib.Path) -> None:
+    """A folder with tokenizer.model and no tokenizer.json (many Llama 2, Mistral and Gemma
+    repositories) would load with no tokenizer and fail only at the first text prompt.
+    Converting a sentencepiece model needs its protobuf schema and the sentencepiece library,
+    which jaxserve does not depend on; so refuse here, naming the file and the one-line fix."""
+    sp_file = folder / "tokenizer.model"
+    if sp_file.is_file() and not (folder / "tokenizer.json").is_file():
+        raise ValueError(
+            f"{sp_file}: a sentencepiece tokenizer with no tokenizer.json next to it, which "
+            "jaxserve cannot load; write tokenizer.json once with transformers "
+            "(AutoTokenizer.from_pretrained(folder).save_pretrained(folder)) and load again"
+        )
+
+
+def _warn_eos_outside_vocab(folder: pathlib.Path, sources: dict[str, set[int]]) -> None:
+    """One warning naming each eos_token_id (file and key) at or past config.json's
+    vocab_size: the model can never sample it, so no request stops on it."""
+    vocab_size = read_optional_json(folder / "config.json").get("vocab_size")
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
+        return
+    bad = {src: sorted(i for i in ids if i >= vocab_size) for src, ids in sources.items()}
+    bad = {src: ids for src, ids in bad.items() if ids}
+    if not bad:
+        return
+    left = sorted({i for ids in sources.values() for i in ids if i < vocab_size})
+    logger.warning(
+        "%s outside the vocabulary (vocab_size=%d): no request can stop on %s; %s",
+        "; ".join(f"{src}={ids}" for src, ids in bad.items()),
+        vocab_size,
+        "them" if sum(map(len, bad.values())) > 1 else "it",
+        f"EOS stops on {left} only"
+        if left
+        else "no EOS id is left: requests end at max_tokens, stop or stop_token_ids",
+    )
+
+
 def load_tokenizer(path: str | pathlib.Path) -> TokenizerInfo:
     """Load tokenizer.json (if present) and the special tokens of a checkpoint folder.
 
+    An eos_token_id past config.json's vocab_size is kept (harmless) with one warning on the
+    "jaxserve" logger naming the file and key, since no request can stop on it.
+
     Raises:
-        ValueError: a present file is malformed (the file is named).
+        ValueError: a present file is malformed (the file is named); tokenizer.model with no
+            tokenizer.json (a sentencepiece-only tokenizer, named: see _refuse_sentencepiece_only).
     """
     folder = pathlib.Path(path)
+    _refuse_sentencepiece_only(folder)
     tok_file = folder / "tokenizer.json"
     tokenizer = None
     if tok_file.is_file():
@@ -88,15 +132,19 @@ def load_tokenizer(path: str | pathlib.Path) -> TokenizerInfo:
         except Exception as e:  # the tokenizers library raises its own Exception type
             raise ValueError(f"{tok_file}: cannot load tokenizer ({e})") from None
     tok_cfg = read_optional_json(folder / "tokenizer_config.json")
-    eos_ids = set()
+    sources = {}  # "file key" -> the EOS ids it names
     for name in ("config.json", "generation_config.json"):
         file = folder / name
-        eos_ids |= eos_ids_of(read_optional_json(file).get("eos_token_id"), file)
+        sources[f"{name} eos_token_id"] = eos_ids_of(
+            read_optional_json(file).get("eos_token_id"), file
+        )
     eos_token = _token_text(tok_cfg.get("eos_token"))
     if tokenizer is not None and eos_token is not None:
         eos_id = tokenizer.token_to_id(eos_token)
         if eos_id is not None:
-            eos_ids.add(eos_id)
+            sources[f"tokenizer_config.json eos_token {eos_token!r}"] = {eos_id}
+    _warn_eos_outside_vocab(folder, sources)
+    eos_ids = set().union(*sources.values())
     return TokenizerInfo(
         tokenizer=tokenizer,
         chat_template=_chat_template(folder, tok_cfg),

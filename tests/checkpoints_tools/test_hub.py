@@ -184,6 +184,7 @@ def test_only_the_files_the_engine_reads_are_fetched(
         "config.json",
         "generation_config.json",
         "tokenizer.json",
+        "tokenizer.model",  # a sentencepiece-only repository is refused naming it
         "tokenizer_config.json",
         "special_tokens_map.json",
         "chat_template.jinja",

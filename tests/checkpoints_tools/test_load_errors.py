@@ -91,3 +91,30 @@ def test_bad_config_is_named(case, load, orbax, tmp_path) -> None:
     assert type(raised.value) is error
     assert str(raised.value).startswith(f"{folder / 'config.json'}: ")
     assert message in str(raised.value)
+
+
+def test_a_config_dtype_jaxserve_does_not_run_is_warned_about_once(tmp_path, caplog) -> None:
+    """torch_dtype "int8" runs in float32 (the documented fallback), now with one warning naming
+    the key and the fallback (issue 29, item 17); an explicit dtype needs no word."""
+    import logging
+
+    import numpy as np
+
+    from jaxserve.checkpoints_tools.load import declared_dtype
+    from jaxserve.checkpoints_tools.testing import write_tiny_hf_checkpoint
+
+    folder = write_tiny_hf_checkpoint(tmp_path / "int8", "llama", with_tokenizer=False)
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("dtype", None)
+    (folder / "config.json").write_text(json.dumps({**config, "torch_dtype": "int8"}))
+    with caplog.at_level(logging.WARNING, logger="jaxserve"):
+        ckpt = load_hf_checkpoint(folder)
+    assert ckpt.dtype == np.float32
+    (record,) = [r for r in caplog.records if "dtype" in r.getMessage()]
+    assert "torch_dtype='int8'" in record.getMessage() and "float32" in record.getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="jaxserve"):
+        assert declared_dtype(folder) == "int8"  # the engine's plan reads it (and warns) once
+        assert len(caplog.records) == 1
+        load_hf_checkpoint(folder, dtype="bfloat16")  # what the engine then loads with
+    assert len(caplog.records) == 1

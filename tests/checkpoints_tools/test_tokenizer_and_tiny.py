@@ -4,6 +4,7 @@ tiny-random-llama demo model."""
 from __future__ import annotations
 
 import json
+import logging
 import pathlib
 
 import jax
@@ -103,3 +104,43 @@ def test_load_checkpoint_dispatch(qwen2_folder) -> None:
         load_checkpoint("no-such-model")
     with pytest.raises(ValueError, match="family"):
         write_tiny_hf_checkpoint(qwen2_folder / "x", "gpt2")
+
+
+def test_a_sentencepiece_only_tokenizer_is_refused_at_load_naming_the_file(tmp_path) -> None:
+    """tokenizer.model and no tokenizer.json used to load with no tokenizer and no word, and
+    fail only at the first text prompt (issue 29, item 16)."""
+    folder = write_tiny_hf_checkpoint(tmp_path / "sp", "llama", with_tokenizer=False)
+    (folder / "tokenizer.model").write_bytes(b"\x0a\x0b sentencepiece model proto")
+    with pytest.raises(ValueError, match=r"tokenizer\.model: a sentencepiece tokenizer") as err:
+        load_hf_checkpoint(folder)
+    assert "tokenizer.json" in str(err.value)
+    with pytest.raises(ValueError, match=r"tokenizer\.model"):
+        load_tokenizer(folder)
+
+
+def test_tokenizer_model_next_to_tokenizer_json_is_left_alone(qwen2_folder, tmp_path) -> None:
+    folder = tmp_path / "both"
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((qwen2_folder / name).read_bytes())
+    (folder / "tokenizer.model").write_bytes(b"unused")
+    assert load_tokenizer(folder).tokenizer is not None
+
+
+def test_an_eos_id_outside_the_vocabulary_is_warned_about_once(tmp_path, caplog) -> None:
+    """Such an id can never be sampled, so no request stops on it (issue 29, item 17)."""
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 32, "eos_token_id": 2}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 40, 33]}))
+    with caplog.at_level(logging.WARNING, logger="jaxserve"):
+        info = load_tokenizer(tmp_path)
+    assert info.eos_token_ids == frozenset({2, 33, 40})  # kept: harmless
+    (record,) = [r for r in caplog.records if "vocabulary" in r.getMessage()]
+    message = record.getMessage()
+    assert "generation_config.json eos_token_id=[33, 40]" in message
+    assert "vocab_size=32" in message and "EOS stops on [2] only" in message
+    assert "config.json eos_token_id=" not in message.replace("generation_config.json", "")
+    caplog.clear()
+    (tmp_path / "generation_config.json").unlink()
+    with caplog.at_level(logging.WARNING, logger="jaxserve"):
+        load_tokenizer(tmp_path)
+    assert not caplog.records  # in the vocabulary: nothing to say
