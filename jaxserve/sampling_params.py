@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import difflib
 import enum
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 MAX_LOGPROBS = 20  # top-N logprobs cap, as in vLLM's default max_logprobs
+# Stop token ids a request with min_tokens > 0 may name: each is banned until min_tokens
+# outputs, and the sampler's ban list has one fixed width (this cap plus the model's EOS ids),
+# so that warm-up compiles it and no request compiles a wider one mid-run.
+MAX_BANNED_STOP_TOKEN_IDS = 64
 
 
 def _check_int(name: str, value: object, *, allow_none: bool = False) -> None:
@@ -121,6 +126,12 @@ class SamplingParams:
             )
         self.stop_strings = self._normalise_stop(self.stop)
         self.all_stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
+        if self.min_tokens > 0 and len(self.all_stop_token_ids) > MAX_BANNED_STOP_TOKEN_IDS:
+            raise ValueError(
+                f"SamplingParams.stop_token_ids: at most {MAX_BANNED_STOP_TOKEN_IDS} distinct ids "
+                f"with min_tokens > 0 (each is banned until min_tokens outputs), got "
+                f"{len(self.all_stop_token_ids)} with min_tokens={self.min_tokens}"
+            )
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             value = getattr(self, name)
             if not isinstance(value, bool):
@@ -130,6 +141,23 @@ class SamplingParams:
                 "SamplingParams.output_kind must be a RequestOutputKind "
                 f"({', '.join(k.name for k in RequestOutputKind)}), got {self.output_kind!r}"
             )
+
+    def __setattr__(self, name: str, value: object) -> None:
+        """Refuse a name that is no field: a misspelled ``sp.temprature = 0`` would otherwise
+        sample at temperature 1 without a word. (Unpickling and copying restore ``__dict__``
+        directly and ``replace`` goes through __init__, so neither passes here with a stray
+        name.)
+
+        Raises:
+            AttributeError: ``name`` is not a field, naming the closest field when there is one.
+        """
+        if name not in _FIELD_NAMES:
+            close = difflib.get_close_matches(name, _FIELD_NAMES, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise AttributeError(
+                f"SamplingParams has no field {name!r}{hint} (fields: {', '.join(_FIELD_NAMES)})"
+            )
+        super().__setattr__(name, value)
 
     def clone(self) -> SamplingParams:
         """A validated copy of the current field values, sharing no list with this one.
@@ -183,3 +211,6 @@ class SamplingParams:
     def num_logprobs(self) -> int:
         """Top-N logprobs asked for per sampled token (0 when only the sampled one or none)."""
         return self.logprobs or 0
+
+
+_FIELD_NAMES = tuple(f.name for f in fields(SamplingParams))

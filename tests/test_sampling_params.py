@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from jaxserve.config import CacheConfig, EngineConfig, ModelConfig, RunnerConfig, SchedulerConfig
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import MAX_BANNED_STOP_TOKEN_IDS, SamplingParams
 
 
 @pytest.mark.parametrize(
@@ -108,3 +108,44 @@ def test_clone_revalidates_and_shares_no_list():
     params.top_p = 0.0
     with pytest.raises(ValueError, match=r"SamplingParams.top_p must be in \(0, 1\], got 0.0"):
         params.clone()
+
+
+def test_a_misspelled_attribute_is_refused_naming_the_closest_field():
+    params = SamplingParams()
+    with pytest.raises(AttributeError, match=r"no field 'temprature'; did you mean 'temperature'"):
+        params.temprature = 0
+    assert not hasattr(params, "temprature") and params.temperature == 1.0
+    with pytest.raises(AttributeError, match="no field 'colour'"):
+        params.colour = "red"
+    params.temperature = 0.0  # a known field is set as before
+    assert params.clone().temperature == 0.0
+
+
+def test_copies_and_pickles_survive_the_attribute_check():
+    import copy
+    import pickle
+
+    params = SamplingParams(n=3, stop=["x"], stop_token_ids=[4], min_tokens=1, seed=7)
+    params.temperature = 0.3
+    for clone in (pickle.loads(pickle.dumps(params)), copy.deepcopy(params), params.clone()):
+        assert clone == params and clone.all_stop_token_ids == frozenset({4})
+
+
+def test_stop_token_ids_with_min_tokens_are_capped_naming_the_cap():
+    many = list(range(MAX_BANNED_STOP_TOKEN_IDS + 1))
+    with pytest.raises(ValueError, match=rf"at most {MAX_BANNED_STOP_TOKEN_IDS} distinct ids"):
+        SamplingParams(min_tokens=2, stop_token_ids=many)
+    assert len(SamplingParams(stop_token_ids=many).all_stop_token_ids) == len(many)  # no bans
+    assert SamplingParams(min_tokens=2, stop_token_ids=many[:-1]).min_tokens == 2
+    params = SamplingParams(min_tokens=2)
+    params.stop_token_ids = many  # set after construction: refused when the engine clones it
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        params.clone()
+
+
+@pytest.mark.parametrize(
+    "config", [CacheConfig(), ModelConfig(), RunnerConfig(), SchedulerConfig(), EngineConfig()]
+)
+def test_config_objects_refuse_any_attribute_assignment(config):
+    with pytest.raises(AttributeError, match="max_num_seq"):  # frozen: unknown names too
+        config.max_num_seq = 4

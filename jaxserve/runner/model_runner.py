@@ -40,7 +40,7 @@ from jaxserve.runner.sampler import (
     sample,
     to_token_logprobs,
 )
-from jaxserve.runner.sampling_metadata import VARIANT_WIDTHS, SamplingInputs, SamplingMetadata
+from jaxserve.runner.sampling_metadata import SamplingInputs, SamplingMetadata
 from jaxserve.runner.sharding import ShardingPlan
 from jaxserve.runner.step_compiles import (
     Compilation,
@@ -196,10 +196,10 @@ class ModelRunner:
     # ---- compilation ------------------------------------------------------------------------
     def warmup(self, shapes: list[tuple[int, int, int]] | None = None, workers: int = 1) -> int:
         """Compile the step for every (T, R, B) bucket (default: all of them) in both of its
-        variants (a batch without penalties or bans, and one with them: VARIANT_WIDTHS), and
-        the copy-on-write block copy (n > 1) for every size of copy_sizes. Every other sampling
-        feature (greedy or sampled rows, seeds, logprobs, prompt logprobs, min_tokens) runs in
-        these same compiled steps.
+        variants (a batch without penalties or bans, and one with them at the one width every
+        accepted request fits: SamplingInputs.variant_widths), and the copy-on-write block copy
+        (n > 1) for every size of copy_sizes. Every other sampling feature (greedy or sampled
+        rows, seeds, logprobs, prompt logprobs, min_tokens) runs in these same compiled steps.
 
         Each is lowered and compiled ahead of time, ``workers`` at a time (threads: XLA
         compiles without the GIL), for the arguments of an all-padding batch. jax keeps the
@@ -219,7 +219,7 @@ class ModelRunner:
                 STEP_ARGS,
             )
             for t, r, b in shapes
-            for widths in VARIANT_WIDTHS
+            for widths in self.sampling.variant_widths
         ]
         jobs += [
             Compilation(
@@ -256,7 +256,7 @@ class ModelRunner:
         """
         for t, r, b in shapes:
             batch = PreparedBatch.null_block(t, r, b, self.block_size)
-            for widths in VARIANT_WIDTHS:
+            for widths in self.sampling.variant_widths:
                 self.run_prepared(batch, self._neutral_sampling(r, widths))
         for n in self.copy_sizes:
             self.kv_caches = self._copy(self.kv_caches, *(np.zeros(n, np.int32),) * 2)
@@ -470,9 +470,10 @@ COPY_ARGS = ("kv_caches", "src", "dst")
 class _SharedTraces:
     """The model's forward and logits as jax.jit(..., inline=True) functions, made once per
     runner: jax keeps each one's traced jaxpr by argument shapes, so the step's two sampler
-    variants of a bucket (VARIANT_WIDTHS), and the logits of the R rows and of every row when
-    R == T, trace the model once instead of once each. Inlined: the step's HLO is what calling
-    the model directly gives (no nested call, the same executables and cache keys)."""
+    variants of a bucket (SamplingInputs.variant_widths), and the logits of the R rows and of
+    every row when R == T, trace the model once instead of once each. Inlined: the step's HLO
+    is what calling the model directly gives (no nested call, the same executables and cache
+    keys)."""
 
     def __init__(self, model: CausalLM) -> None:
         self.arch = model.arch

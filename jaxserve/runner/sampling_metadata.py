@@ -7,9 +7,11 @@ into padded host arrays in a handful of vectorised numpy gathers; the runner dev
 passes them to ``sampler.sample`` inside its one jitted step.
 
 Shapes (glossary letters): R rows that sample (padded to the request bucket), V vocab,
-W penalty-list width, B banned-list width. W and B are shapes, hence static under jit; they come
-from short bucket lists (see ``SamplingInputs``), and both are 0 when no row of the batch needs
-them, so a batch without penalties or min_tokens pays nothing for them.
+W penalty-list width, B banned-list width. W and B are shapes, hence static under jit. Each takes
+two values only: 0 when no row of the batch needs the lists (a batch without penalties or
+min_tokens pays nothing for them), else one fixed width that every request the engine accepts
+fits (``SamplingInputs.variant_widths``), so that warm-up compiles every width there is and no
+request compiles mid-run.
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import MAX_BANNED_STOP_TOKEN_IDS, SamplingParams
 
 # vLLM's _SAMPLING_EPS: a temperature below it is greedy (dividing by it would overflow f32).
 GREEDY_TEMPERATURE_EPS = 1e-5
-MIN_BAN_WIDTH = 8  # B buckets: 0, then powers of two from here
-MIN_PENALTY_WIDTH = 256  # W buckets: 0, then powers of two from here up to the capacity
+# The host penalty buffers start this wide and double (up to the capacity) when a list outgrows
+# them: host memory follows the longest list seen. The device width is fixed (variant_widths).
+MIN_PENALTY_WIDTH = 256
 
 
 @jax.tree_util.register_dataclass
@@ -33,8 +36,8 @@ MIN_PENALTY_WIDTH = 256  # W buckets: 0, then powers of two from here up to the 
 class SamplingMetadata:
     """Per-row sampling settings of one step. All fields are data (traced): a new combination
     of settings never compiles; only the widths W and B (shapes) select a compiled variant, and
-    a batch has either both 0 (no row with a penalty or a ban) or both at least their minimum
-    buckets, so that warm-up can compile both variants of every batch shape.
+    a batch has either both 0 (no row with a penalty or a ban) or both at their one fixed width
+    (SamplingInputs.variant_widths), so that warm-up compiles both variants of every batch shape.
 
     Padding rows carry neutral values (greedy, no masks, no penalties, no bans), so they cost
     nothing but their share of the [R, V] arithmetic.
@@ -64,7 +67,7 @@ class SamplingMetadata:
         """Host (numpy) metadata of ``num_rows`` neutral rows: greedy, no masks, no penalties.
 
         For warm-up: compiling ``sample`` with these shapes compiles the variant a real batch of
-        the same R, W and B uses (VARIANT_WIDTHS: the two every batch shape can take).
+        the same R, W and B uses (SamplingInputs.variant_widths: the two every batch can take).
         """
         return cls(
             temperature=np.zeros(num_rows, np.float32),
@@ -83,18 +86,14 @@ class SamplingMetadata:
         )
 
 
-# The (W, B) list widths of the sampler's two compiled variants per batch shape: a batch with
-# no penalty and no ban, and one with some at up to MIN_PENALTY_WIDTH distinct tokens and
-# MIN_BAN_WIDTH banned ids (wider lists take wider buckets, compiled when first seen).
-VARIANT_WIDTHS = ((0, 0), (MIN_PENALTY_WIDTH, MIN_BAN_WIDTH))
-
-
 def _widen(lists: np.ndarray, width: int, pad: int) -> np.ndarray:
-    """i32[R, W] -> i32[R, max(W, width)], padded with ``pad``."""
-    missing = width - lists.shape[1]
-    if missing <= 0:
+    """i32[R, w] -> i32[R, max(w, width)], padded with ``pad`` (a fill and a copy: faster
+    than np.pad at the widths of long contexts)."""
+    if lists.shape[1] >= width:
         return lists
-    return np.pad(lists, ((0, 0), (0, missing)), constant_values=pad)
+    out = np.full((lists.shape[0], width), pad, lists.dtype)
+    out[:, : lists.shape[1]] = lists
+    return out
 
 
 def _bucket_width(needed: int, minimum: int, capacity: int | None = None) -> int:
@@ -153,8 +152,8 @@ class _PenaltyLists:
         np.add.at(self.counts, (np.array(slots, np.int64), np.array(cols, np.int64)), 1)
 
     def gather(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Rows ``idx`` at the bucketed width W of their longest list: (i32[R, W], i32[R, W])."""
-        width = _bucket_width(int(self.num[idx].max()), MIN_PENALTY_WIDTH, self.capacity)
+        """Rows ``idx`` at the buffer width (0 when none is tracked): (i32[R, w], i32[R, w])."""
+        width = self.ids.shape[1] if self.num[idx].max() else 0
         return self.ids[idx, :width], self.counts[idx, :width]
 
     def _column(self, slot: int, token: int) -> int:
@@ -191,9 +190,11 @@ class SamplingInputs:
     Ban lists: for a slot whose request has ``min_tokens > 0``, EOS (unless ignore_eos) and the
     stop token ids; ``build`` emits them only for rows with ``output_pos < min_tokens``.
 
-    Compiled variants: W is 0 or a power of two in [MIN_PENALTY_WIDTH, capacity] (capacity =
-    min(max_model_len + 1, V)), B is 0 or a power of two >= MIN_BAN_WIDTH (in practice 8). A batch
-    with no penalty row and no banned row uses W = B = 0.
+    Compiled variants (``variant_widths``): a batch with no penalty row and no banned row uses
+    W = B = 0, any other W = penalty_capacity = min(max_model_len + 1, V) (every distinct token a
+    request can hold) and B = ban_width = MAX_BANNED_STOP_TOKEN_IDS + the number of EOS ids
+    (SamplingParams refuses more stop ids with min_tokens). Fixed widths cost a wider host gather
+    and transfer in batches with penalties, i32[R, W] twice, but no compilation mid-run.
 
     Row ``max_num_seqs`` is a hidden neutral slot: padding rows gather from it.
     """
@@ -218,6 +219,10 @@ class SamplingInputs:
         # tokens samples one more), hence at most that many distinct ones.
         self.penalty_capacity = min(max_model_len + 1, vocab_size)
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        # The banned ids of a row: its stop ids (SamplingParams caps them) and EOS, deduplicated.
+        self.ban_width = MAX_BANNED_STOP_TOKEN_IDS + len(self.eos_token_ids)
+        # The (W, B) list widths of the sampler's two compiled variants per batch shape.
+        self.variant_widths = ((0, 0), (self.penalty_capacity, self.ban_width))
         n = max_num_seqs + 1  # + the neutral slot
         self._temperature = np.zeros(n, np.float32)
         self._top_k = np.full(n, vocab_size, np.int32)
@@ -231,7 +236,7 @@ class SamplingInputs:
         self._min_tokens = np.zeros(n, np.int32)
         self._penalties = _PenaltyLists(n, self.penalty_capacity)
         self._num_banned = np.zeros(n, np.int32)
-        self._banned = np.zeros((n, MIN_BAN_WIDTH), np.int32)
+        self._banned = np.zeros((n, self.ban_width), np.int32)
 
     # ----- per-request updates (host, once per request or per token) -----
 
@@ -250,10 +255,11 @@ class SamplingInputs:
                 runner drew for the request (kept across preemption, so tokens do not change).
             output_token_ids: tokens already generated (a preempted request coming back).
         Raises:
-            ValueError: slot or seed out of range, a token id outside [0, vocab_size), or more
-                distinct tokens than the penalty capacity.
+            ValueError: slot or seed out of range, a token id outside [0, vocab_size), more
+                distinct tokens than the penalty capacity, or more banned ids than ban_width.
         """
         self._check_slot(slot)
+        banned = self._ban_list(params)  # checked before anything changes
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
             raise TypeError(f"SamplingInputs.set_request: seed must be an int, got {seed!r}")
         if not 0 <= seed < 2**63:
@@ -282,7 +288,9 @@ class SamplingInputs:
         self._repetition[slot] = params.repetition_penalty
         self._seeds[slot] = (int(seed) >> 32, int(seed) & 0xFFFFFFFF)
         self._num_logprobs[slot] = -1 if params.logprobs is None else params.logprobs
-        self._set_ban_list(slot, params)
+        self._min_tokens[slot] = params.min_tokens
+        self._banned[slot, : len(banned)] = banned
+        self._num_banned[slot] = len(banned)
 
     def append_output_token(self, slot: int, token: int) -> None:
         """Record a sampled token of the request in ``slot`` (only penalty slots keep them)."""
@@ -351,8 +359,9 @@ class SamplingInputs:
         ids, counts = self._penalties.gather(idx)
         banned = self._gather_ban_lists(idx, padded_pos)
         if ids.shape[1] or banned.shape[1]:  # both lists, or neither: two variants per shape
-            ids, counts = _widen(ids, MIN_PENALTY_WIDTH, -1), _widen(counts, MIN_PENALTY_WIDTH, 0)
-            banned = _widen(banned, MIN_BAN_WIDTH, -1)
+            width = self.penalty_capacity
+            ids, counts = _widen(ids, width, -1), _widen(counts, width, 0)
+            banned = _widen(banned, self.ban_width, -1)
         return SamplingMetadata(
             temperature=self._temperature[idx],
             top_k=self._top_k[idx],
@@ -373,23 +382,25 @@ class SamplingInputs:
 
     def _gather_ban_lists(self, idx: np.ndarray, pos: np.ndarray) -> np.ndarray:
         num = np.where(pos < self._min_tokens[idx], self._num_banned[idx], 0)  # i32[R]
-        width = _bucket_width(int(num.max()), MIN_BAN_WIDTH)
+        width = self.ban_width if num.max() else 0
         live = np.arange(width) < num[:, None]  # bool[R, B]
         return np.where(live, self._banned[idx, :width], -1).astype(np.int32, copy=False)
 
-    def _set_ban_list(self, slot: int, params: SamplingParams) -> None:
-        self._min_tokens[slot] = params.min_tokens
+    def _ban_list(self, params: SamplingParams) -> list[int]:
+        """The ids a request bans while output_pos < min_tokens (none without min_tokens)."""
+        if params.min_tokens == 0:
+            return []
         banned = set(params.all_stop_token_ids)
         if not params.ignore_eos:
             banned |= self.eos_token_ids
         # An id outside the vocabulary can never be sampled, so banning it is vacuous.
-        ids = sorted(t for t in banned if t < self.vocab_size) if params.min_tokens > 0 else []
-        if len(ids) > self._banned.shape[1]:
-            grown = np.zeros((self._banned.shape[0], _bucket_width(len(ids), 1)), np.int32)
-            grown[:, : self._banned.shape[1]] = self._banned
-            self._banned = grown
-        self._banned[slot, : len(ids)] = ids
-        self._num_banned[slot] = len(ids)
+        ids = sorted(t for t in banned if t < self.vocab_size)
+        if len(ids) > self.ban_width:  # SamplingParams caps the stop ids; a mutated copy
+            raise ValueError(
+                f"SamplingInputs.set_request: {len(ids)} banned ids (stop_token_ids and EOS with "
+                f"min_tokens > 0) exceed ban_width={self.ban_width}"
+            )
+        return ids
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.max_num_seqs:

@@ -2,8 +2,11 @@
 cache) and, once warm-up is done, explained.
 
 A compilation after warm-up costs seconds (minutes on TPU) in the middle of serving, so each one
-logs a warning that names the function and the arguments whose shape, dtype or static value no
-earlier compilation had, and is kept in ``events`` (get_stats()["recompilations"]).
+logs a warning that names the function, each argument field (a pytree leaf, e.g.
+``sampling_metadata.penalty_token_ids``) whose shape, dtype or static value differs from the
+closest earlier compilation, with its old and new value, and what to do; each is kept in
+``events`` (get_stats()["recompilations"]: "new" maps a field to its new value, "old" to the
+value it had in that closest compilation, absent when it is new).
 
 Warm-up compiles ahead of time (``compile_concurrently``): each call is lowered (traced, in the
 calling thread: Python, under the GIL) and compiled or loaded from the persistent cache in a
@@ -28,7 +31,7 @@ from jaxserve.runner.compile_cache import CompileEvents
 
 logger = logging.getLogger("jaxserve")
 
-Signature = dict[str, str]  # argument name -> its shapes / dtypes, or its static value
+Signature = dict[str, str]  # argument field -> its dtype[shape], or its static value
 
 
 class StepCompiles:
@@ -102,13 +105,17 @@ class StepCompiles:
         else:
             self.num_fresh += 1
         if self.warmed_up:
-            new = explain(sig, self._seen)
-            self.events.append({"function": self.name, "new": new, "from_cache": from_cache})
+            new, old = explain(sig, self._seen)
+            self.events.append(
+                {"function": self.name, "new": new, "old": old, "from_cache": from_cache}
+            )
             logger.warning(
-                "%s compiled after warm-up%s, for a new %s",
+                "%s compiled after warm-up%s: %s. Warm-up did not compile this shape: with "
+                "warmup=False the first call of each shape compiles; otherwise this is a bug in "
+                "warm-up's coverage, please report it with this message",
                 self.name,
                 " (loaded from the compilation cache)" if from_cache else "",
-                "; ".join(f"{k}={v}" for k, v in new.items()),
+                describe(new, old),
             )
         self._seen.append(sig)
 
@@ -182,19 +189,31 @@ def compile_concurrently(jobs: Sequence[Compilation], workers: int) -> None:
 
 
 def signature(args: Sequence[Any], names: Sequence[str], static: dict[str, Any]) -> Signature:
-    """Each argument's leaves as dtype[shape] (static values as they are)."""
+    """Each leaf of each argument, keyed by the argument's name and the leaf's pytree path
+    (``sampling_metadata.top_k``, ``kv_caches[0][1]``), as dtype[shape]; static values as
+    their repr."""
     sig = {}
     for name, arg in zip(names, args, strict=True):
-        leaves = jax.tree_util.tree_leaves(arg)
-        sig[name] = ", ".join(f"{jax.numpy.dtype(x.dtype).name}{list(x.shape)}" for x in leaves)
+        for path, x in jax.tree_util.tree_flatten_with_path(arg)[0]:
+            key = name + jax.tree_util.keystr(path)
+            sig[key] = f"{jax.numpy.dtype(x.dtype).name}{list(x.shape)}"
     sig.update({k: repr(v) for k, v in static.items()})
     return sig
 
 
-def explain(sig: Signature, seen: list[Signature]) -> dict[str, str]:
-    """The entries of ``sig`` that differ from the closest signature seen before (all of them
-    when none was)."""
+def explain(sig: Signature, seen: list[Signature]) -> tuple[dict[str, str], dict[str, str]]:
+    """(new, old): the entries of ``sig`` that differ from the closest signature seen before,
+    and what those fields were there (new: all of ``sig`` and old empty when none was seen;
+    a field the closest signature lacked is in new only)."""
     if not seen:
-        return dict(sig)
+        return dict(sig), {}
     closest = min(seen, key=lambda s: sum(s.get(k) != v for k, v in sig.items()))
-    return {k: v for k, v in sig.items() if closest.get(k) != v}
+    new = {k: v for k, v in sig.items() if closest.get(k) != v}
+    return new, {k: closest[k] for k in new if k in closest}
+
+
+def describe(new: dict[str, str], old: dict[str, str]) -> str:
+    """``field: old -> new`` for each changed field, e.g. for the log."""
+    return "; ".join(
+        f"{k}: {old[k]} -> {v}" if k in old else f"{k}: {v} (new)" for k, v in new.items()
+    )

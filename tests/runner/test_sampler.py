@@ -23,7 +23,7 @@ from jaxserve.runner.sampler import (
     sample,
     to_token_logprobs,
 )
-from jaxserve.runner.sampling_metadata import VARIANT_WIDTHS, SamplingInputs, SamplingMetadata
+from jaxserve.runner.sampling_metadata import SamplingInputs, SamplingMetadata
 from jaxserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
 V = 12  # vocabulary of the statistical tests
@@ -390,7 +390,7 @@ def test_penalties_and_bans_take_the_second_variant_only() -> None:
         slots = rng.permutation(16)[: 1 + step % 8].astype(np.int32)
         md = inputs.build(slots, 16, np.full(len(slots), step % 5, np.int32))
         widths = (md.penalty_token_ids.shape[1], md.banned_token_ids.shape[1])
-        assert widths in VARIANT_WIDTHS
+        assert widths in inputs.variant_widths
         fn(logits, md).token_ids.block_until_ready()
     assert traces[0] == fn._cache_size() <= 2
 

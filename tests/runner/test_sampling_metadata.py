@@ -9,14 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxserve.runner.sampling_metadata import (
-    MIN_BAN_WIDTH,
-    MIN_PENALTY_WIDTH,
-    VARIANT_WIDTHS,
-    SamplingInputs,
-    SamplingMetadata,
-)
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.runner.sampling_metadata import SamplingInputs, SamplingMetadata
+from jaxserve.sampling_params import MAX_BANNED_STOP_TOKEN_IDS, SamplingParams
 
 V = 32
 PENALISED = SamplingParams(repetition_penalty=1.2)
@@ -85,19 +79,19 @@ def test_penalty_lists_hold_prompt_and_output_counts(
     counts = Counter(before + after)
     assert _lists(md, 1) == {t: counts[t] for t in set(prompt) | set(counts)}
     assert _lists(md, 0) == {} and _lists(md, 2) == {}
-    # At the variant's width even past the capacity (min(129, V)): -1 pads, one compiled shape.
-    assert md.penalty_token_ids.shape[1] == MIN_PENALTY_WIDTH
+    # At the variant's one width, the capacity min(129, V): -1 pads, one compiled shape.
+    assert md.penalty_token_ids.shape[1] == inputs.penalty_capacity == V
 
 
-def test_penalty_width_is_zero_without_penalty_rows_and_bucketed_otherwise() -> None:
+def test_penalty_width_is_zero_without_penalty_rows_and_the_capacity_otherwise() -> None:
     vocab = 4096
     inputs = SamplingInputs(4, vocab, 2000)
     inputs.set_request(0, SamplingParams(), 0, [1, 2, 3])
     inputs.set_request(1, PENALISED, 0, list(range(300)))
     inputs.set_request(3, PENALISED, 0, list(range(1500)))
     assert _build(inputs, [0], 8).penalty_token_ids.shape == (8, 0)  # row 1 is not sampling
-    assert _build(inputs, [0, 1], 8).penalty_token_ids.shape == (8, 512)
-    # 1500 distinct ids: the bucket 2048 is capped at the capacity min(max_model_len + 1, V).
+    # Short lists or long: the capacity min(max_model_len + 1, V), the one width warmed up.
+    assert _build(inputs, [0, 1], 8).penalty_token_ids.shape == (8, 2001)
     assert _build(inputs, [3, 1], 8).penalty_output_counts.shape == (8, 2001)
     inputs.append_output_token(1, 4000)
     assert _lists(_build(inputs, [1], 1), 0)[4000] == 1
@@ -116,7 +110,7 @@ def test_penalty_buffers_grow_when_outputs_outgrow_them() -> None:
     inputs.append_output_tokens(np.r_[np.zeros(100, int), 1, 2], np.r_[new, 7, 7])
     inputs.append_output_tokens(np.array([0, 2]), np.array([3000, 9]))
     md = _build(inputs, [2, 0, 1], 4)
-    assert md.penalty_token_ids.shape == (4, 2 * MIN_PENALTY_WIDTH)
+    assert md.penalty_token_ids.shape == (4, inputs.penalty_capacity)
     assert _lists(md, 0) == {7: 1, 9: 1}
     assert _lists(md, 1) == {**dict.fromkeys(range(200), 0), **dict.fromkeys(new, 1), 3000: 2}
     assert _lists(md, 2) == {}
@@ -128,16 +122,30 @@ def test_bans_only_until_min_tokens() -> None:
     inputs.set_request(1, SamplingParams(min_tokens=3, ignore_eos=True), 0, [1])
     inputs.set_request(2, SamplingParams(stop_token_ids=[9]), 0, [1])  # min_tokens 0: no ban
     md = _build(inputs, [0, 1, 2], 4, [2, 0, 0])
-    assert md.banned_token_ids.shape == (4, MIN_BAN_WIDTH)
+    assert md.banned_token_ids.shape == (4, inputs.ban_width) == (4, MAX_BANNED_STOP_TOKEN_IDS + 1)
     assert sorted(set(md.banned_token_ids[0].tolist()) - {-1}) == [2, 9]  # V + 5 can never occur
     assert np.all(md.banned_token_ids[1:] == -1)  # ignore_eos: EOS is no stop, nothing to ban
     assert _build(inputs, [0, 2], 2, [3, 0]).banned_token_ids.shape == (2, 0)  # min_tokens reached
-    many = list(range(3, 3 + 2 * MIN_BAN_WIDTH))
+    # The most stop ids SamplingParams accepts with min_tokens, and EOS: the same width.
+    many = list(range(3, 3 + MAX_BANNED_STOP_TOKEN_IDS))
+    inputs = SamplingInputs(4, 4 * MAX_BANNED_STOP_TOKEN_IDS, 128, eos_token_ids=[2])
     inputs.set_request(3, SamplingParams(min_tokens=1, stop_token_ids=many), 0, [1])
+    inputs.set_request(0, SamplingParams(min_tokens=3, stop_token_ids=[9]), 0, [1])
     md = _build(inputs, [3, 0], 2)
-    assert md.banned_token_ids.shape == (2, 4 * MIN_BAN_WIDTH)
+    assert md.banned_token_ids.shape == (2, inputs.ban_width)
     assert sorted(set(md.banned_token_ids[0].tolist()) - {-1}) == sorted([2, *many])
-    assert sorted(set(md.banned_token_ids[1].tolist()) - {-1}) == [2, 9]  # survived the growth
+    assert sorted(set(md.banned_token_ids[1].tolist()) - {-1}) == [2, 9]
+
+
+def test_a_ban_list_past_its_width_is_refused_before_anything_changes() -> None:
+    inputs = SamplingInputs(2, 4 * MAX_BANNED_STOP_TOKEN_IDS, 128, eos_token_ids=[0])
+    params = SamplingParams(min_tokens=2)
+    params.stop_token_ids = list(range(1, 2 + MAX_BANNED_STOP_TOKEN_IDS))  # bypasses clone()
+    params.all_stop_token_ids = frozenset(params.stop_token_ids)
+    with pytest.raises(ValueError, match=f"exceed ban_width={MAX_BANNED_STOP_TOKEN_IDS + 1}"):
+        inputs.set_request(1, params, 3, [1])
+    md = _build(inputs, [1], 1)
+    assert md.banned_token_ids.shape == (1, 0) and md.seeds[0, 1] == 0
 
 
 def test_clear_and_reuse_leave_nothing_behind() -> None:
@@ -164,15 +172,16 @@ def test_logprobs_asked_per_row() -> None:
 
 
 def test_penalty_and_ban_lists_come_together_at_their_minimum_widths() -> None:
-    """A batch has both lists or neither, so every batch shape has two compiled variants."""
+    """A batch has both lists or neither, each at one width, so every batch shape has two
+    compiled variants."""
     inputs = SamplingInputs(3, V, 128, eos_token_ids=[0])
     inputs.set_request(0, SamplingParams(), 0, [1])
     inputs.set_request(1, PENALISED, 0, [1, 2])
     inputs.set_request(2, SamplingParams(min_tokens=2), 0, [1])
     widths = lambda md: (md.penalty_token_ids.shape[1], md.banned_token_ids.shape[1])  # noqa: E731
-    assert widths(_build(inputs, [0], 2)) == VARIANT_WIDTHS[0] == (0, 0)
+    assert widths(_build(inputs, [0], 2)) == inputs.variant_widths[0] == (0, 0)
     for slots in ([1], [2], [0, 1, 2]):
-        assert widths(_build(inputs, slots, 4)) == VARIANT_WIDTHS[1]
+        assert widths(_build(inputs, slots, 4)) == inputs.variant_widths[1] == (V, 65)
 
 
 def test_bad_inputs_raise() -> None:

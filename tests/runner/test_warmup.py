@@ -13,8 +13,8 @@ import pytest
 from jaxserve import LLMEngine, SamplingParams
 from jaxserve.runner.compile_cache import CompileEvents
 from jaxserve.runner.input_batch import PreparedBatch
-from jaxserve.runner.sampling_metadata import VARIANT_WIDTHS
 from jaxserve.runner.step_compiles import Compilation, StepCompiles, compile_concurrently
+from jaxserve.sampling_params import MAX_BANNED_STOP_TOKEN_IDS
 
 ENGINE = dict(
     num_kv_blocks=48, block_size=8, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64
@@ -23,7 +23,8 @@ ENGINE = dict(
 
 def _expected_compilations(engine: LLMEngine) -> int:
     runner = engine.runner
-    return len(runner.buckets.all_shapes()) * len(VARIANT_WIDTHS) + len(runner.copy_sizes)
+    num_variants = len(runner.sampling.variant_widths)
+    return len(runner.buckets.all_shapes()) * num_variants + len(runner.copy_sizes)
 
 
 @pytest.mark.slow
@@ -66,7 +67,7 @@ def test_warmup_runs_each_step_once_writing_only_the_null_block(monkeypatch):
     )
     runner.warmup()
     shapes = runner.buckets.all_shapes()
-    assert len(ran) == len(shapes) * len(VARIANT_WIDTHS)
+    assert len(ran) == len(shapes) * len(runner.sampling.variant_widths)
     assert {(len(b.input_ids), *b.block_tables.shape) for b in ran} == set(shapes)
     # Rows that attend (num_seqs of them), over the null block only.
     assert all(b.num_seqs[0] >= 1 and not b.block_tables.any() for b in ran)
@@ -188,7 +189,59 @@ def test_the_two_sampler_variants_of_a_bucket_trace_the_model_once(monkeypatch):
     monkeypatch.setattr(CausalLM, "forward", counted)
     engine = LLMEngine("tiny-random-llama", warmup=False, **ENGINE)
     shape = engine.runner.buckets.all_shapes()[0]
-    assert engine.runner.warmup(shapes=[shape]) == len(VARIANT_WIDTHS) + len(
+    assert engine.runner.warmup(shapes=[shape]) == len(engine.runner.sampling.variant_widths) + len(
         engine.runner.copy_sizes
     )
     assert calls == [(shape[0],)]
+
+
+@pytest.mark.slow
+def test_the_widest_requests_the_engine_accepts_compile_nothing_after_warm_up():
+    """Penalties over every distinct token a request can hold, and min_tokens with the most stop
+    ids SamplingParams accepts, run in the shapes warm-up compiled (issue 29, item 13: such
+    requests used to compile wider penalty and ban lists mid-run)."""
+    engine = LLMEngine("tiny-random-llama", **{**ENGINE, "num_kv_blocks": 80, "max_model_len": 512})
+    vocab = engine.runner.vocab_size
+    assert engine.runner.sampling.penalty_capacity == min(513, vocab) > 400
+    prompt = list(range(3, 3 + 440))  # 440 distinct tokens, past the old 256 and 512 buckets
+    engine.add_request("rep", prompt, SamplingParams(repetition_penalty=1.3, max_tokens=72))
+    stops = list(range(vocab - MAX_BANNED_STOP_TOKEN_IDS, vocab))
+    banned = SamplingParams(min_tokens=6, max_tokens=8, stop_token_ids=stops, temperature=0.8)
+    engine.add_request("ban", [5, 6, 7], banned)
+    engine.add_request(
+        "both",
+        list(range(3, 300)),
+        SamplingParams(
+            presence_penalty=1.0, **{"min_tokens": 3, "max_tokens": 5, "stop_token_ids": stops}
+        ),
+    )
+    for _ in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+    assert not engine.has_unfinished_requests()
+    stats = engine.get_stats()
+    assert stats["recompilations"] == []
+    assert stats["num_compilations"] + stats["num_compilation_cache_hits"] == (
+        _expected_compilations(engine)
+    )
+
+
+def test_a_compilation_after_warm_up_names_the_field_its_old_and_new_shape(caplog):
+    """The warning names the one pytree leaf that changed, not every leaf of the argument."""
+    from jaxserve.runner.sampling_metadata import SamplingMetadata
+
+    compiles = StepCompiles("the engine step")
+    fn = jax.jit(lambda md, x: md.banned_token_ids.sum() + x.sum())
+    names = ("sampling_metadata", "x")
+    compiles(fn, (SamplingMetadata.neutral(4, 16, ban_width=8), np.zeros(3)), names)
+    compiles.warmed_up = True
+    with caplog.at_level("WARNING", logger="jaxserve"):
+        compiles(fn, (SamplingMetadata.neutral(4, 16, ban_width=16), np.zeros(3)), names)
+    (event,) = compiles.events
+    assert event["new"] == {"sampling_metadata.banned_token_ids": "int32[4, 16]"}
+    assert event["old"] == {"sampling_metadata.banned_token_ids": "int32[4, 8]"}
+    (record,) = [r for r in caplog.records if "after warm-up" in r.getMessage()]
+    message = record.getMessage()
+    assert "sampling_metadata.banned_token_ids: int32[4, 8] -> int32[4, 16]" in message
+    assert "top_k" not in message and "warmup=False" in message
