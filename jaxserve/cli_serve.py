@@ -6,7 +6,9 @@
 Serves /v1/models, /v1/completions, /v1/chat/completions, /health and /metrics. The API key is
 --api-key, else $JAXSERVE_API_KEY; without either the server needs none. The engine flags are
 ``jaxserve generate``'s (cli.add_engine_flags). Exit status: 0 after a clean shutdown (SIGINT or
-SIGTERM), 2 bad input (a flag, a model that cannot be found or read).
+SIGTERM), 2 bad input (a flag, an empty --api-key, a port in use, a model that cannot be found
+or read), 130 interrupted before the server started (cli.main). The port is bound first, so a
+port in use is reported before the model loads.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import logging
 import sys
 
 from jaxserve.cli import EXIT_BAD_INPUT, add_engine_flags
+from jaxserve.entrypoints.openai.body import DEFAULT_MAX_BODY_BYTES
 
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -100,6 +103,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="on SIGINT / SIGTERM, how long open requests may finish before they are cut "
         "(default 10)",
     )
+    p.add_argument(
+        "--max-request-body-bytes",
+        type=_positive_int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        metavar="N",
+        help=f"answer 413 to a request body over N bytes (default {DEFAULT_MAX_BODY_BYTES})",
+    )
+    p.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let requests send their own chat_template (a jinja2 program run in a bounded "
+        "sandbox); without it such a request is refused with 400, as in vLLM",
+    )
     add_engine_flags(p)
 
 
@@ -116,6 +132,6 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         return run_server(args)
-    except (OSError, TypeError, ValueError) as e:  # bad model or engine flag (AsyncLLM(...))
+    except (OSError, TypeError, ValueError) as e:  # bad model or flag, a port that is taken
         print(f"jaxserve serve: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -103,9 +103,60 @@ class _TemplateNamespace(jinja2.utils.Namespace):
             )
 
 
+# Bounds on one rendering, trusted template or not: a template is a program, and nested loops
+# (``range`` alone allows 100k items a loop in the sandbox) could hold a thread for hours.
+MAX_TEMPLATE_LOOP_ITERATIONS = 100_000
+MAX_TEMPLATE_OUTPUT_CHARS = 64 * 1024 * 1024
+_TICK = "jaxserve_loop_tick"  # the context name of the per-rendering iteration counter
+
+
+class _BoundedEnvironment(ImmutableSandboxedEnvironment):
+    """The sandbox, with a call to the rendering's iteration counter at the head of every
+    ``{% for %}`` body, so that a template's loops share one budget, and ``*`` / ``**`` checked
+    before they run (``'x' * 10**12`` would allocate a terabyte at once)."""
+
+    intercepted_binops = frozenset(["*", "**"])
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "**" and isinstance(right, int) and abs(right) > 64:
+            raise jinja2.exceptions.SecurityError(f"exponent {right} is too large (max 64)")
+        if operator == "*":
+            for seq, times in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(times, int):
+                    if len(seq) * times > MAX_TEMPLATE_OUTPUT_CHARS:
+                        raise jinja2.exceptions.SecurityError(
+                            f"a repetition of {len(seq)} items {times} times is over "
+                            f"MAX_TEMPLATE_OUTPUT_CHARS ({MAX_TEMPLATE_OUTPUT_CHARS})"
+                        )
+        return super().call_binop(context, operator, left, right)
+
+    def _parse(self, source: str, name: str | None, filename: str | None) -> jinja2.nodes.Template:
+        tree = super()._parse(source, name, filename)
+        for loop in tree.find_all(jinja2.nodes.For):
+            tick = jinja2.nodes.Call(jinja2.nodes.Name(_TICK, "load"), [], [], None, None)
+            loop.body.insert(0, jinja2.nodes.ExprStmt(tick))
+        return tree
+
+
+def _loop_budget(limit: int) -> Any:
+    count = 0
+
+    def tick() -> str:
+        nonlocal count
+        count += 1
+        if count > limit:
+            raise jinja2.exceptions.TemplateError(
+                f"the chat template ran more than {limit} loop iterations "
+                f"(MAX_TEMPLATE_LOOP_ITERATIONS); it was stopped"
+            )
+        return ""
+
+    return tick
+
+
 @functools.lru_cache(maxsize=32)
 def _compile(chat_template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
+    env = _BoundedEnvironment(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[_GenerationTag, jinja2.ext.loopcontrols],
@@ -164,8 +215,9 @@ def render_chat(
 
     Raises:
         TypeError / ValueError: malformed messages or tools (naming the index and the field).
-        jinja2.TemplateError: the template does not parse, or it rejects the conversation
-            through ``raise_exception``.
+        jinja2.TemplateError: the template does not parse, rejects the conversation through
+            ``raise_exception``, or passes MAX_TEMPLATE_LOOP_ITERATIONS loop iterations or
+            MAX_TEMPLATE_OUTPUT_CHARS characters of output.
     """
     _validate_messages(messages)
     if tools is not None and (
@@ -175,14 +227,30 @@ def render_chat(
     # As transformers does: keys set to None (OpenAI-style "tool_calls": None) are dropped, and
     # the template gets copies it cannot mutate the caller's messages through.
     messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
-    return _compile(chat_template).render(
+    chunks = _compile(chat_template).generate(
         messages=messages,
         tools=tools,
         documents=None,
         add_generation_prompt=add_generation_prompt,
         bos_token=bos_token,
         eos_token=eos_token,
+        **{_TICK: _loop_budget(MAX_TEMPLATE_LOOP_ITERATIONS)},
     )
+    return _bounded_join(chunks, MAX_TEMPLATE_OUTPUT_CHARS)
+
+
+def _bounded_join(chunks: Any, limit: int) -> str:
+    out: list[str] = []
+    size = 0
+    for chunk in chunks:
+        size += len(chunk)
+        if size > limit:
+            raise jinja2.exceptions.TemplateError(
+                f"the chat template wrote more than {limit} characters "
+                f"(MAX_TEMPLATE_OUTPUT_CHARS); it was stopped"
+            )
+        out.append(chunk)
+    return "".join(out)
 
 
 def missing_chat_template_error(model: str) -> ValueError:

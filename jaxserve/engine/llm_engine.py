@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import threading
@@ -34,6 +35,7 @@ from jaxserve.core.sched.scheduler import Scheduler
 from jaxserve.engine.chat import missing_chat_template_error, render_chat
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.interrupts import defer_sigint
+from jaxserve.engine.prompt_bound import check_text_length, max_token_chars
 from jaxserve.engine.request_state import RequestState
 from jaxserve.outputs import RequestOutput
 from jaxserve.request import Request, RequestStatus
@@ -144,8 +146,13 @@ class LLMEngine:
                 raise ValueError(
                     f"model {self.config.model.model!r} has no tokenizer: pass prompt_token_ids"
                 )
+            check_text_length(text, self.config.model.max_model_len, self._max_token_chars)
             token_ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         return text, self._check_token_ids(token_ids)
+
+    @functools.cached_property
+    def _max_token_chars(self) -> int:
+        return max_token_chars(self.tokenizer)
 
     def _check_token_ids(self, token_ids: Any) -> list[int]:
         # A sequence, not any iterable: a generator would be consumed by the checks below.
@@ -203,6 +210,7 @@ class LLMEngine:
             eos_token=info.eos_token or "",
         )
         _check_unicode(text)
+        check_text_length(text, self.config.model.max_model_len, self._max_token_chars)
         # The template writes the special tokens itself: tokenize without adding them again.
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         return {"prompt": text, "prompt_token_ids": ids}

@@ -9,6 +9,7 @@ import os
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -98,9 +99,10 @@ def test_jaxserve_serve_listens_answers_and_stops_on_a_signal(stop):
                 seen.append(lines.get(timeout=1))
             except queue.Empty:
                 continue
-            match = re.search(r"running on http://127\.0\.0\.1:(\d+)", seen[-1])
+            match = re.search(
+                r"serving 'tiny-random-llama' as 'tiny' on http://127\.0\.0\.1:(\d+)/v1", seen[-1]
+            )
             port = int(match.group(1)) if match else None
-        assert any("serving 'tiny-random-llama' as 'tiny'" in line for line in seen), seen
         url = f"http://127.0.0.1:{port}"
         assert http(url + "/health")[0] == 200
         assert http(url + "/v1/models")[0] == 401
@@ -112,3 +114,60 @@ def test_jaxserve_serve_listens_answers_and_stops_on_a_signal(stop):
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=TIMEOUT_S)
+
+
+@pytest.mark.parametrize("where", ["flag", "env"])
+def test_an_empty_api_key_is_refused_before_anything_loads(
+    where, capsys, monkeypatch, jaxserve_logger
+):
+    """An unset shell variable (--api-key "$KEY") must not start a server open to anyone."""
+    from jaxserve.entrypoints.openai import api_server
+
+    monkeypatch.setattr(api_server, "AsyncLLM", _must_not_build)
+    argv = ["serve", "--model", "tiny-random-llama", "--port", "0"]
+    if where == "flag":
+        argv += ["--api-key", ""]
+    else:
+        monkeypatch.setenv(api_server.API_KEY_ENV, " ")
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert ("--api-key is empty" if where == "flag" else "is set but empty") in err
+
+
+def test_a_port_in_use_exits_2_naming_it_before_the_engine_is_built(
+    capsys, monkeypatch, jaxserve_logger
+):
+    from jaxserve.entrypoints.openai import api_server
+
+    monkeypatch.setattr(api_server, "AsyncLLM", _must_not_build)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = ["serve", "--model", "tiny-random-llama", "--port", str(port)]
+        assert cli.main([*argv, "--host", "127.0.0.1"]) == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def test_no_key_on_an_address_other_machines_reach_is_warned_about(
+    caplog, monkeypatch, jaxserve_logger
+):
+    """Checked with the bind refused, so that the test itself listens on nothing but loopback."""
+    from jaxserve.entrypoints.openai import api_server
+
+    def refuse(host, port):
+        raise OSError(98, f"cannot listen on {host}:{port}: (test)")
+
+    monkeypatch.setattr(api_server, "bind_socket", refuse)
+    monkeypatch.delenv(api_server.API_KEY_ENV, raising=False)
+    argv = ["serve", "--model", "tiny-random-llama", "--port", "8000"]
+    with caplog.at_level(logging.WARNING, logger="jaxserve"):
+        assert cli.main([*argv, "--host", "0.0.0.0"]) == 2
+        assert cli.main([*argv, "--host", "0.0.0.0", "--api-key", "k"]) == 2
+        assert cli.main([*argv, "--host", "::1"]) == 2
+    warned = [r.getMessage() for r in caplog.records if "no API key" in r.getMessage()]
+    assert len(warned) == 1 and "0.0.0.0" in warned[0]
+
+
+def _must_not_build(*args, **kwargs):
+    raise AssertionError("the engine was built")

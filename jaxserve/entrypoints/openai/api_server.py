@@ -17,10 +17,11 @@ import argparse
 import asyncio
 import gc
 import hmac
-import json
+import ipaddress
 import logging
 import os
 import signal
+import socket
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -35,12 +36,14 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from jaxserve.engine.async_llm import AsyncLLM
+from jaxserve.entrypoints.openai.body import BodyLimits, parse_body
 from jaxserve.entrypoints.openai.protocol import OpenAIError, loc_path
 from jaxserve.entrypoints.openai.serving import EventStream, OpenAIServing
 
 logger = logging.getLogger("jaxserve")
 
 API_KEY_ENV = "JAXSERVE_API_KEY"
+_PARSE_INLINE_BYTES = 256 * 1024
 _CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, the logs do
 
 
@@ -64,12 +67,24 @@ class EventStreamResponse(StreamingResponse):
                 await self._events.aclose()
 
 
-def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None = None) -> FastAPI:
+def build_app(
+    engine: AsyncLLM,
+    *,
+    served_model_name: str,
+    api_key: str | None = None,
+    body_limits: BodyLimits | None = None,
+    trust_request_chat_template: bool = False,
+) -> FastAPI:
     """The FastAPI app serving ``engine`` under ``served_model_name``; ``api_key`` (if given)
-    guards the /v1 routes. The caller owns the engine (and shuts it down)."""
-    serving = OpenAIServing(engine, served_model_name)
+    guards the /v1 routes; ``body_limits`` bound what a request body may be;
+    ``trust_request_chat_template`` lets requests send their own chat template. The caller owns
+    the engine (and shuts it down)."""
+    serving = OpenAIServing(
+        engine, served_model_name, trust_request_chat_template=trust_request_chat_template
+    )
     app = FastAPI(title="jaxserve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serving = serving
+    app.state.body_limits = body_limits or BodyLimits()
     dependencies = [Depends(_api_key_check(api_key))] if api_key else []
     v1 = APIRouter(prefix="/v1", dependencies=dependencies)
 
@@ -121,14 +136,16 @@ def _api_key_check(api_key: str) -> Callable[[Request], Awaitable[None]]:
 
 
 async def _respond(request: Request, handler: Callable[[Any], Awaitable[Any]]) -> Response:
+    limits: BodyLimits = request.app.state.body_limits
     try:
-        raw = await request.body()
+        raw = await _read_body(request, limits.max_bytes)
     except ClientDisconnect:  # gone before its request was read: nothing was started
         return Response(status_code=_CLIENT_CLOSED)
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise OpenAIError(f"the request body is not valid JSON: {e}") from None
+    # A large body parses in a worker thread: the event loop keeps serving everyone else.
+    if len(raw) > _PARSE_INLINE_BYTES:
+        body = await asyncio.to_thread(parse_body, raw, limits.max_depth)
+    else:
+        body = parse_body(raw, limits.max_depth)
     task = asyncio.ensure_future(handler(body))
     gone = asyncio.ensure_future(_client_gone(request))
     try:
@@ -137,12 +154,39 @@ async def _respond(request: Request, handler: Callable[[Any], Awaitable[Any]]) -
         gone.cancel()
         if not task.done():
             task.cancel()  # the handler closes its engine requests, which aborts them
+            # Let the cancellation run to its end: reading a result before that raises.
+            await asyncio.gather(task, return_exceptions=True)
     if task.cancelled():
+        logger.debug("client disconnected from %s before its answer", request.url.path)
         return Response(status_code=_CLIENT_CLOSED)
     result = task.result()
     if isinstance(result, EventStream):
         return EventStreamResponse(result)
     return JSONResponse(result)
+
+
+async def _read_body(request: Request, max_bytes: int) -> bytes:
+    """The request body, refused with 413 past ``max_bytes`` (on Content-Length, or while it
+    arrives when the client sends none or lies)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(int(declared), max_bytes)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise _too_large(size, max_bytes)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(size: int, max_bytes: int) -> OpenAIError:
+    return OpenAIError(
+        f"the request body ({size} bytes or more) is over this server's limit of {max_bytes} "
+        f"bytes (--max-request-body-bytes)",
+        status_code=413,
+    )
 
 
 async def _client_gone(request: Request) -> None:
@@ -182,56 +226,120 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def api_key_of(args: argparse.Namespace) -> str | None:
-    """The API key: --api-key, else $JAXSERVE_API_KEY; None (no key) when neither is set."""
-    return args.api_key or os.environ.get(API_KEY_ENV) or None
+    """The API key: --api-key, else $JAXSERVE_API_KEY; None (no key) when neither is set.
+
+    Raises:
+        ValueError: a key given but empty (an unset shell variable would open the server).
+    """
+    if args.api_key is not None:
+        if not args.api_key.strip():
+            raise ValueError(
+                "--api-key is empty (an unset shell variable?); give a key, or leave the flag "
+                "out to serve without one"
+            )
+        return args.api_key
+    key = os.environ.get(API_KEY_ENV)
+    if key is not None and not key.strip():
+        raise ValueError(f"${API_KEY_ENV} is set but empty; unset it to serve without a key")
+    return key or None
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before anything slow is built, so that a port in use is
+    known in a second rather than after the model has loaded and compiled.
+
+    Raises:
+        OSError: the address cannot be bound (in use, not this machine's), naming it.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}") from None
+    return sock
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def run_server(args: argparse.Namespace) -> int:
-    """``jaxserve serve``: build the engine from the flags (warm-up included), serve it with
-    uvicorn until SIGINT / SIGTERM, then shut the engine down. Returns the exit code.
+    """``jaxserve serve``: bind the port, build the engine from the flags (warm-up included),
+    serve it with uvicorn until SIGINT / SIGTERM, then shut the engine down. Returns the exit
+    code.
 
     Raises:
-        OSError / TypeError / ValueError: bad engine flags or model (from AsyncLLM(...)).
+        OSError / TypeError / ValueError: bad engine flags or model (from AsyncLLM(...)), an
+            empty API key, an address that cannot be bound.
     """
     from jaxserve.cli import engine_kwargs
 
     api_key = api_key_of(args)
-    name = args.served_model_name or args.model
-    engine = AsyncLLM(
-        model=args.model,
-        max_waiting_requests=args.max_waiting_requests,
-        served_model_name=name,
-        **engine_kwargs(args),
-    )
-    try:
-        app = build_app(engine, served_model_name=name, api_key=api_key)
-        config = uvicorn.Config(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.uvicorn_log_level,
-            timeout_graceful_shutdown=args.graceful_shutdown_timeout,
-        )
-        logger.info(
-            "serving %r as %r on http://%s:%d/v1 (API key %s)",
-            args.model,
-            name,
+    if api_key is None and not _is_loopback(args.host):
+        logger.warning(
+            "serving on %s, reachable from other machines, with no API key: anyone who can "
+            "reach it can use it (--api-key or $%s)",
             args.host,
-            args.port,
-            "required" if api_key else "not required",
+            API_KEY_ENV,
         )
-        # The process's own: nothing built so far (jax, the model, the compiled steps: ~600k
-        # objects) is garbage, so the cyclic GC stops scanning it, as vLLM's server does. A
-        # full collection of that heap took ~0.4 s, a pause every stream felt at once.
-        gc.collect()
-        gc.freeze()
-        _run_until_signal(uvicorn.Server(config))
+    limits = BodyLimits(max_bytes=args.max_request_body_bytes)
+    sock = bind_socket(args.host, args.port)
+    try:
+        name = args.served_model_name or args.model
+        engine = AsyncLLM(
+            model=args.model,
+            max_waiting_requests=args.max_waiting_requests,
+            served_model_name=name,
+            **engine_kwargs(args),
+        )
+        try:
+            app = build_app(
+                engine,
+                served_model_name=name,
+                api_key=api_key,
+                body_limits=limits,
+                trust_request_chat_template=args.trust_request_chat_template,
+            )
+            config = uvicorn.Config(
+                app,
+                # uvicorn serves ``sock`` (and logs no "running on" line for a passed socket:
+                # the "serving ... on" line below says where); host and port are its records
+                host=args.host,
+                port=args.port,
+                log_level=args.uvicorn_log_level,
+                timeout_graceful_shutdown=args.graceful_shutdown_timeout,
+            )
+            # Listening from here (not from the bind: a client would wait in the backlog
+            # through the whole warm-up), so a client that read the line below connects.
+            sock.listen(config.backlog)
+            logger.info(
+                "serving %r as %r on http://%s:%d/v1 (API key %s)",
+                args.model,
+                name,
+                args.host,
+                sock.getsockname()[1],
+                "required" if api_key else "not required",
+            )
+            # The process's own: nothing built so far (jax, the model, the compiled steps: ~600k
+            # objects) is garbage, so the cyclic GC stops scanning it, as vLLM's server does. A
+            # full collection of that heap took ~0.4 s, a pause every stream felt at once.
+            gc.collect()
+            gc.freeze()
+            _run_until_signal(uvicorn.Server(config), sock)
+        finally:
+            engine.shutdown()
     finally:
-        engine.shutdown()
+        sock.close()
     return 0
 
 
-def _run_until_signal(server: uvicorn.Server) -> None:
+def _run_until_signal(server: uvicorn.Server, sock: socket.socket) -> None:
     """Run uvicorn until SIGINT or SIGTERM. uvicorn shuts down gracefully, then raises the
     signal again: with SIGTERM handled as SIGINT here, both end the run as a KeyboardInterrupt,
     caught, so that the engine is shut down and the exit status is 0."""
@@ -240,7 +348,7 @@ def _run_until_signal(server: uvicorn.Server) -> None:
     if in_main_thread:
         signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        server.run()
+        server.run(sockets=[sock])
     except KeyboardInterrupt:
         logger.info("stopped by a signal; shutting the engine down")
     finally:

@@ -166,9 +166,13 @@ class EventStream:
 class OpenAIServing:
     """The handlers of /v1/models, /v1/completions and /v1/chat/completions over ``engine``."""
 
-    def __init__(self, engine: AsyncLLM, served_model_name: str) -> None:
+    def __init__(
+        self, engine: AsyncLLM, served_model_name: str, *, trust_request_chat_template: bool = False
+    ) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
+        # A request's own chat_template runs only when the operator trusts clients with it.
+        self.trust_request_chat_template = trust_request_chat_template
         self._llm_engine = engine.engine
         self._max_model_len = int(self._llm_engine.config.model.max_model_len)
         self._tokenizer = self._llm_engine.tokenizer
@@ -205,12 +209,8 @@ class OpenAIServing:
             # The echoed prompt's logprobs, as many top ones as the completion's.
             top = max(request.logprobs, params.prompt_logprobs or 0)
             params = replace(params, prompt_logprobs=top)
-        checked = [
-            self._check_prompt(
-                request, prompt, params, "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-            )
-            for i, prompt in enumerate(prompts)
-        ]
+        # Off the event loop: tokenizing a long prompt must not stall other requests.
+        checked = await asyncio.to_thread(self._check_prompts, request, prompts, params)
         response_id = f"cmpl-{uuid.uuid4().hex}"
         outputs = self._start(response_id, checked)
         head = {"id": response_id, "created": int(time.time()), "model": self.served_model_name}
@@ -330,19 +330,16 @@ class OpenAIServing:
         """
         request = parse_chat_request(body)
         self._check_model(request.model)
-        messages = chat_messages(request)
-        try:
-            prompt = self._llm_engine.render_chat_prompt(
-                messages,
-                chat_template=request.chat_template,
-                add_generation_prompt=request.add_generation_prompt,
+        if request.chat_template is not None and not self.trust_request_chat_template:
+            raise OpenAIError(
+                "chat_template: this server does not run templates sent by clients (a template "
+                "is a program); the operator can allow them with --trust-request-chat-template",
+                param="chat_template",
             )
-        except jinja2.TemplateSyntaxError as e:
-            raise OpenAIError(f"chat_template does not parse: {e}", param="chat_template") from None
-        except (TypeError, ValueError, jinja2.TemplateError) as e:
-            raise OpenAIError(f"messages: {e}", param="messages") from None
+        messages = chat_messages(request)
         params = self._params(request)
-        checked = self._check_prompt(request, prompt, params, "messages")
+        # Off the event loop: rendering and tokenizing a long conversation take seconds.
+        checked = await asyncio.to_thread(self._render_and_check, request, messages, params)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         outputs = self._start(response_id, [checked])
         head = {"id": response_id, "created": int(time.time()), "model": self.served_model_name}
@@ -436,6 +433,34 @@ class OpenAIServing:
         if isinstance(request, CompletionRequest) and echo_only(request):
             max_tokens = 1  # the engine samples one token, which the answer leaves out
         return sampling_params(request, max_tokens=max_tokens, output_kind=kind)
+
+    def _check_prompts(
+        self,
+        request: CompletionRequest,
+        prompts: list[Any],
+        params: SamplingParams,
+    ) -> list[CheckedRequest]:
+        return [
+            self._check_prompt(
+                request, prompt, params, "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            )
+            for i, prompt in enumerate(prompts)
+        ]
+
+    def _render_and_check(
+        self, request: ChatCompletionRequest, messages: list[dict], params: SamplingParams
+    ) -> CheckedRequest:
+        try:
+            prompt = self._llm_engine.render_chat_prompt(
+                messages,
+                chat_template=request.chat_template,
+                add_generation_prompt=request.add_generation_prompt,
+            )
+        except jinja2.TemplateSyntaxError as e:
+            raise OpenAIError(f"chat_template does not parse: {e}", param="chat_template") from None
+        except (TypeError, ValueError, jinja2.TemplateError) as e:
+            raise OpenAIError(f"messages: {e}", param="messages") from None
+        return self._check_prompt(request, prompt, params, "messages")
 
     def _check_prompt(
         self,
