@@ -29,6 +29,8 @@ HOST_MODULES = [
     "jaxserve.core.sched.output",
     "jaxserve.core.sched.scheduler",
     "jaxserve.core.sched.preemption",
+    "jaxserve.core.sched.host_kv_tier",
+    "jaxserve.core.sched.starting_point",
 ]
 
 # folder -> first-party packages it may import (besides itself).

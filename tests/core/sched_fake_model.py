@@ -218,7 +218,7 @@ def check_invariants(sched: Scheduler) -> None:
     for req in sched.waiting:
         if not kv.is_swapped(req.request_id):
             assert req.num_computed_tokens == 0, req
-    if sched.host_pool is not None:
+    if sched.host.pool is not None:
         check_host_invariants(sched)
 
 
@@ -226,7 +226,7 @@ def check_host_invariants(sched: Scheduler) -> None:
     """Every host slot in exactly one state (free, cached in the LRU, pinned), the hash map
     consistent, pins counted by the swapped-out requests, no copy pending between steps."""
     kv = sched.kv_cache_manager
-    host = sched.host_pool
+    host = sched.host.pool
     assert not host.locked and not host.device_to_host and not host.host_to_device
     free, lru = set(host.free), set(host.lru)
     pinned = {s for s in range(host.num_blocks) if host.pins[s] > 0}

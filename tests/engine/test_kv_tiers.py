@@ -97,7 +97,7 @@ def test_a_failed_copy_step_is_recovered(engines, monkeypatch) -> None:
     with pytest.raises(RuntimeError, match="injected copy failure"):
         tiered.generate(prompts, GREEDY, use_tqdm=False)
     assert_nothing_held(tiered.engine)
-    assert not tiered.engine.scheduler.host_pool.hash_to_slot  # reset: nothing trusted
+    assert not tiered.engine.scheduler.host.pool.hash_to_slot  # reset: nothing trusted
     monkeypatch.undo()
     assert _run(tiered, prompts, GREEDY)[0] == expected
 

@@ -20,18 +20,19 @@ import time
 from collections.abc import Iterable
 
 from jaxserve.config import CacheConfig, SchedulerConfig
-from jaxserve.core.host_block_pool import HostBlockPool, HostTier
-from jaxserve.core.kv_cache_manager import HostHit, KVCacheManager
+from jaxserve.core.host_block_pool import HostTier
+from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.kv_cache_utils import KVCacheBlock
 from jaxserve.core.sched.admission import (
     check_prompt_length,
     generation_limit,
     validate_request,
 )
-from jaxserve.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from jaxserve.core.sched.host_kv_tier import HostKVTier, host_tokens
+from jaxserve.core.sched.output import CachedRequestData, SchedulerOutput
 from jaxserve.core.sched.output_processor import append_samples, attach_prompt_logprobs
 from jaxserve.core.sched.policy import make_policy
-from jaxserve.core.sched.preemption import PreemptionPolicy
+from jaxserve.core.sched.starting_point import starting_point
 from jaxserve.core.sched.step_batch import StepBatch
 from jaxserve.outputs import EngineCoreOutput, ModelRunnerOutput
 from jaxserve.request import Request, RequestStatus
@@ -61,21 +62,7 @@ class Scheduler:
         num_kv_blocks: int,
         host_tier: HostTier | None = None,
     ) -> None:
-        num_host_blocks = host_tier.num_blocks if host_tier is not None else 0
-        if (cache_config.kv_offloading_size > 0) != (num_host_blocks > 0):
-            raise ValueError(
-                f"kv_offloading_size={cache_config.kv_offloading_size} GiB needs a host tier "
-                f"of > 0 blocks and 0 GiB none; got a host tier of {num_host_blocks} blocks"
-            )
-        self.host_tier = host_tier
-        self.host_pool = HostBlockPool(num_host_blocks) if num_host_blocks else None
-        tier = host_tier if host_tier is not None else HostTier(0, block_bytes=1)
-        self.preemption = PreemptionPolicy(
-            cache_config.preemption_mode,
-            tier.swap_bytes_per_s,
-            tier.block_bytes,
-            tier.swap_latency_s,
-        )
+        self.host = HostKVTier(cache_config, host_tier)
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_model_len = scheduler_config.max_model_len
@@ -92,8 +79,6 @@ class Scheduler:
         self._num_added = 0  # arrival_index of the next request
         # Stats (docs/architecture.md), monotonic except the peak.
         self.num_preemptions = 0
-        self.num_swap_preemptions = 0  # preemptions that kept the KV in the host tier
-        self.num_swap_fallbacks = 0  # swaps wanted but recomputed: the host tier was full
         self.num_steps = 0  # schedule() calls that scheduled at least one token
         self.peak_kv_slot_utilization = 0.0  # max over steps of live tokens / allocated slots
 
@@ -219,27 +204,13 @@ class Scheduler:
             "num_steps": self.num_steps,
             "peak_kv_slot_utilization": self.peak_kv_slot_utilization,
             "num_cow_copies": kv.num_cow_copies,
-            **self._host_stats(),
-        }
-
-    def _host_stats(self) -> dict[str, int]:
-        """The host tier's counters (all 0 without one); bytes are block copies * block
-        bytes."""
-        host = self.host_pool
-        block_bytes = self.host_tier.block_bytes if self.host_tier is not None else 0
-        return {
-            "num_host_kv_blocks": host.num_blocks if host is not None else 0,
-            "host_cache_hits": self.kv_cache_manager.host_cache_hits,
-            "device_to_host_bytes": host.num_offloaded * block_bytes if host else 0,
-            "host_to_device_bytes": host.num_restored * block_bytes if host else 0,
-            "num_swap_preemptions": self.num_swap_preemptions,
-            "num_swap_fallbacks": self.num_swap_fallbacks,
+            **self.host.stats(kv),
         }
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         """The engine's measurement of a step (tokens computed, wall time), for "auto"
         preemption (preemption.py)."""
-        self.preemption.observe_step(num_tokens, seconds)
+        self.host.preemption.observe_step(num_tokens, seconds)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block hash; only possible while no request holds a block."""
@@ -252,7 +223,7 @@ class Scheduler:
             self.num_kv_blocks,
             self.enable_caching,
             self.max_model_len,
-            self.host_pool,
+            self.host.pool,
         )
         if counters_from is not None:
             kv.prefix_cache_queries = counters_from.prefix_cache_queries
@@ -338,16 +309,7 @@ class Scheduler:
         preemption policy says; requeue at the front of waiting. The runner drops its state and
         gets it back as a new request."""
         kv = self.kv_cache_manager
-        swapped = False
-        if self.host_pool is not None and self.preemption.wants_swap(
-            kv.swap_blocks(req), kv.recompute_tokens(req)
-        ):
-            swapped = kv.swap_out(req)
-            if swapped:
-                self.num_swap_preemptions += 1
-            else:
-                self.num_swap_fallbacks += 1
-        if not swapped:
+        if not self.host.swap_out(kv, req):
             kv.free(req)
             req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
@@ -365,6 +327,7 @@ class Scheduler:
         instead of the same block computed twice (offline batches of shared prefixes)."""
         kv = self.kv_cache_manager
         waiting = self.waiting
+        bs = self.block_size
         skipped: list[Request] = []
         pending = None  # hashes being computed, built on first need
         while len(waiting) and step.budget > 0 and len(self.running) < self.max_num_seqs:
@@ -373,7 +336,7 @@ class Scheduler:
                 if not self._swap_in(req, step):
                     break
                 continue
-            start = self._starting_point(req)
+            start = starting_point(req, self.requests, kv, bs)
             if start is None:
                 skipped.append(waiting.pop())
                 continue
@@ -381,23 +344,27 @@ class Scheduler:
             if not is_fork and self.enable_caching:
                 if pending is None:
                     pending = kv.pending_block_hashes(self.running)
-                next_block = num_borrowed_tokens // self.block_size
+                next_block = num_borrowed_tokens // bs
                 if next_block < len(req.block_hashes) and req.block_hashes[next_block] in pending:
-                    kv.retract_lookup(req, num_borrowed_tokens, self._host_tokens(borrowed))
+                    kv.retract_lookup(
+                        req, num_borrowed_tokens, host_tokens(borrowed, self.block_size)
+                    )
                     skipped.append(waiting.pop())
                     continue
             num_new = min(len(req.all_token_ids) - num_borrowed_tokens, step.budget)
             new_blocks = kv.allocate_slots(req, num_new, borrowed or None, num_borrowed_tokens)
             if new_blocks is None:
                 if not is_fork:
-                    kv.retract_lookup(req, num_borrowed_tokens, self._host_tokens(borrowed))
+                    kv.retract_lookup(
+                        req, num_borrowed_tokens, host_tokens(borrowed, self.block_size)
+                    )
                 break
             waiting.pop()
             if is_fork:
                 req.parent_req_id = None  # from now on it is an ordinary request
             self._admit(req, num_borrowed_tokens, num_new, step)
             if pending is not None:
-                pending.update(req.block_hashes[num_borrowed_tokens // self.block_size :])
+                pending.update(req.block_hashes[num_borrowed_tokens // bs :])
         if skipped:
             waiting.put_back(skipped)
 
@@ -411,28 +378,6 @@ class Scheduler:
         self._admit(req, req.num_computed_tokens, num_new, step)
         return True
 
-    def _host_tokens(self, blocks: list[KVCacheBlock | HostHit]) -> int:
-        return self.block_size * sum(1 for b in blocks if isinstance(b, HostHit))
-
-    def _starting_point(
-        self, req: Request
-    ) -> tuple[list[KVCacheBlock | HostHit], int, bool] | None:
-        """(blocks it takes over, tokens they cover, is a fork) for a waiting request, or None
-        while it is a child waiting for its parent's prompt KV."""
-        if req.parent_req_id is not None:
-            parent = self.requests.get(req.parent_req_id)
-            if parent is not None:
-                if parent.status != _RUNNING or parent.num_computed_tokens < req.num_prompt_tokens:
-                    return None
-                num_prompt = req.num_prompt_tokens
-                table = self.kv_cache_manager.get_blocks(parent.request_id)
-                # Borrow every prompt block, the partial last one included; recompute only the
-                # last prompt token so this child samples its own first token.
-                return table[: -(-num_prompt // self.block_size)], num_prompt - 1, True
-            req.parent_req_id = None  # the parent is gone: compute the prompt alone
-        blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(req)
-        return blocks, num_hit_tokens, False
-
     def _admit(self, req: Request, num_computed: int, num_new: int, step: StepBatch) -> None:
         rid = req.request_id
         if req.status == _WAITING:  # first schedule (a resumed one is PREEMPTED)
@@ -441,22 +386,7 @@ class Scheduler:
         req.status = _RUNNING
         req.num_computed_tokens = num_computed
         bisect.insort(self.running, req, key=self.sort_key)
-        block_ids = self.kv_cache_manager.get_block_ids(rid)
-        step.new_reqs.append(
-            NewRequestData(
-                rid,
-                list(req.all_token_ids),
-                req.num_prompt_tokens,
-                req.sampling_params,
-                block_ids,
-                num_computed,
-                req.seed,
-            )
-        )
-        step.new_tokens[rid] = num_new
-        step.budget -= num_new
-        step.live_tokens += num_computed + num_new
-        step.num_blocks += len(block_ids)
+        step.add_new(req, self.kv_cache_manager.get_block_ids(rid), num_new)
 
     def _build_output(self, step: StepBatch) -> SchedulerOutput:
         if step.num_scheduled_tokens:

@@ -9,6 +9,7 @@ sorting.
 from __future__ import annotations
 
 from jaxserve.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from jaxserve.request import Request
 
 
 class StepBatch:
@@ -38,6 +39,26 @@ class StepBatch:
         # (num_computed + scheduled), and blocks in their tables.
         self.live_tokens = 0
         self.num_blocks = 0
+
+    def add_new(self, req: Request, block_ids: list[int], num_new: int) -> None:
+        """Schedule ``num_new`` tokens of an admitted request from its num_computed_tokens
+        (the runner gets it whole, as a new request)."""
+        num_computed = req.num_computed_tokens
+        self.new_reqs.append(
+            NewRequestData(
+                req.request_id,
+                list(req.all_token_ids),
+                req.num_prompt_tokens,
+                req.sampling_params,
+                block_ids,
+                num_computed,
+                req.seed,
+            )
+        )
+        self.new_tokens[req.request_id] = num_new
+        self.budget -= num_new
+        self.live_tokens += num_computed + num_new
+        self.num_blocks += len(block_ids)
 
     @property
     def num_scheduled_tokens(self) -> int:
