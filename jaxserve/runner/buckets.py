@@ -91,11 +91,15 @@ class BucketSpec:
         bucket_width: bool = True,
         mid_token_buckets: bool = False,
         single_token_bucket: bool = False,
+        max_shapes: int | None = None,
     ) -> BucketSpec:
         """bucket_width=False: one width, the whole table (for attention backends whose cost
         follows the actual context lengths: KernelSpec.length_bounded in the registry).
         mid_token_buckets: also the 3 * 2^k token buckets (token_bucket_sizes; the CPU's).
-        single_token_bucket: also T=1 below the smallest (the CPU's)."""
+        single_token_bucket: also T=1 below the smallest (the CPU's).
+        max_shapes: at most this many (T, R, B) shapes where the widths allow: widths are
+            thinned (every other one, the full table always kept) until they fit, down to one
+            (the CPU's memory-map budget: map_budget.py)."""
         tokens = token_bucket_sizes(
             min(MIN_TOKEN_BUCKET, max_num_batched_tokens),
             max_num_batched_tokens,
@@ -108,6 +112,8 @@ class BucketSpec:
             width_buckets = pow2_buckets(1, max_blocks_per_seq)
         else:
             width_buckets = (max_blocks_per_seq,)
+        if max_shapes is not None:
+            width_buckets = _thin(width_buckets, max(1, max_shapes // len(tokens)))
         return cls(tokens, max_rows, width_buckets)
 
     def padded_tokens(self, num_tokens: int) -> int:
@@ -122,3 +128,11 @@ class BucketSpec:
     def all_shapes(self) -> list[tuple[int, int, int]]:
         """Every (T, R, B) the step can be called with: what warm-up compiles."""
         return [(t, self.padded_rows(t), b) for t in self.token_buckets for b in self.width_buckets]
+
+
+def _thin(widths: tuple[int, ...], most: int) -> tuple[int, ...]:
+    """Every other width, counted down from the largest (always kept), until at most
+    ``most`` are left (padding then costs up to 4x, 16x, ... instead of 2x)."""
+    while len(widths) > most:
+        widths = widths[::-1][::2][::-1]
+    return widths

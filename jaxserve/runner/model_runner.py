@@ -32,6 +32,7 @@ from jaxserve.runner.buckets import BucketSpec
 from jaxserve.runner.input_batch import InputBatch, PreparedBatch
 from jaxserve.runner.kv_cache import allocate_kv_caches
 from jaxserve.runner.kv_offload import KVOffloader
+from jaxserve.runner.map_budget import max_step_shapes
 from jaxserve.runner.plan import ExecutionPlan
 from jaxserve.runner.sampler import (
     logprobs_width,
@@ -97,6 +98,9 @@ class ModelRunner:
         # RoPE rows on the host (the CPU); elsewhere the model computes them on device.
         self.rope_tables = model.rope_tables(max_model_len) if plan.host_rope else None
         self._init_host_state()
+        # Copies per step are padded to a power of two (null-block self-copies); a step copies
+        # at most one block per request, so these are every size warm-up must compile.
+        self.copy_sizes = tuple(1 << k for k in range((max_num_seqs - 1).bit_length() + 1))
         self.buckets = BucketSpec.create(
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
@@ -106,6 +110,9 @@ class ModelRunner:
             bucket_width=not model.attention.length_bounded,
             mid_token_buckets=plan.mid_token_buckets,
             single_token_bucket=plan.single_token_bucket,
+            max_shapes=max_step_shapes(
+                plan.max_executables, len(self.sampling.variant_widths), len(self.copy_sizes)
+            ),
         )
         self.kv_caches = self._allocate_kv_caches()
         # The jitted functions hold the model, never the runner: nothing of the runner is in a
@@ -124,9 +131,6 @@ class ModelRunner:
             _copy_blocks, donate_argnames=("kv_caches",), **copy_shardings
         )
         self._copy = lambda *args: copies(jitted_copy, args, COPY_ARGS)
-        # Copies per step are padded to a power of two (null-block self-copies); a step copies
-        # at most one block per request, so these are every size warm-up must compile.
-        self.copy_sizes = tuple(1 << k for k in range((max_num_seqs - 1).bit_length() + 1))
         # The StepTrace the current step fills in, while the engine traces steps (None: off).
         self.trace: StepTrace | None = None
         # The host KV tier's data side, set by the factory when kv_offloading_size > 0.

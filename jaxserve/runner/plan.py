@@ -46,6 +46,7 @@ from jaxserve.pallas_kernels.ragged_paged_attention import (
 from jaxserve.pallas_kernels.ragged_paged_attention.kv_quant import is_fp8, quantize
 from jaxserve.pallas_kernels.ragged_paged_attention.testing import random_batch
 from jaxserve.pallas_kernels.sampling import cpu_draw
+from jaxserve.runner import map_budget
 
 logger = logging.getLogger("jaxserve")
 
@@ -70,6 +71,9 @@ class ExecutionPlan:
     mid_token_buckets: bool  # token buckets at 3 * 2^k too (buckets.py)
     single_token_bucket: bool  # a T=1 bucket below the smallest power of two
     compile_workers: int = 1  # warm-up compilations at once (ModelRunner.warmup)
+    # Compiled executables the engine may hold (the CPU's memory-map budget: map_budget.py);
+    # None: no budget (GPU, TPU).
+    max_executables: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The plan as plain values (get_stats()["plan"])."""
@@ -153,6 +157,7 @@ def make_plan(
         mid_token_buckets=on_cpu,
         single_token_bucket=on_cpu,
         compile_workers=1 if on_cpu else max(1, min(4, os.cpu_count() or 1)),
+        max_executables=map_budget.max_executables() if on_cpu else None,
     )
 
 

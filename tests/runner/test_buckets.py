@@ -86,3 +86,41 @@ def test_every_batch_lands_in_a_compiled_shape(
     assert rows <= r <= t and blocks <= b <= max_blocks
     if not bucket_width:
         assert b == max_blocks
+
+
+@given(
+    max_blocks=st.integers(1, 4096),
+    max_tokens=st.integers(1, 8192),
+    max_shapes=st.integers(1, 200),
+)
+def test_the_shape_budget_thins_widths_but_keeps_the_full_table(
+    max_blocks, max_tokens, max_shapes
+) -> None:
+    """map_budget.py: a CPU engine holds at most so many executables; the widths give way."""
+    full = BucketSpec.create(
+        max_num_batched_tokens=max_tokens, max_num_seqs=8, max_blocks_per_seq=max_blocks
+    )
+    spec = BucketSpec.create(
+        max_num_batched_tokens=max_tokens,
+        max_num_seqs=8,
+        max_blocks_per_seq=max_blocks,
+        max_shapes=max_shapes,
+    )
+    assert spec.token_buckets == full.token_buckets  # only widths give way
+    assert spec.width_buckets[-1] == max_blocks  # every table still fits
+    assert set(spec.width_buckets) <= set(full.width_buckets)
+    assert len(spec.all_shapes()) <= max(max_shapes, len(spec.token_buckets))
+    if len(full.all_shapes()) <= max_shapes:
+        assert spec == full
+    for num_blocks in range(1, max_blocks + 1, max(1, max_blocks // 50)):
+        assert spec.padded_width(num_blocks) >= num_blocks
+
+
+def test_the_map_budget_follows_the_process_limit() -> None:
+    from jaxserve.runner.map_budget import MAPS_PER_EXECUTABLE, max_executables, max_step_shapes
+
+    assert max_executables(65_530) == 65_530 // 2 // MAPS_PER_EXECUTABLE == 63
+    assert max_executables(1_048_576) == 1024
+    assert max_executables(100) == 8  # never below a handful
+    assert max_step_shapes(63, 2, 3) == 30 and max_step_shapes(None, 2, 3) is None
+    assert max_step_shapes(8, 2, 9) == 1

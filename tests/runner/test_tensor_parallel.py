@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve import LLM
 from jaxserve.models import ModelArchConfig, get_model
+from jaxserve.runner.map_budget import MAPS_PER_EXECUTABLE
 from jaxserve.runner.sharding import make_mesh, plan_sharding
 from jaxserve.runner.xla_flags import CPU_YNN_FUSION_FLAG
 
@@ -136,6 +137,18 @@ def test_nothing_compiles_after_warmup_under_tp(results):
     assert compiles["after"] == compiles["warmup"]
     assert compiles["backend_compiles_after_warmup"] == 0
     assert compiles["num_steps"] > 10
+
+
+@pytest.mark.parametrize("tp", ["4", "8"])
+def test_warm_up_under_tp_stays_within_the_memory_map_budget(results, tp):
+    """Warm-up at tp 4 with table widths to bucket died of too many memory maps (issue 29, item
+    18): each XLA:CPU executable holds ~400 maps, and the widths multiplied the executables."""
+    case = results["maps"][tp]
+    assert case["attention"] == "reference"  # not length-bounded: widths are bucketed
+    assert case["executables"] <= case["max_executables"]
+    assert case["maps_added"] <= case["executables"] * MAPS_PER_EXECUTABLE
+    assert case["width_buckets"] == [1, 2, 4]
+    assert case["tokens"] == results["parity"]["llama"]["1"]["tokens"]
 
 
 def test_orbax_checkpoint_restores_into_tp_shardings(results):

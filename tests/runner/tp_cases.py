@@ -13,6 +13,8 @@ separate process; test_tensor_parallel.py runs it once and checks the JSON it wr
     builtin[tp]             tiny-random-llama's greedy tokens at tp 1 and 4 (tp_multihost.py's
                             reference)
     orbax                   tokens and param shardings of an Orbax checkpoint restored at tp 2
+    maps[tp]                memory maps and executables of llama warmed up at tp 4 and 8 with
+                            table widths bucketed (runner/map_budget.py), and its greedy tokens
     kernels[family][backend]  llama and qwen3 at tp 2 with each per-device attention (xla, cpu,
                             pallas in interpret mode) under shard_map; kernels[family]["hf"]:
                             transformers' greedy tokens and top-2 margins
@@ -233,6 +235,44 @@ def run_orbax(work: pathlib.Path) -> dict[str, Any]:
     }
 
 
+# Warm-up at tp 4 and 8 with table widths to bucket: llama's 2 KV heads do not split 4 or 8 ways,
+# so the reference attention runs, one step per token bucket x width x sampler variant: 2 x 3 x
+# 2 + 3 copies = 15 executables (~2 s each to compile on 8 devices), each holding its memory
+# maps (test_buckets.py checks how the map budget thins the widths when there would be too many).
+MAPS_ENGINE = {
+    **ENGINE,
+    "block_size": 8,
+    "num_kv_blocks": 16,
+    "max_model_len": 32,
+    "max_num_batched_tokens": 4,
+    "warmup": True,
+}
+
+
+def run_maps(work: pathlib.Path) -> dict[int, dict[str, Any]]:
+    """Memory maps, executables and greedy tokens of warmed-up engines at tp 4 and 8
+    (issue 29, item 18: tp 4 with warm-up died of too many maps)."""
+    results = {}
+    for tp in (4, 8):
+        before = _num_maps()
+        llm = LLM(str(work / "llama"), tensor_parallel_size=tp, **MAPS_ENGINE)
+        stats = llm.get_stats()
+        results[tp] = {
+            "maps_added": _num_maps() - before,
+            "executables": stats["num_compilations"] + stats["num_compilation_cache_hits"],
+            "max_executables": stats["plan"]["max_executables"],
+            "attention": stats["plan"]["attention"],
+            "width_buckets": list(llm.engine.runner.buckets.width_buckets),
+            "tokens": _greedy(llm, _prompts(512)),
+        }
+        del llm
+    return results
+
+
+def _num_maps() -> int:
+    return len(pathlib.Path("/proc/self/maps").read_text().splitlines())
+
+
 def main() -> None:
     work, results_file = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
     assert jax.device_count() == 8, jax.devices()
@@ -241,6 +281,7 @@ def main() -> None:
         "kernels": run_kernels(work),
         "builtin": run_builtin(),
         "orbax": run_orbax(work),
+        "maps": run_maps(work),
     }
     results_file.write_text(json.dumps(results))
 
