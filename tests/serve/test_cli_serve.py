@@ -171,3 +171,29 @@ def test_no_key_on_an_address_other_machines_reach_is_warned_about(
 
 def _must_not_build(*args, **kwargs):
     raise AssertionError("the engine was built")
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_the_engine_warms_up_exits_130_with_one_line():
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    argv = [
+        sys.executable, "-m", "jaxserve.cli", "serve", "--model", "tiny-random-llama",
+        "--port", "0", "--max-model-len", "256", "--uvicorn-log-level", "info",
+    ]  # fmt: skip
+    proc = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        seen = []
+        while not any("memory plan" in line for line in seen):  # warm-up comes next
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(seen)
+            seen.append(proc.stderr.readline())
+        proc.send_signal(signal.SIGINT)
+        err = proc.communicate(timeout=TIMEOUT_S)[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=TIMEOUT_S)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert err.rstrip().endswith("jaxserve serve: interrupted"), err
+    assert not any("serving 'tiny-random-llama'" in line for line in seen + [err])
