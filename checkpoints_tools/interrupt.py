@@ -22,8 +22,12 @@ raises KeyboardInterrupt at once. One that Python cannot raise where it lands (r
 or weakref callback, a `__del__`) reaches the guard's sys.unraisablehook instead of being printed
 and dropped, and a timer sends it again a moment later, until it is raised. The conversion also
 checks the count between steps and the jobs before each result they record (check_interrupted),
-so an interrupt lost some other way still stops them. A second Ctrl-C
-inside a deferred section raises at once.
+so an interrupt lost some other way still stops them. A second Ctrl-C inside a deferred section
+raises at once.
+
+Under the guard, the library's own safe-point deferral (engine/interrupts.py, which applies only
+while Python's default handler is installed) steps aside: a command's Ctrl-C raises at once, and
+the engine's recovery from an interrupted step (docs/architecture.md, section 7) cleans up.
 
 This module imports only the standard library: the guard must be in place before jax is
 imported.
