@@ -94,7 +94,7 @@ class BucketSpec:
         max_shapes: int | None = None,
     ) -> BucketSpec:
         """bucket_width=False: one width, the whole table (for attention backends whose cost
-        follows the actual context lengths: KernelSpec.length_bounded in the registry).
+        follows the actual context lengths: KernelSpec.length_bounded in kernels.py).
         mid_token_buckets: also the 3 * 2^k token buckets (token_bucket_sizes; the CPU's).
         single_token_bucket: also T=1 below the smallest (the CPU's).
         max_shapes: at most this many (T, R, B) shapes where the widths allow: widths are

@@ -8,7 +8,7 @@
                             GPU and TPU (as vLLM does), stay float32 on the CPU
     KV cache dtype          the model dtype, or FP8 (float8_e4m3fn / float8_e5m2) when the
                             config asks for it: then attention is only chosen among the
-                            implementations that read FP8 pages (registry.KernelSpec.fp8_kv)
+                            implementations that read FP8 pages (kernels.KernelSpec.fp8_kv)
     buckets, RoPE rows      the CPU's extra token buckets (1 and 3 * 2^k) and host-gathered
                             RoPE rows; accelerators compute RoPE on device
     tensor parallelism      the mesh; attention runs per device inside shard_map
@@ -60,7 +60,7 @@ class ExecutionPlan:
 
     platform: str  # "cpu" | "gpu" | "tpu"
     device_kind: str  # e.g. "NVIDIA H200", "TPU v5 lite", "cpu"
-    gpu_generation: str | None  # registry.BLACKWELL / HOPPER / AMPERE / OLDER_GPU on "gpu"
+    gpu_generation: str | None  # target.BLACKWELL / HOPPER / AMPERE / OLDER_GPU on "gpu"
     attention: AttentionImpl
     attention_refused: tuple[str, ...]  # why "auto" passed over each implementation before it
     sampler_draw: str  # "cpu" | "xla" (sampler.DRAWS)

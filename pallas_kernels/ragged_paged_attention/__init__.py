@@ -1,5 +1,6 @@
-"""Ragged paged attention: a jnp reference and kernels sharing one signature, the registry of
-implementations that the execution plan chooses from, and a by-name entry point for tests."""
+"""Ragged paged attention: a jnp reference and kernels sharing one signature (signature.py),
+the kernels as data (kernels.py), the registry that chooses one for a Target (registry.py) as
+an AttentionImpl (impl.py), and a by-name entry point for tests (ops.py)."""
 
 from jaxserve.pallas_kernels.ragged_paged_attention.chunked import ragged_paged_attention_chunked
 from jaxserve.pallas_kernels.ragged_paged_attention.gpu import (
@@ -7,6 +8,8 @@ from jaxserve.pallas_kernels.ragged_paged_attention.gpu import (
     default_gpu_config,
     ragged_paged_attention_gpu,
 )
+from jaxserve.pallas_kernels.ragged_paged_attention.impl import AttentionImpl
+from jaxserve.pallas_kernels.ragged_paged_attention.kernels import KERNELS, KernelSpec
 from jaxserve.pallas_kernels.ragged_paged_attention.ops import (
     device_facts,
     gpu_generation,
@@ -20,13 +23,12 @@ from jaxserve.pallas_kernels.ragged_paged_attention.reference import (
 from jaxserve.pallas_kernels.ragged_paged_attention.registry import (
     AUTO_ORDER,
     BACKENDS,
-    KERNELS,
-    AttentionImpl,
-    Target,
     auto_order,
     runnable_names,
     select_attention,
 )
+from jaxserve.pallas_kernels.ragged_paged_attention.signature import AttentionKernel
+from jaxserve.pallas_kernels.ragged_paged_attention.target import Target
 from jaxserve.pallas_kernels.ragged_paged_attention.tpu import (
     TpuConfig,
     default_tpu_config,
@@ -38,7 +40,9 @@ __all__ = [
     "BACKENDS",
     "KERNELS",
     "AttentionImpl",
+    "AttentionKernel",
     "GpuConfig",
+    "KernelSpec",
     "Target",
     "TpuConfig",
     "auto_order",

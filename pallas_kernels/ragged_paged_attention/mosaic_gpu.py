@@ -47,10 +47,11 @@ Supported, everything else refused with a ValueError:
         precision loss against the f32 reference) and only K-major, which P V with V pages
         in SMEM is not. Use the "xla" or "pallas_triton" backend for float32.
     H in {64, 128}; P a multiple of 8 dividing W (16, 32, 64, 128 with the default W = 128);
-    G = N / K <= 64; compute capability 9.0 (Hopper: H100/H200/GH200). WGMMA does not exist
-        on Blackwell (sm_100), which would need a tcgen05 kernel. CUDA runtimes 12.8.0 to
-        12.9.0 are refused: their ptxas miscompiles score masks of this kind (jax's own
-        Mosaic GPU flash attention refuses causal masking there).
+    G = N / K <= 64. The chip is the registry's to check, from the execution plan's Target
+        (kernels.py): compute capability 9.0 (Hopper: H100/H200/GH200; WGMMA does not exist on
+        Blackwell, sm_100, which would need a tcgen05 kernel), and not CUDA runtimes 12.8.0 to
+        12.9.0, whose ptxas miscompiles score masks of this kind (jax's own Mosaic GPU flash
+        attention refuses causal masking there). The kernel itself probes no device.
 
 The kernel is lowered with Lane semantics, set explicitly: jax 0.11 changed the default to
 Warpgroup semantics.
@@ -93,7 +94,7 @@ except ImportError:  # pragma: no cover - depends on the installed jax
 
 MASK_VALUE = -1e30  # finite, so that fully masked rows never produce inf - inf
 LOG2E = math.log2(math.e)
-DEFAULT_NUM_CORES = 132  # H100/H200 SM count; used when no GPU is attached at trace time
+DEFAULT_NUM_CORES = 132  # H100/H200 SM count; used when the plan gives none
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SUPPORTED_HEAD_DIMS = (64, 128)
 TILE_ROWS = 64  # M: query rows per CTA, the M of one warpgroup's WGMMA
@@ -617,18 +618,6 @@ def _scratch_types(st: _Static, head_dim: int, dtype: jnp.dtype) -> list[Any]:
     return scratch
 
 
-def _target_compute_capability() -> str | None:
-    """The compute capability the kernel is lowered for: the abstract mesh's device when it
-    names one (export from a CPU host), else the attached GPU; None when unknown."""
-    get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
-    device = get_mesh().abstract_device if get_mesh is not None else None
-    if device is not None and hasattr(device, "compute_capability"):
-        return str(device.compute_capability)
-    if jax.default_backend() == "gpu":
-        return getattr(jax.devices()[0], "compute_capability", None)
-    return None
-
-
 def _check_supported(q: jax.Array, k_pages: jax.Array, config: MosaicGpuConfig) -> None:
     """Raise ValueError for inputs or targets this kernel does not support (module docstring)."""
     _, num_q_heads, head_dim = q.shape
@@ -666,36 +655,6 @@ def _check_supported(q: jax.Array, k_pages: jax.Array, config: MosaicGpuConfig) 
         )
 
 
-def _cuda_runtime_version() -> int | None:
-    """The CUDA runtime version of the attached GPU's jax plugin (e.g. 12090), else None."""
-    if jax.default_backend() != "gpu":
-        return None
-    try:
-        from jax._src.lib import cuda_versions  # None without a CUDA plugin
-    except ImportError:  # pragma: no cover - depends on the installed jax
-        return None
-    return None if cuda_versions is None else int(cuda_versions.cuda_runtime_get_version())
-
-
-def _check_target() -> None:
-    """Raise ValueError when the target GPU or its CUDA toolchain cannot run this kernel."""
-    capability = _target_compute_capability()
-    if capability is not None and not capability.startswith("9."):
-        raise ValueError(
-            f"the Mosaic GPU kernel uses Hopper WGMMA and needs compute capability 9.0 "
-            f"(sm_90a), got {capability}: use the 'pallas_triton' backend on this GPU"
-        )
-    version = _cuda_runtime_version()
-    # jax's own Mosaic GPU flash attention refuses masked attention on these versions: ptxas
-    # miscompiles the mask (iota comparisons in the WGMMA layout), which this kernel uses too.
-    if version is not None and 12080 <= version < 12091:
-        raise ValueError(
-            f"the Mosaic GPU kernel masks scores, which ptxas of CUDA 12.8.0 to 12.9.0 "
-            f"miscompiles (jax's flash attention refuses it there too); CUDA runtime "
-            f"{version} found: use CUDA >= 12.9.1 or the 'pallas_triton' backend"
-        )
-
-
 def _interpret_params(interpret: Any) -> Any:
     """plgpu.kernel's `interpret`: None (compile for the GPU) or GPU interpret params."""
     if interpret is False or interpret is None:
@@ -703,12 +662,6 @@ def _interpret_params(interpret: Any) -> Any:
     if InterpretGPUParams is None:
         raise ValueError("interpret mode needs jax's Mosaic GPU interpreter (jax >= 0.10)")
     return InterpretGPUParams() if interpret is True else interpret
-
-
-def _num_cores() -> int:
-    if jax.default_backend() == "gpu":
-        return getattr(jax.devices()[0], "core_count", DEFAULT_NUM_CORES)
-    return DEFAULT_NUM_CORES
 
 
 @functools.partial(
@@ -740,8 +693,7 @@ def ragged_paged_attention_mosaic_gpu(
         q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, sm_scale,
             sliding_window, soft_cap: as in reference.py.
         config: tuning; None picks default_mosaic_gpu_config(...) for these shapes.
-        num_cores: SMs of the GPU, for the default config (None: the attached GPU's, else
-            DEFAULT_NUM_CORES).
+        num_cores: SMs of the GPU, for the default config (None: DEFAULT_NUM_CORES).
         interpret: True (or an InterpretGPUParams) runs jax's Mosaic GPU interpret mode on
             the current backend (CPU; slow, for tests); see the module docstring.
         k_scale, v_scale: must be None (no FP8 KV cache here, see the module docstring).
@@ -753,8 +705,7 @@ def ragged_paged_attention_mosaic_gpu(
         ValueError: bad shapes/dtypes/options (validation.py); a dtype other than bfloat16
             or float16 (float32 included), or q and pages of different dtypes; H not in
             {64, 128}; P not a multiple of 8 dividing block_kv; more than 64 query rows per
-            tile; a config over the SMEM budget; a target GPU that is not compute
-            capability 9.0; FP8 pages or KV scales.
+            tile; a config over the SMEM budget; FP8 pages or KV scales.
     """
     validate_inputs(
         q,
@@ -784,12 +735,10 @@ def ragged_paged_attention_mosaic_gpu(
             q.shape,
             k_pages.shape,
             block_tables.shape,
-            num_cores or _num_cores(),
+            num_cores or DEFAULT_NUM_CORES,
             k_pages.dtype.itemsize,
         )
     _check_supported(q, k_pages, config)
-    if interpret_params is None:
-        _check_target()
     group = num_q_heads // num_kv_heads
     st = _Static(
         sm_scale=float(sm_scale),

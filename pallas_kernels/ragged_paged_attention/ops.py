@@ -13,27 +13,40 @@ from __future__ import annotations
 
 import jax
 
+from jaxserve.pallas_kernels.ragged_paged_attention.impl import AttentionImpl
 from jaxserve.pallas_kernels.ragged_paged_attention.kv_quant import is_fp8
-from jaxserve.pallas_kernels.ragged_paged_attention.registry import (
+from jaxserve.pallas_kernels.ragged_paged_attention.registry import select_attention
+from jaxserve.pallas_kernels.ragged_paged_attention.target import (
     AMPERE,
     BLACKWELL,
     HOPPER,
     OLDER_GPU,
-    AttentionImpl,
     Target,
-    select_attention,
 )
 
 
 def device_facts(device: jax.Device) -> dict[str, object]:
-    """platform ("cpu" | "gpu" | "tpu"), gpu_generation, device_kind and num_cores of a device
-    (the Target fields that describe the chip)."""
+    """platform ("cpu" | "gpu" | "tpu"), gpu_generation, device_kind, num_cores and
+    cuda_runtime_version of a device (the Target fields that describe the chip)."""
     platform = "gpu" if device.platform in ("gpu", "cuda", "rocm") else device.platform
     facts: dict[str, object] = dict(platform=platform, device_kind=device.device_kind)
     if platform == "gpu":
         facts["gpu_generation"] = gpu_generation(getattr(device, "compute_capability", None))
         facts["num_cores"] = getattr(device, "core_count", None)
+        if device.platform != "rocm":
+            facts["cuda_runtime_version"] = cuda_runtime_version()
     return facts
+
+
+def cuda_runtime_version() -> int | None:
+    """The CUDA runtime version of jax's CUDA plugin (e.g. 12090), or None without one."""
+    try:
+        from jax._src.lib import cuda_versions  # private, hence guarded; None without CUDA
+    except ImportError:  # pragma: no cover - depends on the installed jax
+        return None
+    if cuda_versions is None:
+        return None
+    return int(cuda_versions.cuda_runtime_get_version())
 
 
 def gpu_generation(compute_capability: str | None) -> str:

@@ -23,8 +23,9 @@ from jaxserve.pallas_kernels.ragged_paged_attention import (
     select_attention,
     write_kv,
 )
+from jaxserve.pallas_kernels.ragged_paged_attention.kernels import mosaic_gpu_kernel
 from jaxserve.pallas_kernels.ragged_paged_attention.kv_quant import dequantize, quantize
-from jaxserve.pallas_kernels.ragged_paged_attention.registry import HOPPER, mosaic_gpu_kernel
+from jaxserve.pallas_kernels.ragged_paged_attention.target import HOPPER
 
 E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
 # Relative rounding error of a normal value: half a unit in the last place (3 / 2 mantissa

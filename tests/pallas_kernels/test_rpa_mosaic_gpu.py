@@ -190,26 +190,6 @@ def test_explicit_configs_lower(kernel_modules) -> None:
     assert all(module.operation.verify() for module in kernel_modules)
 
 
-@pytest.mark.parametrize("capability", ["8.0", "10.0"])
-def test_refuses_gpus_without_wgmma(capability: str) -> None:
-    jax.clear_caches()  # the check runs at trace time: retrace what other tests traced
-    specs = _lower_specs("mixed", 4, 128, 16, jnp.bfloat16)
-    with pytest.raises(ValueError, match=f"needs compute capability 9.0 .*got {capability}"):
-        _export(specs, {}, compute_capability=capability)
-
-
-@pytest.mark.parametrize(("version", "refused"), [(12080, True), (12090, True), (12091, False)])
-def test_refuses_cuda_versions_whose_ptxas_miscompiles_masks(monkeypatch, version, refused):
-    monkeypatch.setattr(mg, "_cuda_runtime_version", lambda: version)
-    jax.clear_caches()  # the check runs at trace time: retrace what other tests traced
-    specs = _lower_specs("decode", 4, 64, 16, jnp.bfloat16)
-    if not refused:
-        assert MOSAIC_GPU_CALL.search(_export(specs, {}).mlir_module())
-        return
-    with pytest.raises(ValueError, match=f"CUDA runtime {version} found: use CUDA >= 12.9.1"):
-        _export(specs, {})
-
-
 # --- interpret mode: the kernel's own code on CPU --------------------------------------------
 
 _GRID = cases.grid_cases()

@@ -21,13 +21,13 @@ from jaxserve.pallas_kernels.ragged_paged_attention import (
     runnable_names,
     select_attention,
 )
-from jaxserve.pallas_kernels.ragged_paged_attention.registry import (
+from jaxserve.pallas_kernels.ragged_paged_attention.impl import head_split_refusal
+from jaxserve.pallas_kernels.ragged_paged_attention.kernels import mosaic_gpu_kernel
+from jaxserve.pallas_kernels.ragged_paged_attention.target import (
     AMPERE,
     BLACKWELL,
     HOPPER,
     OLDER_GPU,
-    head_split_refusal,
-    mosaic_gpu_kernel,
 )
 
 LLAMA = dict(num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
@@ -89,6 +89,28 @@ def test_an_explicit_name_that_cannot_run_lists_those_that_can() -> None:
         select_attention("pallas_mosaic_gpu", target("gpu", gpu_generation=AMPERE))
     with pytest.raises(ValueError, match="attention_backend must be 'auto' or one of"):
         select_attention("cuda", target("gpu", gpu_generation=AMPERE))
+
+
+@pytest.mark.parametrize("generation", [BLACKWELL, AMPERE])
+def test_mosaic_gpu_is_refused_on_gpus_without_wgmma(generation) -> None:
+    """The chip is checked when the plan is made, from the Target: the kernel probes nothing."""
+    _, refused = select_attention("auto", target("gpu", gpu_generation=generation))
+    if generation == BLACKWELL:
+        assert f"pallas_mosaic_gpu needs a hopper GPU; gpu is {generation}" in refused
+    with pytest.raises(ValueError, match="pallas_mosaic_gpu needs a hopper GPU"):
+        select_attention("pallas_mosaic_gpu", target("gpu", gpu_generation=generation))
+
+
+@pytest.mark.skipif(not MOSAIC_GPU, reason="this jax has no Pallas Mosaic GPU backend")
+@pytest.mark.parametrize(("version", "refused"), [(12080, True), (12090, True), (12091, False)])
+def test_mosaic_gpu_is_refused_where_ptxas_miscompiles_masks(version, refused) -> None:
+    hopper = target("gpu", gpu_generation=HOPPER, cuda_runtime_version=version)
+    impl, why = select_attention("auto", hopper)
+    if not refused:
+        assert impl.name == "pallas_mosaic_gpu" and not why
+        return
+    assert impl.name == "pallas_triton"
+    assert any(f"CUDA runtime {version} found: use CUDA >= 12.9.1" in r for r in why)
 
 
 def test_pallas_names_run_in_interpret_mode_off_their_platform() -> None:

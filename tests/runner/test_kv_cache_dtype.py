@@ -20,7 +20,7 @@ from jaxserve.config import FP8_STORAGE_DTYPES, EngineConfig, kv_cache_storage_d
 from jaxserve.models import AttentionMetadata, get_model
 from jaxserve.pallas_kernels.ragged_paged_attention import AttentionImpl, Target, cpu_rows
 from jaxserve.pallas_kernels.ragged_paged_attention.kv_quant import FP8_DTYPES, quantize
-from jaxserve.pallas_kernels.ragged_paged_attention.registry import FP8_KV_DTYPES
+from jaxserve.pallas_kernels.ragged_paged_attention.target import FP8_KV_DTYPES
 from jaxserve.runner.kv_scales import kv_scales_for, read_kv_scales
 from jaxserve.runner.memory_plan import KV_DTYPE_SIZES, plan_memory
 from jaxserve.runner.plan import make_plan, self_check

@@ -104,10 +104,10 @@ def test_the_plan_is_logged_once_and_reported(caplog):
 def test_a_soft_capped_model_never_gets_a_kernel_without_the_cap(monkeypatch):
     """The model's attention soft cap (Gemma 2) is part of the plan's target: a kernel that
     declares no soft cap is passed over, with the reason, not chosen and left to ignore it."""
-    from jaxserve.pallas_kernels.ragged_paged_attention import registry
+    from jaxserve.pallas_kernels.ragged_paged_attention import KERNELS
 
-    no_cap = dataclasses.replace(registry.KERNELS["cpu"], soft_cap=False)
-    monkeypatch.setitem(registry.KERNELS, "cpu", no_cap)
+    no_cap = dataclasses.replace(KERNELS["cpu"], soft_cap=False)
+    monkeypatch.setitem(KERNELS, "cpu", no_cap)
     config = EngineConfig.from_kwargs(model="tiny-random-llama")
     capped = dataclasses.replace(tiny_random_llama_arch(), attn_logit_softcap=50.0)
     plan = make_plan(config, make_mesh(1), capped, "float32")
