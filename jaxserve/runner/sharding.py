@@ -26,8 +26,8 @@ Attention under TP runs the plan's kernel per device inside shard_map (a Pallas 
 is a custom call that GSPMD cannot partition): query heads split on N, pages on K, or both
 replicated when tp divides neither (shard_heads in ragged_paged_attention/impl.py). When tp
 splits the query heads but not the KV heads, a device would need part of the replicated pages,
-which a kernel cannot take without copying them every step: there the plan takes the reference, which GSPMD partitions,
-and logs why.
+which a kernel cannot take without copying them every step: there the plan takes the
+reference, which GSPMD partitions, and logs why.
 
 Multi-host. The mesh spans processes when jax's own distributed runtime is up: call
 
