@@ -17,8 +17,9 @@ import argparse
 import logging
 import sys
 
-from jaxserve.cli import EXIT_BAD_INPUT, add_engine_flags
+from jaxserve.cli import EXIT_BAD_INPUT, add_engine_flags, engine_kwargs
 from jaxserve.entrypoints.openai.body import DEFAULT_MAX_BODY_BYTES
+from jaxserve.entrypoints.openai.settings import ServerSettings
 
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -130,8 +131,19 @@ def run(args: argparse.Namespace) -> int:
     # fastapi, uvicorn and jax load here, not for --help or a bad flag.
     from jaxserve.entrypoints.openai.api_server import run_server
 
+    settings = ServerSettings(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        served_model_name=args.served_model_name,
+        max_waiting_requests=args.max_waiting_requests,
+        max_request_body_bytes=args.max_request_body_bytes,
+        trust_request_chat_template=args.trust_request_chat_template,
+        uvicorn_log_level=args.uvicorn_log_level,
+        graceful_shutdown_timeout=args.graceful_shutdown_timeout,
+    )
     try:
-        return run_server(args)
+        return run_server({"model": args.model, **engine_kwargs(args)}, settings)
     except (OSError, TypeError, ValueError) as e:  # bad model or flag, a port that is taken
         print(f"jaxserve serve: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

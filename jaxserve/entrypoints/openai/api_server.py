@@ -13,7 +13,6 @@ cancelled when the client disconnects before the answer is ready.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import gc
 import hmac
@@ -23,7 +22,7 @@ import os
 import signal
 import socket
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import anyio
@@ -39,6 +38,7 @@ from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.entrypoints.openai.body import BodyLimits, parse_body
 from jaxserve.entrypoints.openai.protocol import OpenAIError, loc_path
 from jaxserve.entrypoints.openai.serving import EventStream, OpenAIServing
+from jaxserve.entrypoints.openai.settings import ServerSettings
 
 logger = logging.getLogger("jaxserve")
 
@@ -225,19 +225,20 @@ def _add_error_handlers(app: FastAPI) -> None:
         return _error_response(OpenAIError(message, status_code=500))
 
 
-def api_key_of(args: argparse.Namespace) -> str | None:
-    """The API key: --api-key, else $JAXSERVE_API_KEY; None (no key) when neither is set.
+def api_key_of(given: str | None) -> str | None:
+    """The API key: ``given`` (--api-key), else $JAXSERVE_API_KEY; None (no key) when neither
+    is set.
 
     Raises:
         ValueError: a key given but empty (an unset shell variable would open the server).
     """
-    if args.api_key is not None:
-        if not args.api_key.strip():
+    if given is not None:
+        if not given.strip():
             raise ValueError(
                 "--api-key is empty (an unset shell variable?); give a key, or leave the flag "
                 "out to serve without one"
             )
-        return args.api_key
+        return given
     key = os.environ.get(API_KEY_ENV)
     if key is not None and not key.strip():
         raise ValueError(f"${API_KEY_ENV} is set but empty; unset it to serve without a key")
@@ -269,34 +270,35 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def run_server(args: argparse.Namespace) -> int:
-    """``jaxserve serve``: bind the port, build the engine from the flags (warm-up included),
-    serve it with uvicorn until SIGINT / SIGTERM, then shut the engine down. Returns the exit
-    code.
+def run_server(engine_args: Mapping[str, Any], settings: ServerSettings) -> int:
+    """``jaxserve serve``: bind the port, build the engine (warm-up included) from
+    ``engine_args`` (``LLM(...)``'s keyword arguments, ``model`` included: what
+    ``EngineConfig.from_kwargs`` reads), serve it with uvicorn until SIGINT / SIGTERM, then shut
+    the engine down. Returns the exit code.
 
     Raises:
-        OSError / TypeError / ValueError: bad engine flags or model (from AsyncLLM(...)), an
+        OSError / TypeError / ValueError: bad engine arguments or model (from AsyncLLM(...)), an
             empty API key, an address that cannot be bound.
     """
-    from jaxserve.cli import engine_kwargs
-
-    api_key = api_key_of(args)
-    if api_key is None and not _is_loopback(args.host):
+    api_key = api_key_of(settings.api_key)
+    if api_key is None and not _is_loopback(settings.host):
         logger.warning(
             "serving on %s, reachable from other machines, with no API key: anyone who can "
             "reach it can use it (--api-key or $%s)",
-            args.host,
+            settings.host,
             API_KEY_ENV,
         )
-    limits = BodyLimits(max_bytes=args.max_request_body_bytes)
-    sock = bind_socket(args.host, args.port)
+    limits = BodyLimits(max_bytes=settings.max_request_body_bytes)
+    sock = bind_socket(settings.host, settings.port)
     try:
-        name = args.served_model_name or args.model
+        engine_args = dict(engine_args)
+        model = engine_args.pop("model", "tiny-random-llama")
+        name = settings.served_model_name or model
         engine = AsyncLLM(
-            model=args.model,
-            max_waiting_requests=args.max_waiting_requests,
+            model=model,
+            max_waiting_requests=settings.max_waiting_requests,
             served_model_name=name,
-            **engine_kwargs(args),
+            **engine_args,
         )
         try:
             app = build_app(
@@ -304,39 +306,45 @@ def run_server(args: argparse.Namespace) -> int:
                 served_model_name=name,
                 api_key=api_key,
                 body_limits=limits,
-                trust_request_chat_template=args.trust_request_chat_template,
+                trust_request_chat_template=settings.trust_request_chat_template,
             )
-            config = uvicorn.Config(
-                app,
-                # uvicorn serves ``sock`` (and logs no "running on" line for a passed socket:
-                # the "serving ... on" line below says where); host and port are its records
-                host=args.host,
-                port=args.port,
-                log_level=args.uvicorn_log_level,
-                timeout_graceful_shutdown=args.graceful_shutdown_timeout,
-            )
-            # Listening from here (not from the bind: a client would wait in the backlog
-            # through the whole warm-up), so a client that read the line below connects.
-            sock.listen(config.backlog)
-            logger.info(
-                "serving %r as %r on http://%s:%d/v1 (API key %s)",
-                args.model,
-                name,
-                args.host,
-                sock.getsockname()[1],
-                "required" if api_key else "not required",
-            )
-            # The process's own: nothing built so far (jax, the model, the compiled steps: ~600k
-            # objects) is garbage, so the cyclic GC stops scanning it, as vLLM's server does. A
-            # full collection of that heap took ~0.4 s, a pause every stream felt at once.
-            gc.collect()
-            gc.freeze()
-            _run_until_signal(uvicorn.Server(config), sock)
+            _serve(app, sock, settings, f"serving {model!r} as {name!r}", api_key is not None)
         finally:
             engine.shutdown()
     finally:
         sock.close()
     return 0
+
+
+def _serve(
+    app: FastAPI, sock: socket.socket, settings: ServerSettings, what: str, keyed: bool
+) -> None:
+    """Listen on ``sock`` and serve ``app`` until a signal; ``what`` starts the log line."""
+    config = uvicorn.Config(
+        app,
+        # uvicorn serves ``sock`` (and logs no "running on" line for a passed socket: the
+        # "serving ... on" line below says where); host and port are its records
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.uvicorn_log_level,
+        timeout_graceful_shutdown=settings.graceful_shutdown_timeout,
+    )
+    # Listening from here (not from the bind: a client would wait in the backlog through the
+    # whole warm-up), so a client that read the line below connects.
+    sock.listen(config.backlog)
+    logger.info(
+        "%s on http://%s:%d/v1 (API key %s)",
+        what,
+        settings.host,
+        sock.getsockname()[1],
+        "required" if keyed else "not required",
+    )
+    # The process's own: nothing built so far (jax, the model, the compiled steps: ~600k
+    # objects) is garbage, so the cyclic GC stops scanning it, as vLLM's server does. A full
+    # collection of that heap took ~0.4 s, a pause every stream felt at once.
+    gc.collect()
+    gc.freeze()
+    _run_until_signal(uvicorn.Server(config), sock)
 
 
 def _run_until_signal(server: uvicorn.Server, sock: socket.socket) -> None:
