@@ -348,7 +348,7 @@ class AsyncLLM:
         self._observe_stats()
 
     def _observe_stats(self) -> None:
-        stats = self.engine.core.get_stats()
+        stats = self.engine.get_stats(include_plan=False)
         self._num_waiting = stats["num_requests_waiting"]
         self.metrics.observe_stats(stats)
 

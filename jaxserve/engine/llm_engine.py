@@ -405,16 +405,18 @@ class LLMEngine:
         with self._lock:
             self.core.step_tracer = tracer
 
-    def get_stats(self) -> dict[str, Any]:
+    def get_stats(self, *, include_plan: bool = True) -> dict[str, Any]:
         """The counters of docs/architecture.md (num_compilations: fresh XLA compilations of the
         step), plus num_compilation_cache_hits (loaded from the persistent cache instead),
         "recompilations" (each compilation after warm-up, with what was new),
         num_requests_running / num_requests_waiting (scheduler requests: one per sample) and
         "plan": the execution plan as a dict (platform, device_kind, attention, sampler_draw, dtype,
-        kv_cache_dtype, tensor_parallel_size, ...)."""
+        kv_cache_dtype, tensor_parallel_size, ...). ``include_plan=False`` leaves "plan" out: the
+        counters alone, cheap enough to read after every step (AsyncLLM's metrics)."""
         with self._lock:
             stats = self.core.get_stats()
-        stats["plan"] = self.info.plan.as_dict()
+        if include_plan:
+            stats["plan"] = self.info.plan.as_dict()
         return stats
 
 
