@@ -10,27 +10,37 @@ Threads and hand-offs:
     generate(): check the request (tokenize,  drains the inbox between steps: adds, aborts
       validate: raises before queueing),      steps the LLMEngine while anything is unfinished,
       puts ("add", ...) in the inbox          sleeps on the inbox when idle
-    awaits its _Stream                   <--  _Stream.put(latest cumulative output)
+    awaits its OutputChannel             <--  OutputChannel.put(latest cumulative output)
     consumer gone (cancelled, aclose,         ("abort", id) from the consumer's finally:
       an error): puts ("abort", id)           the request's blocks are freed
 
-A stream keeps only the latest output (each is cumulative), so a slow consumer never makes the
+A channel keeps only the latest output (each is cumulative), so a slow consumer never makes the
 engine queue outputs; DELTA outputs are the difference from what the consumer last received.
 A step that raises aborts every request (LLMEngine's contract): each consumer gets EngineError,
 and the engine keeps serving new requests.
+
+What a server needs, besides generate() and abort(), is this client's too, so that it never
+reaches the LLMEngine inside: the limits (max_model_len, config), the tokenizer, the checks of
+a request before anything is allocated (tokenize, render_chat_prompt, check_request: each runs
+in a worker thread, so a long prompt never stalls the event loop; generate() then queues the
+CheckedRequest without tokenizing again), get_stats() and the Prometheus exposition
+(render_metrics). generate() given a raw prompt checks it on the calling thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
+from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import CheckedRequest, LLMEngine, PromptType
 from jaxserve.engine.metrics import EngineMetrics
+from jaxserve.engine.output_channel import OutputChannel
 from jaxserve.engine.streaming import OutputDelta
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
@@ -45,53 +55,6 @@ class QueueFullError(RuntimeError):
 class EngineError(RuntimeError):
     """The engine could not finish the request: a step failed (every request running then was
     aborted), or the engine is shut down."""
-
-
-class _Stream:
-    """One request's channel from the engine thread to its consumer's event loop. Holds the
-    latest output only; ``put`` and ``fail`` may be called from any thread."""
-
-    def __init__(
-        self, loop: asyncio.AbstractEventLoop, kind: RequestOutputKind, num_samples: int
-    ) -> None:
-        self.loop = loop
-        self.kind = kind
-        self.num_samples = num_samples
-        self._ready = asyncio.Event()
-        self._lock = threading.Lock()
-        self._latest: RequestOutput | None = None
-        self._error: BaseException | None = None
-
-    def put(self, out: RequestOutput) -> None:
-        with self._lock:
-            self._latest = out
-        self._wake()
-
-    def fail(self, error: BaseException) -> None:
-        with self._lock:
-            self._error = error
-        self._wake()
-
-    def _wake(self) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self._ready.set)
-        except RuntimeError:  # the consumer's loop is closed: nobody is listening
-            pass
-
-    async def get(self) -> RequestOutput:
-        """The latest output not yet taken (waits for one); raises the stream's error."""
-        while True:
-            # Look before waiting: the wake-up of an error that came right after an output
-            # may have been spent on that output.
-            with self._lock:
-                out, self._latest = self._latest, None
-                error = self._error
-            if out is not None:
-                return out
-            if error is not None:
-                raise error
-            await self._ready.wait()
-            self._ready.clear()
 
 
 class AsyncLLM:
@@ -142,7 +105,7 @@ class AsyncLLM:
         self._active: set[str] = set()  # request ids from generate() until they end
         self._num_queued = 0  # in the inbox, not yet added to the engine
         self._num_waiting = 0  # the scheduler's waiting count after the latest step
-        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._streams: dict[str, OutputChannel] = {}  # engine thread only
         self._num_incremental = 0  # streams in it that want more than their final output
         self._dead: BaseException | None = None
         self._stopping = False
@@ -159,11 +122,67 @@ class AsyncLLM:
     def errored(self) -> bool:
         return self._dead is not None
 
-    def get_tokenizer(self):
+    # ---- what a server asks of the engine ----------------------------------------------------
+    @property
+    def config(self) -> EngineConfig:
+        """The engine's configuration, resolved (max_model_len from the checkpoint included)."""
+        return self.engine.config
+
+    @property
+    def model_name(self) -> str:
+        """The model as given (a built-in name, a folder, a Hub ID)."""
+        return self.engine.config.model.model
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest prompt + output, in tokens."""
+        return int(self.engine.config.model.max_model_len)
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer (a ``tokenizers.Tokenizer``), or None for a model without one."""
         return self.engine.tokenizer
 
+    get_tokenizer = tokenizer.fget
+
+    async def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """LLMEngine.process_prompt in a worker thread: (text or None, token ids); raises its
+        TypeError / ValueError (a bad, empty or too long prompt). Allocates nothing."""
+        return await asyncio.to_thread(self.engine.process_prompt, prompt)
+
+    async def render_chat_prompt(
+        self,
+        messages: list[dict],
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> dict[str, Any]:
+        """LLMEngine.render_chat_prompt in a worker thread: {"prompt", "prompt_token_ids"};
+        raises its TypeError / ValueError / jinja2.TemplateError. Allocates nothing."""
+        return await asyncio.to_thread(
+            functools.partial(
+                self.engine.render_chat_prompt,
+                messages,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+            )
+        )
+
+    async def check_request(
+        self, prompt: PromptType, params: SamplingParams | None = None
+    ) -> CheckedRequest:
+        """LLMEngine.check_request in a worker thread: the prompt and params checked against
+        the limits, nothing queued or allocated; generate() takes the result as it is. Raises
+        TypeError / ValueError naming the field, the value and the limit."""
+        return await asyncio.to_thread(self.engine.check_request, prompt, params)
+
     def get_stats(self) -> dict[str, Any]:
+        """LLMEngine.get_stats(): the engine's counters and its plan."""
         return self.engine.get_stats()
+
+    def render_metrics(self) -> tuple[bytes, str]:
+        """The Prometheus exposition of the engine's metrics, and its content type."""
+        return self.metrics.render(), self.metrics.content_type
 
     async def generate(
         self,
@@ -187,7 +206,7 @@ class AsyncLLM:
         """
         checked = self._check(prompt, sampling_params, request_id, priority)
         params = checked.params
-        stream = _Stream(asyncio.get_running_loop(), params.output_kind, params.n)
+        stream = OutputChannel(asyncio.get_running_loop(), params.output_kind, params.n)
         self._submit(request_id, ("add", request_id, checked, priority, stream))
         sent = OutputDelta() if stream.kind is RequestOutputKind.DELTA else None
         finished = False
@@ -295,7 +314,7 @@ class AsyncLLM:
             self._observe_stats()
         return True
 
-    def _add(self, request_id: str, checked: CheckedRequest, priority: int, stream: _Stream):
+    def _add(self, request_id: str, checked: CheckedRequest, priority: int, stream: OutputChannel):
 
         with self._lock:
             self._num_queued -= 1
@@ -307,11 +326,11 @@ class AsyncLLM:
             return
         self._track(request_id, stream)
 
-    def _track(self, request_id: str, stream: _Stream) -> None:
+    def _track(self, request_id: str, stream: OutputChannel) -> None:
         self._streams[request_id] = stream
         self._num_incremental += stream.kind is not RequestOutputKind.FINAL_ONLY
 
-    def _untrack(self, request_id: str) -> _Stream | None:
+    def _untrack(self, request_id: str) -> OutputChannel | None:
         stream = self._streams.pop(request_id, None)
         if stream is not None:
             self._num_incremental -= stream.kind is not RequestOutputKind.FINAL_ONLY

@@ -113,9 +113,8 @@ def build_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(
-            engine.metrics.render(), headers={"Content-Type": engine.metrics.content_type}
-        )
+        body, content_type = engine.render_metrics()
+        return Response(body, headers={"Content-Type": content_type})
 
     _add_error_handlers(app)
     return app

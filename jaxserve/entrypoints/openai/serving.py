@@ -28,8 +28,7 @@ from typing import Any
 
 import jinja2
 
-from jaxserve.engine.async_llm import AsyncLLM, EngineError, QueueFullError
-from jaxserve.engine.llm_engine import CheckedRequest
+from jaxserve.engine.async_llm import AsyncLLM, CheckedRequest, EngineError, QueueFullError
 from jaxserve.entrypoints.openai.protocol import (
     SSE_DONE,
     ChatCompletionRequest,
@@ -173,9 +172,8 @@ class OpenAIServing:
         self.served_model_name = served_model_name
         # A request's own chat_template runs only when the operator trusts clients with it.
         self.trust_request_chat_template = trust_request_chat_template
-        self._llm_engine = engine.engine
-        self._max_model_len = int(self._llm_engine.config.model.max_model_len)
-        self._tokenizer = self._llm_engine.tokenizer
+        self._max_model_len = engine.max_model_len
+        self._tokenizer = engine.tokenizer
         self._created = int(time.time())
 
     def list_models(self) -> dict[str, Any]:
@@ -188,7 +186,7 @@ class OpenAIServing:
                     "object": "model",
                     "created": self._created,
                     "owned_by": "jaxserve",
-                    "root": self._llm_engine.config.model.model,
+                    "root": self.engine.model_name,
                     "max_model_len": self._max_model_len,
                 }
             ],
@@ -209,8 +207,9 @@ class OpenAIServing:
             # The echoed prompt's logprobs, as many top ones as the completion's.
             top = max(request.logprobs, params.prompt_logprobs or 0)
             params = replace(params, prompt_logprobs=top)
-        # Off the event loop: tokenizing a long prompt must not stall other requests.
-        checked = await asyncio.to_thread(self._check_prompts, request, prompts, params)
+        # Off the event loop (the engine client tokenizes in a worker thread): tokenizing a
+        # long prompt must not stall other requests.
+        checked = await self._check_prompts(request, prompts, params)
         response_id = f"cmpl-{uuid.uuid4().hex}"
         outputs = self._start(response_id, checked)
         head = {"id": response_id, "created": int(time.time()), "model": self.served_model_name}
@@ -338,8 +337,9 @@ class OpenAIServing:
             )
         messages = chat_messages(request)
         params = self._params(request)
-        # Off the event loop: rendering and tokenizing a long conversation take seconds.
-        checked = await asyncio.to_thread(self._render_and_check, request, messages, params)
+        # Off the event loop (in the engine client's worker thread): rendering and tokenizing
+        # a long conversation take seconds.
+        checked = await self._render_and_check(request, messages, params)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         outputs = self._start(response_id, [checked])
         head = {"id": response_id, "created": int(time.time()), "model": self.served_model_name}
@@ -434,24 +434,24 @@ class OpenAIServing:
             max_tokens = 1  # the engine samples one token, which the answer leaves out
         return sampling_params(request, max_tokens=max_tokens, output_kind=kind)
 
-    def _check_prompts(
+    async def _check_prompts(
         self,
         request: CompletionRequest,
         prompts: list[Any],
         params: SamplingParams,
     ) -> list[CheckedRequest]:
         return [
-            self._check_prompt(
+            await self._check_prompt(
                 request, prompt, params, "prompt" if len(prompts) == 1 else f"prompt[{i}]"
             )
             for i, prompt in enumerate(prompts)
         ]
 
-    def _render_and_check(
+    async def _render_and_check(
         self, request: ChatCompletionRequest, messages: list[dict], params: SamplingParams
     ) -> CheckedRequest:
         try:
-            prompt = self._llm_engine.render_chat_prompt(
+            prompt = await self.engine.render_chat_prompt(
                 messages,
                 chat_template=request.chat_template,
                 add_generation_prompt=request.add_generation_prompt,
@@ -460,9 +460,9 @@ class OpenAIServing:
             raise OpenAIError(f"chat_template does not parse: {e}", param="chat_template") from None
         except (TypeError, ValueError, jinja2.TemplateError) as e:
             raise OpenAIError(f"messages: {e}", param="messages") from None
-        return self._check_prompt(request, prompt, params, "messages")
+        return await self._check_prompt(request, prompt, params, "messages")
 
-    def _check_prompt(
+    async def _check_prompt(
         self,
         request: CompletionRequest | ChatCompletionRequest,
         prompt: str | list[int] | dict[str, Any],
@@ -477,13 +477,14 @@ class OpenAIServing:
                 max_tokens that does not fit the context with the prompt.
         """
         param = where.split("[")[0]
-        engine, limit = self._llm_engine, self._max_model_len
+        engine, limit = self.engine, self._max_model_len
         requested, field = requested_max_tokens(request)
         try:
-            text, token_ids = engine.process_prompt(prompt)
+            text, token_ids = await engine.tokenize(prompt)
             if requested is None:
                 params = with_max_tokens(request, params, max(1, limit - len(token_ids)))
-            checked = engine.check_request({"prompt": text, "prompt_token_ids": token_ids}, params)
+            prompt_dict = {"prompt": text, "prompt_token_ids": token_ids}
+            checked = await engine.check_request(prompt_dict, params)
         except (TypeError, ValueError) as e:
             raise OpenAIError(f"{where}: {e}", param=param) from None
         if requested is not None and len(token_ids) + requested > limit:
