@@ -61,7 +61,7 @@ def build_engine(settings: EngineSettings):
         warmup=True,
         seed=settings.seed,
     )
-    return engine, time.perf_counter() - t0, _compiles(engine)
+    return engine, time.perf_counter() - t0, compiles(engine)
 
 
 def reset_scheduler(engine, enable_prefix_caching: bool) -> None:
@@ -152,7 +152,7 @@ def run(
     admit = admit or _admit_static(static_batch_size)
     by_id = {s.request_id: s for s in subs}
     pending = deque(subs)
-    compiles_before = _compiles(engine)
+    compiles_before = compiles(engine)
     num_generated = 0
 
     t0 = time.perf_counter()
@@ -195,7 +195,7 @@ def run(
         "prefix_cache_queries": queries,
         "prefix_cache_hits": hits,
         "prefix_hit_rate": hits / queries if queries else 0.0,
-        "compilations_during_run": _compiles(engine) - compiles_before,
+        "compilations_during_run": compiles(engine) - compiles_before,
     }
     if mode == "poisson":
         extra["request_rate"] = request_rate
@@ -208,12 +208,12 @@ def warm_up_run(engine, requests: list[BenchRequest], num: int = 4) -> int:
     """A short untimed run (a few requests, few tokens) to touch every host path once, as the
     baselines get; returns the compilations it caused."""
     small = [BenchRequest(r.prompt_token_ids, min(r.output_len, 8)) for r in requests[:num]]
-    before = _compiles(engine)
+    before = compiles(engine)
     run(engine, small, name="warmup")
-    return _compiles(engine) - before
+    return compiles(engine) - before
 
 
-def _compiles(engine) -> int:
+def compiles(engine) -> int:
     """Step compilations so far, fresh or loaded from the persistent compilation cache (the
     benchmark's own cache makes later runs load them): either means a shape was new."""
     return engine.runner.num_compilations + engine.runner.num_compilation_cache_hits

@@ -371,7 +371,7 @@ def profile_run(
     for i, req in enumerate(requests):
         params = SamplingParams(max_tokens=req.output_len, temperature=1.0, ignore_eos=True, seed=i)
         engine.add_request(f"{name}-{i}", req.prompt_token_ids, params)
-    compiles = engine.runner.num_compilations
+    compiles = _jaxserve_runs.compiles(engine)
     n = len(requests)
     if skip_until_all_decode:  # run the prefill phase uninstrumented-in-summary
         while True:
@@ -398,7 +398,8 @@ def profile_run(
     out = summarize_steps(probe.records, shape)
     out["local_matmul_flops_per_s"] = local_peak
     out["mfu_vs_local_matmul"] = out["model_flops_per_s"] / local_peak
-    out.update(elapsed_s=elapsed, compilations_during_run=engine.runner.num_compilations - compiles)
+    during_run = _jaxserve_runs.compiles(engine) - compiles
+    out.update(elapsed_s=elapsed, compilations_during_run=during_run)
     if prof:
         out["host_profile_top"] = _top_functions(prof, 18)
     return out

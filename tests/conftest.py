@@ -8,10 +8,13 @@ platform). The platform is pinned through JAX_PLATFORMS before any test module i
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 
 _JAX_PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
+_CACHE_DIR = pytest.StashKey[str]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -29,9 +32,16 @@ def pytest_configure(config: pytest.Config) -> None:
     # No network in tests: a model name that is not a folder must not reach the Hub (the Hub
     # tests lay out a cache folder of their own).
     os.environ["HF_HUB_OFFLINE"] = "1"
-    # The tests count compilations: no persistent compilation cache, unless a test asks for
-    # one (tests/runner/test_compile_cache.py, in processes of its own).
-    os.environ["JAXSERVE_COMPILATION_CACHE_DIR"] = ""
+    # One persistent compilation cache for the session, shared by its workers and the
+    # processes they start (engines of one configuration built again, by another test or a
+    # restarted job, load their steps instead of compiling them): a fresh folder, made by the
+    # controller before the workers start and removed at the end. The tests that count
+    # compilations count fresh ones and cache hits together; tests of the cache itself set
+    # their own folder (tests/runner/test_compile_cache.py).
+    if not hasattr(config, "workerinput"):
+        folder = tempfile.mkdtemp(prefix="jaxserve-test-xla-")
+        config.stash[_CACHE_DIR] = folder
+        os.environ["JAXSERVE_COMPILATION_CACHE_DIR"] = folder
     if platform == "cpu":
         # The tests compile far more than they run (tiny models, a few steps per engine), and
         # LLVM's optimization is a large part of an XLA:CPU compilation: level 0 took about a
@@ -46,6 +56,12 @@ def pytest_configure(config: pytest.Config) -> None:
     from jaxserve.runner.xla_flags import apply_cpu_workarounds
 
     apply_cpu_workarounds()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    folder = config.stash.get(_CACHE_DIR, None)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
