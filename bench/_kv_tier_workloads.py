@@ -130,6 +130,7 @@ def host_tier_workload(
     block_size: int = 16,
     prefix_to_pool: float = 4.0,
     host_gib: float = 1.0,
+    max_num_batched_tokens: int = 256,
     dtype: str = "float32",
     warmup: bool = True,
     repeats: int = 1,
@@ -168,7 +169,7 @@ def host_tier_workload(
         block_size=block_size,
         num_kv_blocks=num_kv_blocks + 1,  # + the null block
         max_num_seqs=num_conversations,
-        max_num_batched_tokens=256,
+        max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=final_len + block_size,
         dtype=dtype,
         warmup=warmup,
@@ -205,6 +206,7 @@ def preemption_workload(
     block_size: int = 16,
     batch_to_pool: float = 3.0,
     host_gib: float = 1.0,
+    max_num_batched_tokens: int = 256,
     modes: tuple[str, ...] = ("recompute", "swap", "auto"),
     dtype: str = "float32",
     warmup: bool = True,
@@ -237,7 +239,7 @@ def preemption_workload(
         block_size=block_size,
         num_kv_blocks=num_kv_blocks + 1,  # + the null block
         max_num_seqs=num_requests,
-        max_num_batched_tokens=256,
+        max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=prompt_tokens + output_tokens + block_size,
         dtype=dtype,
         warmup=warmup,

@@ -52,10 +52,12 @@ def test_host_tier_and_preemption_workloads_on_tiny_sizes() -> None:
 
     host = host_tier_workload(
         num_conversations=3, num_turns=2, first_turn_tokens=64, turn_tokens=16,
-        output_tokens=4, warmup=False,
+        output_tokens=4, max_num_batched_tokens=64, warmup=False,
     )  # fmt: skip
     assert host["same_outputs"]
     assert host["with"]["prefix_hit_rate"] > host["without"]["prefix_hit_rate"]
-    swap = preemption_workload(num_requests=8, prompt_tokens=32, output_tokens=48, warmup=False)
+    swap = preemption_workload(
+        num_requests=8, prompt_tokens=32, output_tokens=48, max_num_batched_tokens=64, warmup=False
+    )
     assert swap["same_outputs"] and "auto_vs_best_fixed" in swap
     assert swap["swap"]["num_preemptions"] > 0 and swap["swap"]["num_swap_preemptions"] > 0
