@@ -22,14 +22,16 @@ from jaxserve.runner.step_trace import StepTrace
 
 
 class Runner(Protocol):
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, trace: StepTrace | None = None
+    ) -> ModelRunnerOutput:
+        """One step; ``trace``, when given, is filled in with the runner's part."""
+        ...
 
     def reset(self) -> bool: ...
 
     @property
     def is_idle(self) -> bool: ...
-
-    trace: StepTrace | None  # filled in by execute_model while set
 
 
 class EngineCore:
@@ -54,8 +56,12 @@ class EngineCore:
         self.num_kv_blocks = num_kv_blocks
         self.host_tier = host_tier
         self.scheduler = Scheduler(config.scheduler, config.cache, num_kv_blocks, host_tier)
-        # Called with each step's StepTrace while set (LLMEngine.set_step_tracer); None: off.
+        # Called with each step's StepTrace while set (set_step_tracer); None: off.
         self.step_tracer: Callable[[StepTrace], None] | None = None
+
+    def set_step_tracer(self, tracer: Callable[[StepTrace], None] | None) -> None:
+        """Hand every later step's StepTrace to ``tracer``; None turns tracing off."""
+        self.step_tracer = tracer
 
     def step(self) -> list[EngineCoreOutput]:
         if self.step_tracer is not None:
@@ -75,16 +81,11 @@ class EngineCore:
         t0 = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         t1 = time.perf_counter()
-        self.runner.trace = trace
-        try:
-            runner_output = self.runner.execute_model(scheduler_output)
-        finally:
-            self.runner.trace = None
+        runner_output = self.runner.execute_model(scheduler_output, trace)
         t2 = time.perf_counter()
         self.scheduler.observe_step(scheduler_output.total_num_scheduled_tokens, t2 - t1)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        trace.schedule_s, trace.execute_s = t1 - t0, t2 - t1
-        trace.update_s = time.perf_counter() - t2
+        trace.record_phases(t1 - t0, t2 - t1, time.perf_counter() - t2)
         tracer(trace)
         return outputs
 

@@ -403,7 +403,7 @@ class LLMEngine:
         turns tracing off. A traced step waits for the device before it returns (see
         jaxserve/runner/step_trace.py): a profiling tool, not a serving mode."""
         with self._lock:
-            self.core.step_tracer = tracer
+            self.core.set_step_tracer(tracer)
 
     def get_stats(self, *, include_plan: bool = True) -> dict[str, Any]:
         """The counters of docs/architecture.md (num_compilations: fresh XLA compilations of the

@@ -15,8 +15,10 @@ import logging
 import pathlib
 import time
 from dataclasses import dataclass, replace
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from jaxserve.checkpoints_tools import LoadedCheckpoint, TokenizerInfo, load_checkpoint
 from jaxserve.checkpoints_tools.hub import CONFIG_FILES
@@ -24,13 +26,15 @@ from jaxserve.checkpoints_tools.load import (
     declared_dtype,
     declared_quantization,
     load_arch,
-    resolve_model,
+)
+from jaxserve.checkpoints_tools.load import (
+    resolve_model as resolve_model_source,
 )
 from jaxserve.checkpoints_tools.quantization import resolve_quantization
 from jaxserve.checkpoints_tools.tokenizer import load_tokenizer
 from jaxserve.config import EngineConfig
 from jaxserve.core.host_block_pool import HostTier
-from jaxserve.models import ModelArchConfig, get_model
+from jaxserve.models import CausalLM, ModelArchConfig, get_model
 from jaxserve.runner.compile_cache import enable_compilation_cache
 from jaxserve.runner.kv_cache import device_memory_bytes
 from jaxserve.runner.kv_offload import KVOffloader, host_kv_blocks
@@ -137,6 +141,18 @@ def _compare_weights(ckpt: LoadedCheckpoint, memory: MemoryPlan | None) -> None:
         )
 
 
+@dataclass(frozen=True)
+class ResolvedModel:
+    """What the engine config resolves to before any weight is read: the plan, the memory
+    check, the shardings and the host tier's size (resolve_model)."""
+
+    config: EngineConfig  # with every "auto" / None resolved
+    plan: ExecutionPlan
+    memory: MemoryPlan | None  # None: explicit num_kv_blocks, device memory unknown
+    sharding: ShardingPlan
+    num_host_blocks: int  # host KV tier slots; 0: no host tier
+
+
 def build_runner(config: EngineConfig) -> tuple[ModelRunner, RunnerInfo]:
     """Check that the model fits, then load the checkpoint (each parameter straight into its
     tensor-parallel sharding) and build the runner over a mesh of `tensor_parallel_size`
@@ -154,14 +170,42 @@ def build_runner(config: EngineConfig) -> tuple[ModelRunner, RunnerInfo]:
     apply_cpu_workarounds()  # before jax starts its backends (make_mesh lists the devices)
     cache_dir = enable_compilation_cache(config.runner.compilation_cache_dir)
     logger.info("compilation cache: %s", cache_dir or "off")
+    resolved = resolve_model(config)
+    ckpt = _load_weights(resolved)
+    runner, host_tier = make_runner(resolved, ckpt)
+    if config.runner.warmup:
+        _warm_up(runner, resolved.plan.compile_workers)
+    if host_tier is not None and config.cache.preemption_mode == "auto":
+        # "auto" preemption weighs copies against recomputation: measure the copies once.
+        bytes_per_s, latency_s = runner.measure_offload_bandwidth()
+        host_tier = replace(host_tier, swap_bytes_per_s=bytes_per_s, swap_latency_s=latency_s)
+    info = RunnerInfo(
+        config=resolved.config,
+        vocab_size=ckpt.arch.vocab_size,
+        eos_token_ids=ckpt.eos_token_ids,
+        tokenizer=ckpt.tokenizer,
+        num_kv_blocks=resolved.config.cache.num_kv_blocks,
+        plan=resolved.plan,
+        memory=resolved.memory,
+        host_tier=host_tier,
+    )
+    return runner, info
+
+
+def resolve_model(config: EngineConfig) -> ResolvedModel:
+    """The plan, the checked memory plan, the shardings and the host tier's size of
+    ``config``'s model, from its architecture alone (of a Hub model, config.json is all that
+    is fetched so far): a model that cannot fit fails before any weight is fetched or read,
+    and every weight is then loaded once, in the plan's dtype, into its own sharding.
+
+    Raises:
+        as build_runner, but nothing about the weights themselves.
+    """
     mesh = make_mesh(config.runner.tensor_parallel_size)
     model_config = config.model
-    hub_arguments = dict(revision=model_config.revision, download_dir=model_config.download_dir)
-    # The architecture (config only: of a Hub model, config.json is all that is fetched so far)
-    # decides the plan, the memory check and the shardings before any weight is fetched or
-    # read, so that a model that cannot fit fails at once, and every weight is loaded once,
-    # in the plan's dtype, into its own sharding.
-    config_source = resolve_model(model_config.model, files=CONFIG_FILES, **hub_arguments)
+    config_source = resolve_model_source(
+        model_config.model, files=CONFIG_FILES, **_hub_arguments(config)
+    )
     arch = load_arch(config_source)
     plan = make_plan(config, mesh, arch, declared_dtype(config_source))
     logger.info("execution plan: %s", plan.summary())
@@ -180,89 +224,97 @@ def build_runner(config: EngineConfig) -> tuple[ModelRunner, RunnerInfo]:
     block_bytes = get_model(arch).kv_cache_bytes_per_block(
         config.cache.block_size, plan.kv_cache_dtype
     )
-    num_host_blocks = host_kv_blocks(config.cache.kv_offloading_size, block_bytes)
-    sharding = plan_sharding(get_model(arch, quantization=quantization), mesh)
+    num_kv_blocks = config.cache.num_kv_blocks if memory is None else memory.num_kv_blocks
+    resolved = replace(
+        config,
+        model=replace(model_config, max_model_len=max_model_len, quantization=quantization),
+        cache=replace(config.cache, num_kv_blocks=num_kv_blocks),
+        scheduler=replace(config.scheduler, max_model_len=max_model_len),
+        runner=replace(config.runner, attention_backend=plan.attention.name),
+    )
+    return ResolvedModel(
+        config=resolved,
+        plan=plan,
+        memory=memory,
+        sharding=plan_sharding(get_model(arch, quantization=quantization), mesh),
+        num_host_blocks=host_kv_blocks(config.cache.kv_offloading_size, block_bytes),
+    )
+
+
+def _hub_arguments(config: EngineConfig) -> dict[str, Any]:
+    return dict(revision=config.model.revision, download_dir=config.model.download_dir)
+
+
+def _load_weights(resolved: ResolvedModel) -> LoadedCheckpoint:
+    """The checkpoint, each weight in the plan's dtype and its sharding (and the tokenizer of
+    another folder when one is given)."""
+    model_config = resolved.config.model
     ckpt = load_checkpoint(
         model_config.model,
-        dtype=plan.dtype,
-        param_sharding=sharding.param_sharding,
-        quantization=quantization,
-        **hub_arguments,
+        dtype=resolved.plan.dtype,
+        param_sharding=resolved.sharding.param_sharding,
+        quantization=model_config.quantization,
+        **_hub_arguments(resolved.config),
     )
-    _compare_weights(ckpt, memory)
+    _compare_weights(ckpt, resolved.memory)
     if model_config.tokenizer is not None:
         ckpt = replace_tokenizer(ckpt, model_config.tokenizer)
+    return ckpt
+
+
+def make_runner(
+    resolved: ResolvedModel, ckpt: LoadedCheckpoint
+) -> tuple[ModelRunner, HostTier | None]:
+    """The ModelRunner of a loaded checkpoint, with its host KV tier when it has one."""
+    config, plan = resolved.config, resolved.plan
     model = get_model(
         ckpt.arch,
         dtype=ckpt.dtype,
         attention=plan.attention,
-        max_model_len=max_model_len,
+        max_model_len=config.model.max_model_len,
         quantization=ckpt.quantization,
     )
-    cache = config.cache
-    num_kv_blocks = cache.num_kv_blocks if memory is None else memory.num_kv_blocks
-    resolved = replace(
-        config,
-        model=replace(config.model, max_model_len=max_model_len, quantization=quantization),
-        cache=replace(cache, num_kv_blocks=num_kv_blocks),
-        scheduler=replace(config.scheduler, max_model_len=max_model_len),
-        runner=replace(config.runner, attention_backend=plan.attention.name),
-    )
+    offload = _host_tier(model, resolved)
     runner = ModelRunner(
         model,
         ckpt.params,
-        num_kv_blocks=num_kv_blocks,
-        block_size=cache.block_size,
+        num_kv_blocks=config.cache.num_kv_blocks,
+        block_size=config.cache.block_size,
         max_num_seqs=config.scheduler.max_num_seqs,
         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-        max_model_len=max_model_len,
+        max_model_len=config.model.max_model_len,
         eos_token_ids=ckpt.eos_token_ids,
-        sharding=sharding,
+        sharding=resolved.sharding,
         plan=plan,
         kv_scales=kv_scales_for(plan.kv_cache_dtype, ckpt.path, ckpt.arch.num_layers),
+        kv_offload=offload,
     )
-    host_tier = _attach_host_tier(runner, num_host_blocks, sharding)
-    if config.runner.warmup:
-        _warm_up(runner, plan.compile_workers)
-    if host_tier is not None and config.cache.preemption_mode == "auto":
-        # "auto" preemption weighs copies against recomputation: measure the copies once.
-        runner.kv_caches, bytes_per_s, latency_s = runner.kv_offload.measure_bandwidth(
-            runner.kv_caches
-        )
-        host_tier = replace(host_tier, swap_bytes_per_s=bytes_per_s, swap_latency_s=latency_s)
-    info = RunnerInfo(
-        config=resolved,
-        vocab_size=ckpt.arch.vocab_size,
-        eos_token_ids=ckpt.eos_token_ids,
-        tokenizer=ckpt.tokenizer,
-        num_kv_blocks=num_kv_blocks,
-        plan=plan,
-        memory=memory,
-        host_tier=host_tier,
-    )
-    return runner, info
+    host_tier = None if offload is None else HostTier(resolved.num_host_blocks, offload.block_bytes)
+    return runner, host_tier
 
 
-def _attach_host_tier(
-    runner: ModelRunner, num_host_blocks: int, sharding: ShardingPlan
-) -> HostTier | None:
-    """Give the runner its host KV tier (kv_offload.py) of ``num_host_blocks`` slots, allocated
-    here once (its size was checked before any weight was read: host_kv_blocks); None, and
-    nothing allocated, for 0."""
+def _host_tier(model: CausalLM, resolved: ResolvedModel) -> KVOffloader | None:
+    """The host KV tier (kv_offload.py) of ``resolved.num_host_blocks`` slots for the pages of
+    ``model``, allocated here once (its size was checked before any weight was read:
+    host_kv_blocks); None, and nothing allocated, for 0."""
+    num_host_blocks = resolved.num_host_blocks
     if num_host_blocks == 0:
         return None
-    page_shape = runner.kv_caches[0][0].shape
+    cache = resolved.config.cache
     offload = KVOffloader(
-        len(runner.kv_caches), page_shape, runner.kv_caches[0][0].dtype, num_host_blocks, sharding
+        model.arch.num_layers,
+        model.kv_cache_shape(cache.num_kv_blocks, cache.block_size),
+        jnp.dtype(resolved.plan.kv_cache_dtype),
+        num_host_blocks,
+        resolved.sharding,
     )
-    runner.kv_offload = offload
     logger.info(
         "host KV tier: %d blocks of %d bytes (%.3g GiB)",
         num_host_blocks,
         offload.block_bytes,
         num_host_blocks * offload.block_bytes / (1 << 30),
     )
-    return HostTier(num_host_blocks, offload.block_bytes)
+    return offload
 
 
 def _warm_up(runner: ModelRunner, workers: int) -> None:

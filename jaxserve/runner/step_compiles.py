@@ -46,7 +46,7 @@ class StepCompiles:
         self.name = name
         self.num_fresh = 0  # compiled here
         self.num_cache_hits = 0  # loaded from the persistent compilation cache
-        self.warmed_up = False  # set by the runner when its warm-up is done
+        self.warmed_up = False  # set when the runner's warm-up is done (finish_warmup)
         self.events: list[dict[str, Any]] = []  # compilations after warm-up, explained
         self._seen: list[Signature] = []
         self._pending: list[Signature] = []  # lowered ahead of time, not compiled yet
@@ -62,6 +62,10 @@ class StepCompiles:
         if new.compilations:
             self._compiled(signature(args, names, static), new.cache_hits > 0)
         return out
+
+    def finish_warmup(self) -> None:
+        """Warm-up is done: every later compilation is explained (and logged)."""
+        self.warmed_up = True
 
     def precompile(self, fn: Any, args: Sequence[Any], names: Sequence[str]) -> None:
         """Lower and compile the jitted ``fn`` for ``args`` without running it (thread-safe);

@@ -9,8 +9,12 @@ use it to profile, not to serve.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from jaxserve.runner.input_batch import PreparedBatch
 
 
 @dataclass
@@ -32,6 +36,25 @@ class StepTrace:
     q_lens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # i32[rows]
     seq_lens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # i32[rows]
     all_greedy: bool = True  # no row samples with temperature > 0
+
+    def record_phases(self, schedule_s: float, execute_s: float, update_s: float) -> None:
+        """The engine core's three phases."""
+        self.schedule_s, self.execute_s, self.update_s = schedule_s, execute_s, update_s
+
+    def record_batch(self, batch: PreparedBatch, temperature: np.ndarray, prepare_s: float) -> None:
+        """The runner's prepared batch, its rows' temperatures and the
+        seconds it took to build the host arrays."""
+        rows = len(batch.req_ids)
+        self.prepare_s = prepare_s
+        self.padded_tokens = int(batch.input_ids.shape[0])
+        self.padded_rows, self.table_width = (int(n) for n in batch.block_tables.shape)
+        self.q_lens = np.array(batch.num_scheduled[:rows], np.int32)
+        self.seq_lens = np.array(batch.seq_lens[:rows], np.int32)
+        self.all_greedy = bool((np.asarray(temperature)[:rows] <= 0).all())
+
+    def record_device(self, dispatch_s: float, device_s: float) -> None:
+        """The jitted step's dispatch and device time."""
+        self.dispatch_s, self.device_s = dispatch_s, device_s
 
     @property
     def num_tokens(self) -> int:

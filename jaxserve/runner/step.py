@@ -1,0 +1,156 @@
+"""The pure engine step: the one jitted function of a step, the copy-on-write block copy, their
+shardings, and the AttentionMetadata the step is given.
+
+Nothing here holds state: ``jit_step`` and ``jit_copy`` return jitted functions that close over
+the model (never the runner), and the runner (model_runner.py) calls them with its params, KV
+pages and host arrays. The step's positional arguments are STEP_ARGS, in that order; a new
+per-step input (a structured-output token mask, a speculative-decoding draft) is one more of
+them, here: in STEP_ARGS, ``_step_fn`` and ``_step_shardings``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxserve.models import AttentionMetadata, CausalLM
+from jaxserve.runner.input_batch import PreparedBatch
+from jaxserve.runner.sampler import logprobs_width, no_logprobs, prompt_logprobs, sample
+from jaxserve.runner.sampling_metadata import SamplingMetadata
+from jaxserve.runner.sharding import ShardingPlan
+
+STEP_ARGS = (  # the step's positional arguments, named for compilation explanations
+    "params",
+    "kv_caches",
+    "input_ids",
+    "attention_metadata",
+    "logits_indices",
+    "sampling_metadata",
+    "prompt_targets",
+)
+COPY_ARGS = ("kv_caches", "src", "dst")
+
+
+def jit_step(model: CausalLM, draw: str, sharding: ShardingPlan | None) -> Any:
+    """The jitted step of ``model`` with the sampler's ``draw``: called with STEP_ARGS, it
+    returns (kv_caches, sampler output, prompt logprobs); the KV pages are donated."""
+    return jax.jit(
+        functools.partial(_step_fn, _SharedTraces(model), draw),
+        donate_argnames=("kv_caches",),
+        **_step_shardings(sharding, model.arch.num_layers),
+    )
+
+
+def jit_copy(sharding: ShardingPlan | None, num_layers: int) -> Any:
+    """The jitted copy-on-write block copy: called with COPY_ARGS, it returns the KV pages
+    (donated: updated in place)."""
+    shardings = _copy_shardings(sharding, num_layers)
+    return jax.jit(_copy_blocks, donate_argnames=("kv_caches",), **shardings)
+
+
+def padded_copies(block_copies: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(src, dst) of a step's block copies, padded to a power of two with null-block
+    self-copies: few compiled shapes."""
+    pairs = np.zeros((1 << (len(block_copies) - 1).bit_length(), 2), np.int32)
+    pairs[: len(block_copies)] = block_copies
+    return pairs[:, 0], pairs[:, 1]
+
+
+class _SharedTraces:
+    """The model's forward and logits as jax.jit(..., inline=True) functions, made once per
+    runner: jax keeps each one's traced jaxpr by argument shapes, so the step's two sampler
+    variants of a bucket (SamplingInputs.variant_widths), and the logits of the R rows and of
+    every row when R == T, trace the model once instead of once each. Inlined: the step's HLO
+    is what calling the model directly gives (no nested call, the same executables and cache
+    keys)."""
+
+    def __init__(self, model: CausalLM) -> None:
+        self.arch = model.arch
+        self.forward = jax.jit(model.forward, inline=True)
+        self.compute_logits = jax.jit(model.compute_logits, inline=True)
+
+
+def _step_fn(
+    model: CausalLM | _SharedTraces,
+    draw: str,
+    params: Any,
+    kv_caches: list[tuple[jax.Array, jax.Array]],
+    input_ids: jax.Array,  # i32[T]
+    md: AttentionMetadata,
+    logits_indices: jax.Array,  # i32[R]
+    sampling_md: SamplingMetadata,
+    prompt_targets: jax.Array,  # i32[T] next prompt token per row (prompt logprobs), else -1
+):
+    """The jitted step: forward, logits at the R sampling rows, sample, and the prompt logprobs
+    of the rows that owe them (the [T, V] logits only when some row does: a run-time test)."""
+    kv_caches, hidden = model.forward(params, kv_caches, input_ids, md)  # [T, D]
+    logits = model.compute_logits(params, hidden[logits_indices])  # f32[R, V]
+    out = sample(logits, sampling_md, draw=draw)
+    num = logprobs_width(model.arch.vocab_size)
+    plp = lax.cond(
+        jnp.any(prompt_targets >= 0),
+        lambda: prompt_logprobs(model.compute_logits(params, hidden), prompt_targets, num=num),
+        lambda: no_logprobs(prompt_targets.shape[0], num),
+    )
+    return kv_caches, out, plp
+
+
+def attention_metadata(
+    batch: PreparedBatch,
+    rope_tables: tuple[np.ndarray, np.ndarray] | None,
+    kv_scales: np.ndarray | None = None,
+) -> AttentionMetadata:
+    """The step's AttentionMetadata; with host RoPE tables (the CPU plan), each token's cos /
+    sin rows gathered from them (positions past them clip; real tokens stay below
+    max_model_len), else none: the model computes them on device from the positions. An FP8
+    KV cache's f32[L, 2] scales ride along (the same every step)."""
+    rope = {}
+    if rope_tables is not None:
+        cos, sin = rope_tables
+        rope = dict(
+            rope_cos=np.take(cos, batch.positions, axis=0, mode="clip"),
+            rope_sin=np.take(sin, batch.positions, axis=0, mode="clip"),
+        )
+    return AttentionMetadata(
+        positions=batch.positions,
+        slot_mapping=batch.slot_mapping,
+        block_tables=batch.block_tables,
+        seq_lens=batch.seq_lens,
+        query_start_loc=batch.query_start_loc,
+        num_seqs=batch.num_seqs,
+        kv_scales=kv_scales,
+        **rope,
+    )
+
+
+def _step_shardings(plan: ShardingPlan | None, num_layers: int) -> dict[str, Any]:
+    """jax.jit sharding arguments of the step: every argument and result explicit (params and
+    pages as planned, host inputs and sampled results replicated), so warm-up and serving hit
+    the same executables. No plan: jit's defaults (one device)."""
+    if plan is None:
+        return {}
+    kv, rep = plan.kv_shardings(num_layers), plan.replicated
+    return dict(
+        # params, kv_caches, input_ids, md, logits_indices, sampling_md, prompt_targets
+        in_shardings=(plan.param_shardings(), kv, rep, rep, rep, rep, rep),
+        out_shardings=(kv, rep, rep),  # kv_caches, sampler output, prompt logprobs
+    )
+
+
+def _copy_shardings(plan: ShardingPlan | None, num_layers: int) -> dict[str, Any]:
+    """jax.jit sharding arguments of the block copy: the pages as planned, the block ids
+    replicated. No plan: jit's defaults (one device)."""
+    if plan is None:
+        return {}
+    kv, rep = plan.kv_shardings(num_layers), plan.replicated
+    return dict(in_shardings=(kv, rep, rep), out_shardings=kv)
+
+
+def _copy_blocks(kv_caches, src: jax.Array, dst: jax.Array):
+    """Copy-on-write: pages src[i] -> dst[i] in every layer (K and V). In place (donated)."""
+    return [(k.at[:, dst].set(k[:, src]), v.at[:, dst].set(v[:, src])) for k, v in kv_caches]

@@ -1,0 +1,123 @@
+"""Warm-up: compile every step shape ahead of time, then run each once.
+
+The step is compiled for every (T, R, B) bucket in both of its variants (a batch without
+penalties or bans, and one with them at the one width every accepted request fits:
+SamplingInputs.variant_widths), the copy-on-write block copy (n > 1) for every size of the
+runner's copy_sizes, and the host KV tier's copies when there is one. Every other sampling
+feature (greedy or sampled rows, seeds, logprobs, prompt logprobs, min_tokens) runs in these
+same compiled steps.
+
+Each is lowered and compiled ahead of time, ``workers`` at a time (threads: XLA compiles
+without the GIL), for the arguments of an all-padding batch. jax keeps the executables, and the
+engine's calls with the same shapes run them without tracing again
+(tests/runner/test_warmup.py). Then each runs once (``run_once``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from jaxserve.runner.input_batch import PreparedBatch
+from jaxserve.runner.sampling_metadata import SamplingMetadata
+from jaxserve.runner.step import COPY_ARGS, STEP_ARGS, attention_metadata
+from jaxserve.runner.step_compiles import Compilation, compile_concurrently
+
+if TYPE_CHECKING:
+    from jaxserve.runner.model_runner import ModelRunner
+
+Shape = tuple[int, int, int]  # (T, R, B): padded tokens, rows, block-table width
+
+
+def warm_up(runner: ModelRunner, shapes: list[Shape], workers: int) -> int:
+    """Compile ``shapes`` (and the block copies) for ``runner``, ``workers`` at a time, then
+    run each once.
+
+    Returns the number of compilations this caused (fresh or loaded from the cache);
+    compilations after it are explained in the log (step_compiles.py).
+    """
+    before = runner.num_compilations + runner.num_compilation_cache_hits
+    compile_concurrently(compilations(runner, shapes), workers)
+    for compiles in runner.all_compiles():
+        compiles.finish_warmup()
+    run_once(runner, shapes)
+    return runner.num_compilations + runner.num_compilation_cache_hits - before
+
+
+def compilations(runner: ModelRunner, shapes: list[Shape]) -> list[Compilation]:
+    """The compilations warm-up runs: the step for each shape in each sampler variant, the
+    block copy for each size, and the host KV tier's copies."""
+    jobs = [
+        Compilation(
+            runner.compiles,
+            runner.jitted_step,
+            (runner.params, runner.kv_caches, *padding_step_inputs(runner, t, r, b, widths)),
+            STEP_ARGS,
+        )
+        for t, r, b in shapes
+        for widths in runner.sampling.variant_widths
+    ]
+    jobs += [
+        Compilation(
+            runner.copy_compiles,
+            runner.jitted_copy,
+            (runner.kv_caches, *(np.zeros(n, np.int32),) * 2),
+            COPY_ARGS,
+        )
+        for n in runner.copy_sizes
+    ]
+    if runner.kv_offload is not None:
+        jobs += runner.kv_offload.compilations(runner.kv_caches)
+    return jobs
+
+
+def run_once(runner: ModelRunner, shapes: list[Shape]) -> None:
+    """Run each warmed-up step and block copy once, on inputs whose KV reads and writes
+    stay in the null block, which no request reads. An executable's first run pays
+    one-time costs that compiling did not (on XLA:CPU, probably its kernels generated
+    lazily: with the 57M benchmark model a prompt's first step of a new bucket took ~0.1 s
+    more than the next, and the first requests of a server waited for it).
+
+    An all-padding batch has no rows, so it skips the attention work: after running on one,
+    a bucket's first real step still took ~18 ms more than the next (20 ms, greedy or
+    sampled alike), and after a batch without a prefill chunk that follows cached context,
+    a bucket's first such chunk took 10-20 ms more. So each step runs on
+    PreparedBatch.null_block, whose rows decode and continue a prefill over the null
+    block; after that, first steps took what later ones do (docs/benchmarks.md, Serving).
+
+    Runs after warmed_up is set, so that a compilation here would be reported as one.
+    """
+    for t, r, b in shapes:
+        batch = PreparedBatch.null_block(t, r, b, runner.block_size)
+        for widths in runner.sampling.variant_widths:
+            runner.run_prepared(batch, neutral_sampling(r, runner.vocab_size, widths))
+    for n in runner.copy_sizes:
+        runner.copy_blocks(*(np.zeros(n, np.int32),) * 2)
+    jax.block_until_ready(runner.kv_caches)
+
+
+def neutral_sampling(
+    padded_rows: int, vocab_size: int, widths: tuple[int, int]
+) -> SamplingMetadata:
+    """Neutral sampling rows with sampling lists of ``widths`` (penalty, ban)."""
+    penalty_width, ban_width = widths
+    return SamplingMetadata.neutral(
+        padded_rows, vocab_size, penalty_width=penalty_width, ban_width=ban_width
+    )
+
+
+def padding_step_inputs(
+    runner: ModelRunner, padded_tokens: int, padded_rows: int, width: int, widths: tuple[int, int]
+) -> tuple[Any, ...]:
+    """The step's arguments after params and KV pages for an all-padding batch of this
+    bucket, with sampling lists of ``widths``."""
+    batch = PreparedBatch.padding(padded_tokens, padded_rows, width)
+    return (
+        batch.input_ids,
+        attention_metadata(batch, runner.rope_tables, runner.kv_scales),
+        batch.logits_indices,
+        neutral_sampling(padded_rows, runner.vocab_size, widths),
+        np.full(padded_tokens, -1, np.int32),  # no prompt-logprob targets
+    )
