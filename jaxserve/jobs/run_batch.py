@@ -34,7 +34,8 @@ from typing import Any
 
 from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.entrypoints.openai.protocol import OpenAIError
-from jaxserve.entrypoints.openai.serving import OpenAIServing, api_error
+from jaxserve.entrypoints.openai.request_outputs import api_error
+from jaxserve.entrypoints.openai.serving import OpenAIServing
 from jaxserve.jobs.job_spec import request_hash
 from jaxserve.jobs.results import ResultsFile
 

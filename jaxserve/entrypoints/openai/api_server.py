@@ -37,7 +37,8 @@ from starlette.types import Receive, Scope, Send
 from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.entrypoints.openai.body import BodyLimits, parse_body
 from jaxserve.entrypoints.openai.protocol import OpenAIError, loc_path
-from jaxserve.entrypoints.openai.serving import EventStream, OpenAIServing
+from jaxserve.entrypoints.openai.request_outputs import EventStream
+from jaxserve.entrypoints.openai.serving import OpenAIServing
 from jaxserve.entrypoints.openai.settings import ServerSettings
 
 logger = logging.getLogger("jaxserve")
