@@ -7,7 +7,7 @@ Public entry points (used by the runner and checkpoints_tools):
 from jaxserve.models.arch_config import ModelArchConfig, normalize_rope_scaling
 from jaxserve.models.attention_metadata import AttentionMetadata
 from jaxserve.models.causal_lm import TP_AXIS, CausalLM, get_model
-from jaxserve.models.registry import ARCHITECTURES, arch_config_from_hf, architecture_of
+from jaxserve.models.hf_configs import ARCHITECTURES, arch_config_from_hf, architecture_of
 
 __all__ = [
     "ARCHITECTURES",

@@ -1,7 +1,7 @@
 """ModelArchConfig: the architecture of one decoder-only model, independent of any file format.
 
 The supported families (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, Mixtral,
-Qwen3-MoE, Phi-3) share one decoder and differ only in the fields below; models/registry.py
+Qwen3-MoE, Phi-3) share one decoder and differ only in the fields below; models/hf_configs/
 builds this config from a Hugging Face config.json.
 """
 
