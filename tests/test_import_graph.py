@@ -1,6 +1,6 @@
 """docs/architecture.md: the host side never reaches jax or flax, not even transitively; the
-packages depend on each other only in the allowed direction and never import each other's
-private names; collecting the tests builds nothing."""
+packages, and the layers inside jaxserve/, depend on each other only in the allowed direction
+and never import each other's private names; collecting the tests builds nothing."""
 
 from __future__ import annotations
 
@@ -78,6 +78,72 @@ def test_dependency_direction(folder: str) -> None:
         for module in _first_party_imports(path):
             ok = any(module == a or module.startswith(a + ".") for a in allowed)
             assert ok, f"{path.relative_to(ROOT)} imports {module}; {folder}/ may import {allowed}"
+
+
+# Inside jaxserve/, from the bottom up: what each layer may not import (docs/architecture.md,
+# section 2). "cli" is the command line however it is laid out: jaxserve/cli.py and
+# jaxserve/cli_*.py, or a package jaxserve/cli/. Imports inside functions count too.
+HOST_DATA = ("config", "sampling_params", "request", "outputs")
+_ABOVE_CORE = {"engine", "runner", "entrypoints", "jobs", "ray", "cli"}
+FORBIDDEN = {
+    "core": _ABOVE_CORE,
+    "runner": _ABOVE_CORE - {"runner"},
+    "engine": {"entrypoints", "jobs", "ray", "cli"},
+    "entrypoints": {"jobs", "ray", "cli"},
+    "jobs": {"ray", "cli"},
+    # the host data modules: nothing of jaxserve but each other (and the package itself)
+    **{name: _ABOVE_CORE | {"core"} for name in HOST_DATA},
+}
+
+
+def _layer(module: str) -> str | None:
+    """The jaxserve/ layer a module belongs to: its folder or top-level module there ("cli" for
+    jaxserve.cli, jaxserve.cli.<x> and jaxserve.cli_<x>); None outside jaxserve/ (jaxserve.models,
+    jaxserve.pallas_kernels, jaxserve.checkpoints_tools) and for the package itself."""
+    parts = module.split(".")
+    if parts[0] != "jaxserve" or len(parts) < 2:
+        return None
+    if parts[1] in ("models", "pallas_kernels", "checkpoints_tools"):
+        return None
+    return "cli" if parts[1] == "cli" or parts[1].startswith("cli_") else parts[1]
+
+
+def _imported_modules(path: pathlib.Path) -> set[str]:
+    """Every first-party module ``path`` imports, ``from jaxserve import x`` as jaxserve.x."""
+    found = set(_first_party_imports(path))
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module == "jaxserve" and node.level == 0:
+            found.update(f"jaxserve.{alias.name}" for alias in node.names)
+    return found
+
+
+def _layer_files(layer: str) -> list[pathlib.Path]:
+    package = ROOT / "jaxserve"
+    if (package / layer).is_dir():
+        return sorted((package / layer).rglob("*.py"))
+    return [package / f"{layer}.py"] if (package / f"{layer}.py").exists() else []
+
+
+def test_the_layer_of_a_module() -> None:
+    assert _layer("jaxserve.cli") == _layer("jaxserve.cli_serve") == "cli"
+    assert _layer("jaxserve.cli.serve") == _layer("jaxserve.cli.jobs.generate") == "cli"
+    assert _layer("jaxserve.client") == "client"  # not the CLI: only cli and cli_* are
+    assert _layer("jaxserve.engine.async_llm") == "engine"
+    assert _layer("jaxserve.config") == "config"
+    assert _layer("jaxserve") is None and _layer("jaxserve.models.decoder") is None
+
+
+@pytest.mark.parametrize("layer", sorted(FORBIDDEN))
+def test_layers_inside_jaxserve(layer: str) -> None:
+    files = _layer_files(layer)
+    assert files, f"jaxserve/{layer} is gone: update FORBIDDEN"
+    offenders = [
+        f"{path.relative_to(ROOT)} imports {module}"
+        for path in files
+        for module in sorted(_imported_modules(path))
+        if _layer(module) in FORBIDDEN[layer]
+    ]
+    assert not offenders, f"jaxserve/{layer} may not import {sorted(FORBIDDEN[layer])}: {offenders}"
 
 
 def test_core_and_engine_have_no_direct_jax_import() -> None:
