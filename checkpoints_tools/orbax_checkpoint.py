@@ -99,9 +99,8 @@ def save_params(params: dict[str, Any], directory: pathlib.Path) -> None:
     """Write a params pytree as an Orbax item at `directory` (which must not exist); returns
     when every array is on disk.
 
-    Uncompressed: trained weights barely compress (zstd saves ~7% on float32 weights), while
-    decompressing doubles the restore time (bench/load_time.py measured 0.7 s vs 0.35 s for
-    200 MB on CPU).
+    Uncompressed: trained weights barely compress, while decompressing doubles the restore
+    time (docs/benchmarks.md, "Design measurements").
     """
     import orbax.checkpoint as ocp
 

@@ -90,9 +90,8 @@ def tile_rows(num_rows: int, num_experts: int) -> int:
 
     A small decode (M / E <= SMALL_TILE_ROWS: 1 or 2 rows an expert, on average) gets tiles of
     M / E rows: each tile's matmuls are then matrix-vector products, bound by reading its
-    expert, where a 16-row tile multiplied mostly padding. Measured on the CPU (D 256, F 512,
-    E 8, top-2, 4 layers, the MoE MLPs alone): batch 1 0.97 -> 0.42 ms, batch 8 3.9 -> 2.7 ms;
-    from 4 rows an expert (batch 32) smaller tiles read the experts more often and cost more.
+    expert, where a 16-row tile multiplied mostly padding; from 4 rows an expert smaller tiles
+    read the experts more often and cost more (docs/benchmarks.md, "Design measurements").
     """
     per_expert = -(-num_rows // num_experts)
     if per_expert <= SMALL_TILE_ROWS:
