@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import time
 
 import pytest
@@ -251,6 +252,37 @@ def test_shutdown_fails_the_streams_still_running(expected):
     run(main())
     assert_nothing_held(engine.engine)
     engine.shutdown()  # idempotent
+
+
+def test_the_client_api_a_server_uses(engine, expected, monkeypatch):
+    """What OpenAIServing asks of AsyncLLM: limits, the tokenizer, checks run in a worker thread
+    (never on the event loop's), a CheckedRequest generate() queues as it is, the metrics."""
+    prompts, reference = expected
+    assert engine.max_model_len == engine.config.model.max_model_len > 0
+    assert engine.model_name == "tiny-random-llama"
+    assert engine.get_tokenizer() is engine.tokenizer
+    threads = []
+    check = engine.engine.check_request
+    monkeypatch.setattr(
+        engine.engine,
+        "check_request",
+        lambda *a, **k: threads.append(threading.get_ident()) or check(*a, **k),
+    )
+
+    async def main():
+        text, ids = await engine.tokenize(prompts[0])
+        assert (text, ids) == (None, prompts[0])
+        checked = await engine.check_request({"prompt_token_ids": ids}, GREEDY)
+        outs = [o async for o in engine.generate(checked, None, "client-api")]
+        return threading.get_ident(), outs[-1].outputs[0].token_ids
+
+    loop_thread, tokens = run(main())
+    assert tokens == reference[0][1]
+    assert threads and loop_thread not in threads
+    with pytest.raises(ValueError, match="max_model_len|too long|exceeds"):
+        run(engine.check_request({"prompt_token_ids": [5] * (engine.max_model_len + 1)}, GREEDY))
+    body, content_type = engine.render_metrics()
+    assert b"jaxserve:" in body and content_type.startswith("text/plain")
 
 
 def test_metrics_count_tokens_and_requests_and_end_at_zero(engine, expected):
