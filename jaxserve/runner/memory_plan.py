@@ -14,7 +14,7 @@ figure is per device: under tensor parallelism each of the N devices holds the s
                      sharded on K then, sharding.py)
     KV scales        an FP8 KV cache's f32 k_scale and v_scale per layer (8 bytes a layer)
     workspace        a reserve for the step's live buffers besides weights and KV pages
-                     (workspace_bytes below: activations of max_num_batched_tokens tokens,
+                     (memory_sizes.workspace_bytes: activations of max_num_batched_tokens tokens,
                      f32 logits of max_num_seqs rows)
     budget           memory_utilization x the device's memory (the allocator's bytes_limit
                      on GPU / TPU, CacheConfig.cpu_memory_bytes on the CPU); with an explicit
@@ -35,26 +35,20 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
 import numpy as np
-from jax.sharding import PartitionSpec
 
 from jaxserve.config import EngineConfig
-from jaxserve.models import TP_AXIS, CausalLM, ModelArchConfig, get_model
+from jaxserve.models import TP_AXIS, ModelArchConfig, get_model
+from jaxserve.runner.memory_sizes import (
+    DTYPE_SIZES,
+    KV_DTYPE_SIZES,
+    kv_bytes_per_token,
+    kv_scales_bytes,
+    weights_bytes,
+    workspace_bytes,
+)
 
-DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# KV pages: the model dtypes, or an FP8 KV cache (config.FP8_STORAGE_DTYPES).
-KV_DTYPE_SIZES = {**DTYPE_SIZES, "float8_e4m3fn": 1, "float8_e5m2": 1}
 GIB = 1 << 30
-
-# The workspace reserve (workspace_bytes). Per token of a step, in the model dtype: 4 hidden-
-# sized buffers (residual stream, normed input, attention output, MLP output), q, k, v and the
-# attention output (2 (N + K) H), and 3 MLP-sized ones (gate, up, their product). Per
-# sampling row, in f32: the logits and the sampler's working copy of them.
-_HIDDEN_BUFFERS = 4
-_MLP_BUFFERS = 3
-_LOGITS_BUFFERS = 2
-_LOGITS_ITEMSIZE = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,64 +221,6 @@ def resolve_max_model_len(requested: int | None, arch: ModelArchConfig) -> int:
     return requested
 
 
-def weights_bytes(model: CausalLM, tensor_parallel_size: int) -> tuple[int, int]:
-    """(bytes on one device, bytes of every parameter once) of `model`'s params, each in its
-    own dtype (the model dtype, or 8-bit weights and f32 scales under a quantization),
-    under the model's tensor-parallel layout for `tensor_parallel_size` devices (a sharded
-    dimension counts 1/tp, a replicated parameter whole). From shapes only: allocates nothing.
-    """
-    shapes = jax.tree_util.tree_leaves(model.param_shapes())
-    specs = jax.tree_util.tree_leaves(
-        model.param_partition_specs(tensor_parallel_size),
-        is_leaf=lambda x: isinstance(x, PartitionSpec),
-    )
-    per_device = total = 0
-    for leaf, spec in zip(shapes, specs, strict=True):
-        size = int(np.prod(leaf.shape)) * leaf.dtype.itemsize
-        total += size
-        # param_partition_specs(tp) replicates any group tp does not divide: exact division.
-        per_device += size // tensor_parallel_size if TP_AXIS in tuple(spec) else size
-    return per_device, total
-
-
-def kv_bytes_per_token(model: CausalLM, tensor_parallel_size: int, kv_cache_dtype: str) -> int:
-    """KV cache bytes one token takes on one device: 2 x L x K x H x itemsize, / tp when the
-    pages are sharded on K (tp | K; sharding.ShardingPlan.kv_bytes_per_block does the same)."""
-    total = model.kv_cache_bytes_per_block(1, kv_cache_dtype)
-    sharded = model.kv_cache_partition_spec(tensor_parallel_size)[0] == TP_AXIS
-    return total // tensor_parallel_size if sharded else total
-
-
-def kv_scales_bytes(arch: ModelArchConfig, kv_cache_dtype: str) -> int:
-    """Bytes of an FP8 KV cache's scales: f32 (k_scale, v_scale) per layer, on every device
-    (replicated); 0 for a KV cache in a model dtype, which has none."""
-    return 0 if kv_cache_dtype in DTYPE_SIZES else 2 * 4 * arch.num_layers
-
-
-def workspace_bytes(
-    arch: ModelArchConfig, dtype: str, *, max_num_batched_tokens: int, max_num_seqs: int
-) -> int:
-    """The reserve for one step's live buffers besides weights and KV pages, on one device:
-
-        max_num_batched_tokens x (4 D + 2 (N + K) H + 3 F) x itemsize(dtype)     activations
-      + max_num_seqs x V x 4 bytes x 2                                          f32 logits
-
-    (D hidden, N / K query / KV heads, H head_dim, F intermediate, V vocab.) Not divided by
-    tp: the logits are gathered whole for sampling, and XLA may keep more buffers alive than
-    one layer's, so the reserve errs on the generous side. It is a reserve, not a measurement;
-    prompt_logprobs (f32 logits of every token of a step) are not covered.
-    """
-    a = arch
-    per_token = (
-        _HIDDEN_BUFFERS * a.hidden_size
-        + 2 * (a.num_heads + a.num_kv_heads) * a.head_dim
-        + _MLP_BUFFERS * a.intermediate_size
-    )
-    activations = max_num_batched_tokens * per_token * DTYPE_SIZES[dtype]
-    logits = max_num_seqs * a.vocab_size * _LOGITS_ITEMSIZE * _LOGITS_BUFFERS
-    return activations + logits
-
-
 def plan_memory(
     arch: ModelArchConfig,
     *,
@@ -310,27 +246,18 @@ def plan_memory(
     Raises:
         TypeError / ValueError: a bad argument (named, with its value and limit).
     """
-    for name, value, sizes in (
-        ("dtype", dtype, DTYPE_SIZES),
-        ("kv_cache_dtype", kv_cache_dtype, KV_DTYPE_SIZES),
-    ):
-        if value not in sizes:
-            raise ValueError(f"{name} must be one of {sorted(sizes)}, got {value!r}")
-    for name, value in (
-        ("tensor_parallel_size", tensor_parallel_size),
-        ("block_size", block_size),
-        ("max_model_len", max_model_len),
-        ("max_num_seqs", max_num_seqs),
-        ("max_num_batched_tokens", max_num_batched_tokens),
-        ("device_memory_bytes", device_memory_bytes),
-    ):
-        _check_positive_int(name, value)
-    if num_kv_blocks is not None:
-        _check_positive_int("num_kv_blocks", num_kv_blocks)
-    if isinstance(memory_utilization, bool) or not (
-        isinstance(memory_utilization, (int, float)) and 0.0 < memory_utilization <= 1.0
-    ):
-        raise ValueError(f"memory_utilization must be in (0, 1], got {memory_utilization!r}")
+    _check_arguments(
+        dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
+        tensor_parallel_size=tensor_parallel_size,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        device_memory_bytes=device_memory_bytes,
+        memory_utilization=memory_utilization,
+        num_kv_blocks=num_kv_blocks,
+    )
     model = get_model(arch, dtype=dtype, quantization=quantization)
     per_device, total = weights_bytes(model, tensor_parallel_size)
     # An explicit pool overrides memory_utilization (CacheConfig): it must fit in the device.
@@ -406,6 +333,31 @@ def blocks_for_budget(
     free = budget_bytes - used_bytes
     blocks = free // bytes_per_block if free > 0 else 0
     return blocks if max_useful_blocks is None else min(blocks, max_useful_blocks)
+
+
+def _check_arguments(
+    *,
+    dtype: str,
+    kv_cache_dtype: str,
+    memory_utilization: float,
+    num_kv_blocks: int | None,
+    **positive_ints: int,
+) -> None:
+    """plan_memory's argument checks (TypeError / ValueError, each named with its value)."""
+    for name, value, sizes in (
+        ("dtype", dtype, DTYPE_SIZES),
+        ("kv_cache_dtype", kv_cache_dtype, KV_DTYPE_SIZES),
+    ):
+        if value not in sizes:
+            raise ValueError(f"{name} must be one of {sorted(sizes)}, got {value!r}")
+    for name, value in positive_ints.items():
+        _check_positive_int(name, value)
+    if num_kv_blocks is not None:
+        _check_positive_int("num_kv_blocks", num_kv_blocks)
+    if isinstance(memory_utilization, bool) or not (
+        isinstance(memory_utilization, (int, float)) and 0.0 < memory_utilization <= 1.0
+    ):
+        raise ValueError(f"memory_utilization must be in (0, 1], got {memory_utilization!r}")
 
 
 def _check_positive_int(name: str, value: object) -> None:

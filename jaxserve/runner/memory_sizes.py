@@ -1,0 +1,83 @@
+"""The sizes the memory plan (memory_plan.py) adds up, per device: the weights, the KV bytes
+per token, an FP8 KV cache's scales and the step's workspace reserve. From shapes and configs
+only: nothing here reads a weight or allocates.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from jaxserve.models import TP_AXIS, CausalLM, ModelArchConfig
+
+DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# KV pages: the model dtypes, or an FP8 KV cache (config.FP8_STORAGE_DTYPES).
+KV_DTYPE_SIZES = {**DTYPE_SIZES, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+# The workspace reserve (workspace_bytes). Per token of a step, in the model dtype: 4 hidden-
+# sized buffers (residual stream, normed input, attention output, MLP output), q, k, v and the
+# attention output (2 (N + K) H), and 3 MLP-sized ones (gate, up, their product). Per
+# sampling row, in f32: the logits and the sampler's working copy of them.
+_HIDDEN_BUFFERS = 4
+_MLP_BUFFERS = 3
+_LOGITS_BUFFERS = 2
+_LOGITS_ITEMSIZE = 4
+
+
+def weights_bytes(model: CausalLM, tensor_parallel_size: int) -> tuple[int, int]:
+    """(bytes on one device, bytes of every parameter once) of `model`'s params, each in its
+    own dtype (the model dtype, or 8-bit weights and f32 scales under a quantization),
+    under the model's tensor-parallel layout for `tensor_parallel_size` devices (a sharded
+    dimension counts 1/tp, a replicated parameter whole). From shapes only: allocates nothing.
+    """
+    shapes = jax.tree_util.tree_leaves(model.param_shapes())
+    specs = jax.tree_util.tree_leaves(
+        model.param_partition_specs(tensor_parallel_size),
+        is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )
+    per_device = total = 0
+    for leaf, spec in zip(shapes, specs, strict=True):
+        size = int(np.prod(leaf.shape)) * leaf.dtype.itemsize
+        total += size
+        # param_partition_specs(tp) replicates any group tp does not divide: exact division.
+        per_device += size // tensor_parallel_size if TP_AXIS in tuple(spec) else size
+    return per_device, total
+
+
+def kv_bytes_per_token(model: CausalLM, tensor_parallel_size: int, kv_cache_dtype: str) -> int:
+    """KV cache bytes one token takes on one device: 2 x L x K x H x itemsize, / tp when the
+    pages are sharded on K (tp | K; sharding.ShardingPlan.kv_bytes_per_block does the same)."""
+    total = model.kv_cache_bytes_per_block(1, kv_cache_dtype)
+    sharded = model.kv_cache_partition_spec(tensor_parallel_size)[0] == TP_AXIS
+    return total // tensor_parallel_size if sharded else total
+
+
+def kv_scales_bytes(arch: ModelArchConfig, kv_cache_dtype: str) -> int:
+    """Bytes of an FP8 KV cache's scales: f32 (k_scale, v_scale) per layer, on every device
+    (replicated); 0 for a KV cache in a model dtype, which has none."""
+    return 0 if kv_cache_dtype in DTYPE_SIZES else 2 * 4 * arch.num_layers
+
+
+def workspace_bytes(
+    arch: ModelArchConfig, dtype: str, *, max_num_batched_tokens: int, max_num_seqs: int
+) -> int:
+    """The reserve for one step's live buffers besides weights and KV pages, on one device:
+
+        max_num_batched_tokens x (4 D + 2 (N + K) H + 3 F) x itemsize(dtype)     activations
+      + max_num_seqs x V x 4 bytes x 2                                          f32 logits
+
+    (D hidden, N / K query / KV heads, H head_dim, F intermediate, V vocab.) Not divided by
+    tp: the logits are gathered whole for sampling, and XLA may keep more buffers alive than
+    one layer's, so the reserve errs on the generous side. It is a reserve, not a measurement;
+    prompt_logprobs (f32 logits of every token of a step) are not covered.
+    """
+    a = arch
+    per_token = (
+        _HIDDEN_BUFFERS * a.hidden_size
+        + 2 * (a.num_heads + a.num_kv_heads) * a.head_dim
+        + _MLP_BUFFERS * a.intermediate_size
+    )
+    activations = max_num_batched_tokens * per_token * DTYPE_SIZES[dtype]
+    logits = max_num_seqs * a.vocab_size * _LOGITS_ITEMSIZE * _LOGITS_BUFFERS
+    return activations + logits
