@@ -31,6 +31,8 @@ HOST_MODULES = [
     "jaxserve.core.sched.preemption",
     "jaxserve.core.sched.host_kv_tier",
     "jaxserve.core.sched.starting_point",
+    "jaxserve.core.sched.pending_prefixes",
+    "jaxserve.core.sched.output_processor",
 ]
 
 # folder -> first-party packages it may import (besides itself).

@@ -1,13 +1,44 @@
-"""Turning a ModelRunnerOutput into EngineCoreOutputs: append samples, check stops, pass
-logprobs through. Pure functions over the scheduler's request map; the scheduler frees what
-finished."""
+"""Turning a ModelRunnerOutput into EngineCoreOutputs: advance computed tokens, append samples,
+check stops, pass logprobs through. Pure functions over the scheduler's request map; the
+scheduler frees what finished."""
 
 from __future__ import annotations
 
+from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.outputs import EngineCoreOutput, ModelRunnerOutput
 from jaxserve.request import Request, RequestStatus
 
 _RUNNING = RequestStatus.RUNNING
+
+
+def advance_computed(
+    requests: dict[str, Request],
+    num_scheduled_tokens: dict[str, int],
+    kv: KVCacheManager | None,
+    block_size: int,
+) -> None:
+    """Count a step's scheduled tokens as computed (requests gone since are skipped); with
+    ``kv`` (prefix caching on), enter each block that just became full into the cache."""
+    for rid, num in num_scheduled_tokens.items():
+        req = requests.get(rid)
+        if req is None or req.status is not _RUNNING:
+            continue
+        old = req.num_computed_tokens
+        req.num_computed_tokens = old + num
+        if kv is not None and (old + num) // block_size != old // block_size:
+            kv.cache_blocks(req)
+
+
+def finished_output(req: Request) -> EngineCoreOutput:
+    """The output of a request ended outside a step (an abort, a stop string): no new tokens,
+    its status's finish reason."""
+    return EngineCoreOutput(
+        req.request_id,
+        [],
+        finish_reason=req.status.finish_reason,
+        stop_reason=req.stop_reason,
+        num_cached_tokens=req.num_cached_tokens,
+    )
 
 
 def append_samples(

@@ -28,9 +28,15 @@ from jaxserve.core.sched.admission import (
     generation_limit,
     validate_request,
 )
-from jaxserve.core.sched.host_kv_tier import HostKVTier, host_tokens
+from jaxserve.core.sched.host_kv_tier import HostKVTier
 from jaxserve.core.sched.output import CachedRequestData, SchedulerOutput
-from jaxserve.core.sched.output_processor import append_samples, attach_prompt_logprobs
+from jaxserve.core.sched.output_processor import (
+    advance_computed,
+    append_samples,
+    attach_prompt_logprobs,
+    finished_output,
+)
+from jaxserve.core.sched.pending_prefixes import PendingPrefixes
 from jaxserve.core.sched.policy import make_policy
 from jaxserve.core.sched.starting_point import starting_point
 from jaxserve.core.sched.step_batch import StepBatch
@@ -148,15 +154,7 @@ class Scheduler:
                 self.waiting.remove(req)
             req.status = finished_status
             self._release(req)
-            outputs.append(
-                EngineCoreOutput(
-                    rid,
-                    [],
-                    finish_reason=finished_status.finish_reason,
-                    stop_reason=req.stop_reason,
-                    num_cached_tokens=req.num_cached_tokens,
-                )
-            )
+            outputs.append(finished_output(req))
         if removed_running:
             self.running = [r for r in self.running if r.status == _RUNNING]
         return outputs
@@ -327,44 +325,33 @@ class Scheduler:
         instead of the same block computed twice (offline batches of shared prefixes)."""
         kv = self.kv_cache_manager
         waiting = self.waiting
-        bs = self.block_size
         skipped: list[Request] = []
-        pending = None  # hashes being computed, built on first need
+        pending = PendingPrefixes(kv, self.running, self.block_size)
         while len(waiting) and step.budget > 0 and len(self.running) < self.max_num_seqs:
             req = waiting.peek()
             if kv.is_swapped(req.request_id):
                 if not self._swap_in(req, step):
                     break
                 continue
-            start = starting_point(req, self.requests, kv, bs)
+            start = starting_point(req, self.requests, kv, self.block_size)
             if start is None:
                 skipped.append(waiting.pop())
                 continue
             borrowed, num_borrowed_tokens, is_fork = start
-            if not is_fork and self.enable_caching:
-                if pending is None:
-                    pending = kv.pending_block_hashes(self.running)
-                next_block = num_borrowed_tokens // bs
-                if next_block < len(req.block_hashes) and req.block_hashes[next_block] in pending:
-                    kv.retract_lookup(
-                        req, num_borrowed_tokens, host_tokens(borrowed, self.block_size)
-                    )
-                    skipped.append(waiting.pop())
-                    continue
+            if not is_fork and self.enable_caching and pending.defer(req, num_borrowed_tokens):
+                start.retract(req, kv, self.block_size)
+                skipped.append(waiting.pop())
+                continue
             num_new = min(len(req.all_token_ids) - num_borrowed_tokens, step.budget)
             new_blocks = kv.allocate_slots(req, num_new, borrowed or None, num_borrowed_tokens)
             if new_blocks is None:
-                if not is_fork:
-                    kv.retract_lookup(
-                        req, num_borrowed_tokens, host_tokens(borrowed, self.block_size)
-                    )
+                start.retract(req, kv, self.block_size)
                 break
             waiting.pop()
             if is_fork:
                 req.parent_req_id = None  # from now on it is an ordinary request
             self._admit(req, num_borrowed_tokens, num_new, step)
-            if pending is not None:
-                pending.update(req.block_hashes[num_borrowed_tokens // bs :])
+            pending.admitted(req, num_borrowed_tokens)
         if skipped:
             waiting.put_back(skipped)
 
@@ -410,16 +397,8 @@ class Scheduler:
         EngineCoreOutput per request that sampled or received prompt logprobs.
         """
         requests = self.requests
-        caching = self.enable_caching
-        bs = self.block_size
-        for rid, num in scheduler_output.num_scheduled_tokens.items():
-            req = requests.get(rid)
-            if req is None or req.status is not _RUNNING:
-                continue
-            old = req.num_computed_tokens
-            req.num_computed_tokens = old + num
-            if caching and (old + num) // bs != old // bs:  # some block just became full
-                self.kv_cache_manager.cache_blocks(req)
+        kv = self.kv_cache_manager if self.enable_caching else None
+        advance_computed(requests, scheduler_output.num_scheduled_tokens, kv, self.block_size)
         outputs, finished = append_samples(requests, model_runner_output)
         if model_runner_output.prompt_logprobs:
             attach_prompt_logprobs(requests, model_runner_output, outputs)

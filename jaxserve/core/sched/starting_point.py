@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 from jaxserve.core.kv_cache_manager import HostHit, KVCacheManager
 from jaxserve.core.kv_cache_utils import KVCacheBlock
+from jaxserve.core.sched.host_kv_tier import host_tokens
 from jaxserve.request import Request, RequestStatus
 
 
@@ -20,6 +21,12 @@ class StartingPoint(NamedTuple):
     blocks: list[KVCacheBlock | HostHit]  # blocks the request takes over
     num_tokens: int  # tokens those blocks cover (its num_computed_tokens once admitted)
     is_fork: bool  # borrowed from its parent (no prefix-cache lookup to retract)
+
+    def retract(self, req: Request, kv: KVCacheManager, block_size: int) -> None:
+        """``req`` is not admitted this step: undo its prefix lookup's counters (a fork made
+        none), so a request retried over several steps counts once."""
+        if not self.is_fork:
+            kv.retract_lookup(req, self.num_tokens, host_tokens(self.blocks, block_size))
 
 
 def starting_point(

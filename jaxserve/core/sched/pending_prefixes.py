@@ -1,0 +1,33 @@
+"""PendingPrefixes: the blocks this step's running requests are computing, so that a waiting
+request whose next uncached block is one of them waits a step and then hits it in the prefix
+cache, instead of the same block being computed twice (offline batches of shared prefixes).
+
+Built lazily, on the first waiting request that could use it; only with prefix caching.
+"""
+
+from __future__ import annotations
+
+from jaxserve.core.kv_cache_manager import KVCacheManager
+from jaxserve.core.kv_cache_utils import BlockHash
+from jaxserve.request import Request
+
+
+class PendingPrefixes:
+    """One step's pending block hashes over ``running`` (the scheduler's sorted list)."""
+
+    def __init__(self, kv: KVCacheManager, running: list[Request], block_size: int) -> None:
+        self._kv, self._running, self._block_size = kv, running, block_size
+        self._hashes: set[BlockHash] | None = None
+
+    def defer(self, req: Request, num_hit_tokens: int) -> bool:
+        """Whether ``req``, whose prefix lookup found ``num_hit_tokens``, should wait: its next
+        block is being computed."""
+        if self._hashes is None:
+            self._hashes = self._kv.pending_block_hashes(self._running)
+        next_block = num_hit_tokens // self._block_size
+        return next_block < len(req.block_hashes) and req.block_hashes[next_block] in self._hashes
+
+    def admitted(self, req: Request, num_computed: int) -> None:
+        """``req`` was admitted: its blocks past ``num_computed`` tokens are pending too."""
+        if self._hashes is not None:
+            self._hashes.update(req.block_hashes[num_computed // self._block_size :])
