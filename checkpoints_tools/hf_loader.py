@@ -20,18 +20,16 @@ check per tensor.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import pathlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from safetensors import SafetensorError, safe_open
 
 from jaxserve.checkpoints_tools.checkpoint import (
     DTYPE_NAMES,
@@ -50,11 +48,16 @@ from jaxserve.checkpoints_tools.quantization import (
     read_quantization_config,
     resolve_quantization,
 )
+from jaxserve.checkpoints_tools.safetensors_index import (
+    Located,
+    open_safetensors,
+    read_tensor,
+    scan_headers,
+    weight_files,
+)
 from jaxserve.checkpoints_tools.tokenizer import load_tokenizer, read_json, read_optional_json
 from jaxserve.models import ModelArchConfig
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 # safetensors dtype names (the header's "dtype") of the weights jaxserve reads and casts.
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 # How many non-finite tensors the warning names (it gives the total count too).
@@ -63,66 +66,8 @@ MAX_NAMED_NON_FINITE = 5
 logger = logging.getLogger("jaxserve")
 
 
-@dataclass(frozen=True)
-class _Located:
-    file: pathlib.Path
-    shape: tuple[int, ...]
-    dtype: str  # the safetensors header's name: "F32", "BF16", "I64", "F8_E4M3", ...
-
-
-def _weight_files(
-    folder: pathlib.Path,
-) -> tuple[list[pathlib.Path], pathlib.Path, dict[str, str]]:
-    """(safetensors files to read, the file naming them (index or single file), weight_map)."""
-    index = folder / INDEX_FILE
-    if index.is_file():
-        weight_map = read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(f"{index}: no 'weight_map' of tensor name -> file")
-        files = [folder / name for name in sorted(set(weight_map.values()))]
-        for file in files:
-            if not file.is_file():
-                raise FileNotFoundError(f"{file}: listed in {index} but missing")
-        return files, index, weight_map
-    single = folder / SINGLE_FILE
-    if single.is_file():
-        return [single], single, {}
-    raise FileNotFoundError(
-        f"{folder}: neither {SINGLE_FILE} nor {INDEX_FILE} found (only safetensors is supported)"
-    )
-
-
-@contextlib.contextmanager
-def _open_safetensors(file: pathlib.Path) -> Iterator[Any]:
-    """safe_open(file), its errors (truncated file, corrupt header, unreadable) as a ValueError
-    naming the file: the library's own message does not."""
-    try:
-        handle = safe_open(str(file), framework="np")
-    except (SafetensorError, OSError) as e:
-        raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
-    with handle as f:
-        yield f
-
-
-def _scan_headers(files: Iterable[pathlib.Path]) -> dict[str, _Located]:
-    """Every tensor name in the files, with its file, shape and dtype (headers only, no data).
-
-    Raises:
-        ValueError: a file is not readable safetensors, or a name is in two files (named).
-    """
-    found: dict[str, _Located] = {}
-    for file in files:
-        with _open_safetensors(file) as f:
-            for name in f.keys():
-                if name in found:
-                    raise ValueError(f"tensor {name!r} is in both {found[name].file} and {file}")
-                header = f.get_slice(name)
-                found[name] = _Located(file, tuple(header.get_shape()), header.get_dtype())
-    return found
-
-
 def _check_dtypes(
-    specs: dict[str, TensorSpec], found: dict[str, _Located], quantized: set[str]
+    specs: dict[str, TensorSpec], found: dict[str, Located], quantized: set[str]
 ) -> None:
     """Raise ValueError naming the tensor, file and dtype of a weight that is not floating point.
 
@@ -147,7 +92,7 @@ def _check_dtypes(
 
 def _check_tensors(
     specs: dict[str, TensorSpec],
-    found: dict[str, _Located],
+    found: dict[str, Located],
     arch: ModelArchConfig,
     searched: pathlib.Path,
     weight_map: dict[str, str],
@@ -196,16 +141,9 @@ def _all_finite(x: jax.Array) -> jax.Array:
     return jnp.all(jnp.isfinite(x))
 
 
-def _read_tensor(f: Any, name: str, file: pathlib.Path) -> np.ndarray:
-    try:
-        return f.get_tensor(name)
-    except (SafetensorError, OSError) as e:
-        raise ValueError(f"{file}: cannot read tensor {name!r} ({e})") from None
-
-
 def _load_tensors(
     specs: dict[str, TensorSpec],
-    found: dict[str, _Located],
+    found: dict[str, Located],
     dtype: np.dtype,
     param_sharding: ParamSharding | None,
     quant: QuantizedLoad | None = None,
@@ -235,7 +173,7 @@ def _load_tensors(
     scale_names = {} if quant is None else quant.scale_names(specs)
     scales = _read_scales(scale_names.values(), found)
     for file, names in by_file.items():
-        with _open_safetensors(file) as f:
+        with open_safetensors(file) as f:
             for name in names:
                 spec = specs[name]
                 if name in linears:
@@ -243,7 +181,7 @@ def _load_tensors(
                     if found[name].dtype == STORED_DTYPES["fp8"]:
                         tensor = read_fp8_tensor(file, name)
                     else:
-                        tensor = _read_tensor(f, name, file)
+                        tensor = read_tensor(f, name, file)
                     parts = quant.params(spec, tensor, scale)
                     if spec.stack is not None:  # a MoE expert: its 8-bit slice and scale row
                         oks = [_stack_slice(stacks, p, spec.stack, h, put) for p, h in parts]
@@ -256,7 +194,7 @@ def _load_tensors(
                 # beyond the target's range becomes Inf: _warn_non_finite names the tensor,
                 # numpy's own anonymous warning would not.
                 with np.errstate(over="ignore"):
-                    tensor = _read_tensor(f, name, file).astype(dtype, copy=False)
+                    tensor = read_tensor(f, name, file).astype(dtype, copy=False)
                 if spec.stack is not None:
                     host = spec.convert(tensor)
                     finite[name] = _stack_slice(stacks, spec.param_path, spec.stack, host, put)
@@ -268,7 +206,7 @@ def _load_tensors(
     return params, finite
 
 
-def _read_scales(names: Iterable[str], found: dict[str, _Located]) -> dict[str, np.ndarray]:
+def _read_scales(names: Iterable[str], found: dict[str, Located]) -> dict[str, np.ndarray]:
     """The stored 8-bit weights' scale tensors (small: one float per output channel at most),
     read up front since a scale may sit in another file than its weight."""
     by_file: dict[pathlib.Path, list[str]] = {}
@@ -276,8 +214,8 @@ def _read_scales(names: Iterable[str], found: dict[str, _Located]) -> dict[str, 
         by_file.setdefault(found[name].file, []).append(name)
     scales = {}
     for file, in_file in by_file.items():
-        with _open_safetensors(file) as f:
-            scales.update({name: _read_tensor(f, name, file) for name in in_file})
+        with open_safetensors(file) as f:
+            scales.update({name: read_tensor(f, name, file) for name in in_file})
     return scales
 
 
@@ -304,7 +242,7 @@ def _stack_slice(
 
 
 def _warn_non_finite(
-    finite: dict[str, jax.Array], found: dict[str, _Located], dtype: np.dtype
+    finite: dict[str, jax.Array], found: dict[str, Located], dtype: np.dtype
 ) -> None:
     """One warning naming the tensors with NaN or Inf values (after the cast to `dtype`: a
     float32 value beyond float16's range becomes Inf), if any."""
@@ -395,8 +333,8 @@ def load_hf_checkpoint(
     stored = read_quantization_config(cfg)
     quantization = resolve_quantization(quantization, stored, str(folder))
     quant = None if quantization is None else QuantizedLoad(quantization, stored)
-    files, searched, weight_map = _weight_files(folder)
-    found = _scan_headers(files)
+    files, searched, weight_map = weight_files(folder)
+    found = scan_headers(files)
     specs = hf_tensor_specs(arch, found)
     _check_tensors(specs, found, arch, searched, weight_map, quant)
     generation_config = read_optional_json(folder / "generation_config.json")

@@ -17,6 +17,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import jaxserve.checkpoints_tools.hf_loader as hf_loader
+import jaxserve.checkpoints_tools.safetensors_index as safetensors_index
 from jaxserve.checkpoints_tools import load_hf_checkpoint
 from jaxserve.checkpoints_tools.testing import write_tiny_hf_checkpoint
 from jaxserve.models import get_model
@@ -385,14 +386,14 @@ def test_corrupt_shard_is_named(sharded, copy_of, no_placement) -> None:
 def test_file_damaged_after_the_header_scan_is_named(single, copy_of, monkeypatch) -> None:
     folder = copy_of(single)
     file = folder / "model.safetensors"
-    real_scan = hf_loader._scan_headers
+    real_scan = hf_loader.scan_headers
 
     def scan_then_truncate(files):
         found = real_scan(files)
         file.write_bytes(file.read_bytes()[:-100])  # e.g. a copy still in progress
         return found
 
-    monkeypatch.setattr(hf_loader, "_scan_headers", scan_then_truncate)
+    monkeypatch.setattr(hf_loader, "scan_headers", scan_then_truncate)
     with pytest.raises(ValueError, match=rf"{file}: not a readable safetensors file"):
         load_hf_checkpoint(folder)
 
@@ -400,7 +401,7 @@ def test_file_damaged_after_the_header_scan_is_named(single, copy_of, monkeypatc
 def test_tensor_read_error_names_tensor_and_file(single, copy_of, monkeypatch) -> None:
     from safetensors import SafetensorError
 
-    real_open = hf_loader.safe_open
+    real_open = safetensors_index.safe_open
     reads = []
 
     class FailingRead:
@@ -423,7 +424,7 @@ def test_tensor_read_error_names_tensor_and_file(single, copy_of, monkeypatch) -
             reads.append(name)
             raise SafetensorError("Input/output error")
 
-    monkeypatch.setattr(hf_loader, "safe_open", FailingRead)
+    monkeypatch.setattr(safetensors_index, "safe_open", FailingRead)
     with pytest.raises(ValueError) as raised:
         load_hf_checkpoint(single)
     (name,) = reads
