@@ -7,6 +7,12 @@ buckets), the memory plan (memory_plan.py, the arithmetic of `jaxserve plan`) ch
 model fits and sizes the KV pool, and only then are the weights fetched and loaded, in the
 plan's dtype, each into its sharding. The engine gets back plain host facts (RunnerInfo) plus
 the runner.
+
+    build_runner(config)
+        resolve_model(config)      -> ResolvedModel: plan, memory plan, shardings, host tier size
+        _load_weights(resolved)    -> LoadedCheckpoint (each weight in its sharding)
+        make_runner(resolved, ckpt) -> ModelRunner (given its KVOffloader), HostTier | None
+        _warm_up(runner, workers)  when warmup is on
 """
 
 from __future__ import annotations
