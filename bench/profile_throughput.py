@@ -77,7 +77,7 @@ class StepProbe:
     def _record(self, trace) -> None:
         if not trace.padded_tokens:  # a step that ran no model
             return
-        q, seq = trace.q_lens.astype(np.int64), trace.seq_lens.astype(np.int64)
+        q, seq = trace.q_lens.astype(np.int64), trace.kv_lens.astype(np.int64)
         self._cur.update(
             schedule=trace.schedule_s,
             execute=trace.execute_s,
@@ -108,7 +108,7 @@ class StepProbe:
             return trace.padded_tokens * trace.table_width * bs
         if backend in ("xla", "cpu"):
             return xla_scored_positions(
-                trace.q_lens, trace.seq_lens, bs, trace.table_width, cpu_rows=backend == "cpu"
+                trace.q_lens, trace.kv_lens, bs, trace.table_width, cpu_rows=backend == "cpu"
             )
         return -1
 
@@ -230,8 +230,8 @@ def synthetic_batch(runner, num_tokens: int, context: int):
     batch = PreparedBatch.padding(num_tokens, r, width)
     pages = 1 + (np.arange(r * width) % (runner.num_kv_blocks - 1))
     batch.block_tables[:] = pages.reshape(r, width)
-    batch.seq_lens[:] = max(context, q)
-    batch.query_start_loc[:] = np.arange(r + 1) * q
+    batch.kv_lens[:] = max(context, q)
+    batch.cu_q_lens[:] = np.arange(r + 1) * q
     batch.num_seqs[:] = r
     batch.logits_indices[:] = np.arange(1, r + 1) * q - 1
     batch.positions[:] = np.tile(np.arange(max(context, q) - q, max(context, q)), r)
@@ -309,8 +309,7 @@ def attention_microbench(engine, shape: ModelShape, cases, reps: int) -> list[di
         full = synthetic_batch(runner, t, ctx)
         q = jnp.ones((t, shape.num_heads, shape.head_dim), jnp.float32)
         args = [
-            jnp.asarray(x)
-            for x in (full.seq_lens, full.block_tables, full.query_start_loc, full.num_seqs)
+            jnp.asarray(x) for x in (full.kv_lens, full.block_tables, full.cu_q_lens, full.num_seqs)
         ]
         # The reference's own width bucket: the power of two >= the context's pages.
         width = 1 << (-(-ctx // runner.block_size) - 1).bit_length()

@@ -18,8 +18,8 @@ class AttentionMetadata:
     positions: jax.Array  # i32[T] position of each token in its sequence; padding: 0
     slot_mapping: jax.Array  # i32[T] flat KV slot (block_id * P + offset); padding: null block 0
     block_tables: jax.Array  # i32[R, B] physical block ids per sequence; padding: 0
-    seq_lens: jax.Array  # i32[R] context length after this step (computed + scheduled); padding: 0
-    query_start_loc: jax.Array  # i32[R + 1] cumulative query rows; padding sequences repeat the end
+    kv_lens: jax.Array  # i32[R] context length after this step (computed + scheduled); padding: 0
+    cu_q_lens: jax.Array  # i32[R + 1] cumulative query rows; padding sequences repeat the end
     num_seqs: jax.Array  # i32[1] real sequences in the batch (R is the padded count)
     # f32[T, Q * H // 2] cos / sin of each token's RoPE angles (Q RoPE variants side by side,
     # see rope.model_inv_freq), looked up on the host in the model's rope_tables; None: the

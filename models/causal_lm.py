@@ -232,8 +232,8 @@ def _dummy_inputs(arch: ModelArchConfig, dtype: jnp.dtype) -> tuple[Any, ...]:
         positions=i32(1),
         slot_mapping=i32(1),
         block_tables=i32(1, 1),
-        seq_lens=i32(1),
-        query_start_loc=i32(2),
+        kv_lens=i32(1),
+        cu_q_lens=i32(2),
         num_seqs=i32(1),
     )
     return i32(1), kv * arch.num_layers, md

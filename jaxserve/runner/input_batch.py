@@ -20,7 +20,7 @@ class PreparedBatch:
     slots: i32[num_reqs] batch row -> slot (real rows only).
     input_ids / positions / slot_mapping: i32[T]; padding tokens: id 0, position 0, slot 0
         (the null block, which nothing reads).
-    block_tables: i32[R, B]; seq_lens: i32[R]; query_start_loc: i32[R + 1]; num_seqs: i32[1].
+    block_tables: i32[R, B]; kv_lens: i32[R]; cu_q_lens: i32[R + 1]; num_seqs: i32[1].
     logits_indices: i32[R] the last token row of each request (padding rows: 0).
     sampling_rows: bool[num_reqs] rows whose scheduled tokens reach the end of the known tokens
         (they sample); a mid-prefill chunk does not.
@@ -33,8 +33,8 @@ class PreparedBatch:
     positions: np.ndarray
     slot_mapping: np.ndarray
     block_tables: np.ndarray
-    seq_lens: np.ndarray
-    query_start_loc: np.ndarray
+    kv_lens: np.ndarray
+    cu_q_lens: np.ndarray
     num_seqs: np.ndarray
     logits_indices: np.ndarray
     sampling_rows: np.ndarray
@@ -51,8 +51,8 @@ class PreparedBatch:
             positions=zeros(padded_tokens),
             slot_mapping=zeros(padded_tokens),
             block_tables=zeros(padded_rows, width),
-            seq_lens=zeros(padded_rows),
-            query_start_loc=zeros(padded_rows + 1),
+            kv_lens=zeros(padded_rows),
+            cu_q_lens=zeros(padded_rows + 1),
             num_seqs=zeros(1),
             logits_indices=zeros(padded_rows),
             sampling_rows=np.zeros(0, bool),
@@ -77,22 +77,22 @@ class PreparedBatch:
         q_lens = np.zeros(r, np.int32)
         q_lens[:decodes] = 1
         q_lens[decodes] = min(t - decodes, max(capacity - 1, 1))  # room for some context
-        seq_lens = np.zeros(r, np.int32)
-        seq_lens[:decodes] = min(block_size + 1, capacity)
-        seq_lens[decodes] = min(q_lens[decodes] + block_size, capacity)
-        query_start_loc = np.zeros(r + 1, np.int32)
-        query_start_loc[1:] = np.cumsum(q_lens)
+        kv_lens = np.zeros(r, np.int32)
+        kv_lens[:decodes] = min(block_size + 1, capacity)
+        kv_lens[decodes] = min(q_lens[decodes] + block_size, capacity)
+        cu_q_lens = np.zeros(r + 1, np.int32)
+        cu_q_lens[1:] = np.cumsum(q_lens)
         positions = np.zeros(t, np.int32)
-        positions[:decodes] = seq_lens[:decodes] - 1
-        chunk = seq_lens[decodes] - q_lens[decodes]
-        positions[decodes : query_start_loc[-1]] = np.arange(chunk, seq_lens[decodes])
-        logits_indices = np.where(q_lens > 0, query_start_loc[1:] - 1, 0).astype(np.int32)
+        positions[:decodes] = kv_lens[:decodes] - 1
+        chunk = kv_lens[decodes] - q_lens[decodes]
+        positions[decodes : cu_q_lens[-1]] = np.arange(chunk, kv_lens[decodes])
+        logits_indices = np.where(q_lens > 0, cu_q_lens[1:] - 1, 0).astype(np.int32)
         return replace(
             cls.padding(t, r, width),
             positions=positions,
             slot_mapping=positions % block_size,  # block 0: the null block
-            seq_lens=seq_lens,
-            query_start_loc=query_start_loc,
+            kv_lens=kv_lens,
+            cu_q_lens=cu_q_lens,
             num_seqs=np.array([decodes + 1], np.int32),
             logits_indices=logits_indices,
         )
@@ -201,8 +201,8 @@ class InputBatch:
         width = padded_width_fn(int(-(-seq_lens_real.max() // P)))
         block_tables = np.zeros((padded_rows, width), np.int32)
         block_tables[:num_reqs] = self.block_table[slots, :width]
-        seq_lens = np.zeros(padded_rows, np.int32)
-        seq_lens[:num_reqs] = seq_lens_real
+        kv_lens = np.zeros(padded_rows, np.int32)
+        kv_lens[:num_reqs] = seq_lens_real
         logits_indices = np.zeros(padded_rows, np.int32)
         logits_indices[:num_reqs] = cu[1 : num_reqs + 1] - 1
         return PreparedBatch(
@@ -213,8 +213,8 @@ class InputBatch:
             positions=positions,
             slot_mapping=slot_mapping,
             block_tables=block_tables,
-            seq_lens=seq_lens,
-            query_start_loc=cu,
+            kv_lens=kv_lens,
+            cu_q_lens=cu,
             num_seqs=np.array([num_reqs], np.int32),
             logits_indices=logits_indices,
             sampling_rows=seq_lens_real >= self.num_tokens[slots],

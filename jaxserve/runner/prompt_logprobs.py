@@ -101,7 +101,7 @@ class PromptLogprobs:
         """(row, first token row, scheduled tokens) of requests still owed prompt logprobs."""
         if not self._states:
             return
-        starts = batch.query_start_loc
+        starts = batch.cu_q_lens
         for row, req_id in enumerate(batch.req_ids):
             state = self._states.get(req_id)
             if state is not None and not state.done:

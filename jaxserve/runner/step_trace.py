@@ -34,7 +34,7 @@ class StepTrace:
     padded_rows: int = 0  # R bucket
     table_width: int = 0  # B bucket
     q_lens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # i32[rows]
-    seq_lens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # i32[rows]
+    kv_lens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # i32[rows]
     all_greedy: bool = True  # no row samples with temperature > 0
 
     def record_phases(self, schedule_s: float, execute_s: float, update_s: float) -> None:
@@ -49,7 +49,7 @@ class StepTrace:
         self.padded_tokens = int(batch.input_ids.shape[0])
         self.padded_rows, self.table_width = (int(n) for n in batch.block_tables.shape)
         self.q_lens = np.array(batch.num_scheduled[:rows], np.int32)
-        self.seq_lens = np.array(batch.seq_lens[:rows], np.int32)
+        self.kv_lens = np.array(batch.kv_lens[:rows], np.int32)
         self.all_greedy = bool((np.asarray(temperature)[:rows] <= 0).all())
 
     def record_device(self, dispatch_s: float, device_s: float) -> None:

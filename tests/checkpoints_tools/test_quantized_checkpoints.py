@@ -100,8 +100,8 @@ def _prefill_inputs(ckpt, model, seq):  # one prefill of `seq` in pages 1, 2
         positions=positions,
         slot_mapping=positions + 8,  # block 1 onwards (block 0 is the null block)
         block_tables=jnp.asarray([[1, 2]], jnp.int32),
-        seq_lens=jnp.asarray([t], jnp.int32),
-        query_start_loc=jnp.asarray([0, t], jnp.int32),
+        kv_lens=jnp.asarray([t], jnp.int32),
+        cu_q_lens=jnp.asarray([0, t], jnp.int32),
         num_seqs=jnp.asarray([1], jnp.int32),
     )
     return kv, jnp.asarray(seq, jnp.int32), md

@@ -88,8 +88,8 @@ def test_tiny_greedy_predictions_vary(tiny) -> None:
         positions=jnp.arange(t, dtype=jnp.int32),
         slot_mapping=jnp.arange(16, 16 + t, dtype=jnp.int32),  # page 1
         block_tables=jnp.array([[1]], jnp.int32),
-        seq_lens=jnp.array([t], jnp.int32),
-        query_start_loc=jnp.array([0, t], jnp.int32),
+        kv_lens=jnp.array([t], jnp.int32),
+        cu_q_lens=jnp.array([0, t], jnp.int32),
         num_seqs=jnp.array([1], jnp.int32),
     )
     _, hidden = jax.jit(model.forward)(tiny.params, kv, jnp.asarray(ids, jnp.int32), md)

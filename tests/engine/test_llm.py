@@ -314,7 +314,7 @@ def test_step_tracer_sees_every_step_and_the_batch_shapes(llm):
     assert sum(t.num_tokens for t in ran) == 7 + 12 + 2 * 2
     for t in ran:
         assert t.padded_tokens >= t.num_tokens and t.padded_rows >= t.num_rows
-        assert (t.seq_lens >= t.q_lens).all() and t.all_greedy
+        assert (t.kv_lens >= t.q_lens).all() and t.all_greedy
         assert 0 < t.dispatch_s <= t.device_s <= t.execute_s <= t.total_s
     n = len(traces)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)

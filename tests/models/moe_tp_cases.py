@@ -64,8 +64,8 @@ def _quantized_tp(folder: pathlib.Path, seq: list[int]) -> dict[str, object]:
         positions=positions,
         slot_mapping=positions + 8,  # blocks 1 and 2
         block_tables=jnp.asarray([[1, 2]], jnp.int32),
-        seq_lens=jnp.asarray([t], jnp.int32),
-        query_start_loc=jnp.asarray([0, t], jnp.int32),
+        kv_lens=jnp.asarray([t], jnp.int32),
+        cu_q_lens=jnp.asarray([0, t], jnp.int32),
         num_seqs=jnp.asarray([1], jnp.int32),
     )
     step = jax.jit(lambda p: model.compute_logits(p, model.forward(p, kv, jnp.asarray(seq), md)[1]))

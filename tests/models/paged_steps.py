@@ -38,13 +38,13 @@ def build_step(
     positions = np.zeros(num_tokens, np.int32)
     slots = np.zeros(num_tokens, np.int32)
     tables = np.zeros((num_seqs, table_width), np.int32)
-    seq_lens = np.zeros(num_seqs, np.int32)
+    kv_lens = np.zeros(num_seqs, np.int32)
     cu = np.zeros(num_seqs + 1, np.int32)
     rows = []
     t = 0
     for r, c in enumerate(chunks):
         tables[r, : len(c.block_table)] = c.block_table
-        seq_lens[r] = c.stop
+        kv_lens[r] = c.stop
         for pos in range(c.start, c.stop):
             ids[t] = c.token_ids[pos]
             positions[t] = pos
@@ -58,8 +58,8 @@ def build_step(
         positions=jnp.asarray(positions),
         slot_mapping=jnp.asarray(slots),
         block_tables=jnp.asarray(tables),
-        seq_lens=jnp.asarray(seq_lens),
-        query_start_loc=jnp.asarray(cu),
+        kv_lens=jnp.asarray(kv_lens),
+        cu_q_lens=jnp.asarray(cu),
         num_seqs=jnp.asarray([len(chunks)], jnp.int32),
     )
     return Step(jnp.asarray(ids), md, rows)

@@ -55,8 +55,8 @@ def _abstract_md(t: int, r: int, b: int) -> AttentionMetadata:
         positions=i32(t),
         slot_mapping=i32(t),
         block_tables=i32(r, b),
-        seq_lens=i32(r),
-        query_start_loc=i32(r + 1),
+        kv_lens=i32(r),
+        cu_q_lens=i32(r + 1),
         num_seqs=i32(1),
     )
 
@@ -135,8 +135,8 @@ def _tiny_step(model, params):
         positions=jnp.array([0, 1, 2, 3, 4, 0, 0, 0], jnp.int32),
         slot_mapping=jnp.array([12, 13, 14, 15, 4, 0, 0, 0], jnp.int32),
         block_tables=jnp.array([[3, 1], [0, 0]], jnp.int32),
-        seq_lens=jnp.array([5, 0], jnp.int32),
-        query_start_loc=jnp.array([0, 5, 5], jnp.int32),
+        kv_lens=jnp.array([5, 0], jnp.int32),
+        cu_q_lens=jnp.array([0, 5, 5], jnp.int32),
         num_seqs=jnp.array([1], jnp.int32),
     )
     ids = jnp.array([1, 20, 30, 40, 50, 0, 0, 0], jnp.int32)
@@ -200,8 +200,8 @@ md = AttentionMetadata(
     positions=jnp.array([0, 1, 2, 3, 4, 0, 0, 0], jnp.int32),
     slot_mapping=jnp.array([12, 13, 14, 15, 4, 0, 0, 0], jnp.int32),
     block_tables=jnp.array([[3, 1], [0, 0]], jnp.int32),
-    seq_lens=jnp.array([5, 0], jnp.int32),
-    query_start_loc=jnp.array([0, 5, 5], jnp.int32),
+    kv_lens=jnp.array([5, 0], jnp.int32),
+    cu_q_lens=jnp.array([0, 5, 5], jnp.int32),
     num_seqs=jnp.array([1], jnp.int32),
 )
 ids = jnp.array([1, 20, 30, 40, 50, 0, 0, 0], jnp.int32)
@@ -248,8 +248,8 @@ def test_host_rope_tables_match_the_in_step_angles() -> None:
         positions=pos,
         slot_mapping=jnp.array([12, 13, 14, 15, 4, 0, 0, 0], jnp.int32),
         block_tables=jnp.array([[3, 1], [0, 0]], jnp.int32),
-        seq_lens=jnp.array([5, 0], jnp.int32),
-        query_start_loc=jnp.array([0, 5, 5], jnp.int32),
+        kv_lens=jnp.array([5, 0], jnp.int32),
+        cu_q_lens=jnp.array([0, 5, 5], jnp.int32),
         num_seqs=jnp.array([1], jnp.int32),
     )
     cos_t, sin_t = model.rope_tables(16)

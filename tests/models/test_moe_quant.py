@@ -137,8 +137,8 @@ def _step_inputs(model, arch, dtype, tokens):
         positions=i32(tokens),
         slot_mapping=i32(tokens),
         block_tables=i32(1, 4),
-        seq_lens=i32(1),
-        query_start_loc=i32(2),
+        kv_lens=i32(1),
+        cu_q_lens=i32(2),
         num_seqs=i32(1),
     )
     return kv, i32(tokens), md

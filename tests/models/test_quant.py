@@ -120,8 +120,8 @@ def test_the_step_never_holds_the_model_converted(dtype):
         positions=i32(4),
         slot_mapping=i32(4),
         block_tables=i32(1, 4),
-        seq_lens=i32(1),
-        query_start_loc=i32(2),
+        kv_lens=i32(1),
+        cu_q_lens=i32(2),
         num_seqs=i32(1),
     )
     step = jax.jit(model.forward).lower(model.param_shapes(), kv, i32(4), md).compile()

@@ -181,8 +181,8 @@ def test_each_layer_quantizes_and_reads_with_its_own_scales() -> None:
         positions=positions,
         slot_mapping=page_size + positions,  # pages 1 and 2
         block_tables=np.array([[1, 2]], np.int32),
-        seq_lens=np.array([num_tokens], np.int32),
-        query_start_loc=np.array([0, num_tokens], np.int32),
+        kv_lens=np.array([num_tokens], np.int32),
+        cu_q_lens=np.array([0, num_tokens], np.int32),
         num_seqs=np.array([1], np.int32),
     )
     ids = (positions * 37 + 5) % arch.vocab_size

@@ -89,15 +89,15 @@ def test_null_block_batch_rows_are_well_formed_and_touch_only_the_null_block(
     assert len(b.input_ids) == len(b.positions) == len(b.slot_mapping) == tokens
     assert b.block_tables.shape == (rows, width) and not b.block_tables.any()
     real = int(b.num_seqs[0])
-    q_lens = np.diff(b.query_start_loc)
+    q_lens = np.diff(b.cu_q_lens)
     assert 1 <= real <= rows and (q_lens[:real] >= 1).all() and not q_lens[real:].any()
-    assert b.query_start_loc[-1] <= tokens and not b.seq_lens[real:].any()
-    assert (q_lens <= b.seq_lens).all() and (b.seq_lens <= width * block_size).all()
+    assert b.cu_q_lens[-1] <= tokens and not b.kv_lens[real:].any()
+    assert (q_lens <= b.kv_lens).all() and (b.kv_lens <= width * block_size).all()
     if tokens > 1 and width * block_size > 1:  # a chunk of several tokens after some context
-        assert q_lens[real - 1] > 1 and b.seq_lens[real - 1] > q_lens[real - 1]
+        assert q_lens[real - 1] > 1 and b.kv_lens[real - 1] > q_lens[real - 1]
     for row in range(real):  # a row's tokens end at its context's last position
-        start, end = b.query_start_loc[row], b.query_start_loc[row + 1]
-        expected = np.arange(b.seq_lens[row] - q_lens[row], b.seq_lens[row])
+        start, end = b.cu_q_lens[row], b.cu_q_lens[row + 1]
+        expected = np.arange(b.kv_lens[row] - q_lens[row], b.kv_lens[row])
         np.testing.assert_array_equal(b.positions[start:end], expected)
         assert b.logits_indices[row] == end - 1
     assert (b.slot_mapping < block_size).all()  # block 0's slots
