@@ -140,10 +140,11 @@ def resolve_model(preset: Preset, cache: Path) -> str:
 # ---- the children --------------------------------------------------------------------------
 
 
-def _compiles(llm_engine) -> int:
-    """Step compilations so far, fresh or loaded from the persistent cache (either: a new shape)."""
-    runner = llm_engine.runner
-    return runner.num_compilations + runner.num_compilation_cache_hits
+def _compiles(engine) -> int:
+    """Step compilations so far, fresh or loaded from the persistent cache (either: a new shape),
+    of an LLM or an AsyncLLM (their get_stats())."""
+    stats = engine.get_stats()
+    return stats["num_compilations"] + stats["num_compilation_cache_hits"]
 
 
 def _requests(spec: dict) -> list[tuple[list[int], int]]:
@@ -174,7 +175,7 @@ def child_generate(spec: dict) -> dict:
     reqs = _requests(spec)
     prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in reqs]
-    before = _compiles(llm.engine)
+    before = _compiles(llm)
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -182,7 +183,7 @@ def child_generate(spec: dict) -> dict:
         "elapsed_s": elapsed,
         "build_s": build_s,
         "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
-        "compilations_during_run": _compiles(llm.engine) - before,
+        "compilations_during_run": _compiles(llm) - before,
         "token_ids": [list(o.outputs[0].token_ids) for o in outs],
     }
 
@@ -208,9 +209,9 @@ def child_run_batch(spec: dict) -> dict:
 
     async def run_batch(engine, *args, **kw):
         info["startup_s"] = time.perf_counter() - t0  # imports, input, engine build
-        before = _compiles(engine.engine)
+        before = _compiles(engine)
         summary = await original_run_batch(engine, *args, **kw)
-        info["compilations_during_run"] = _compiles(engine.engine) - before
+        info["compilations_during_run"] = _compiles(engine) - before
         info["summary"] = dict(vars(summary))
         return summary
 
@@ -245,9 +246,9 @@ def child_generate_cli(spec: dict) -> dict:
     original = cli._generate
 
     def generate(llm, requests, results, **kw):
-        before = _compiles(llm.engine)
+        before = _compiles(llm)
         outputs, elapsed_s = original(llm, requests, results, **kw)
-        info["compilations_during_run"] = _compiles(llm.engine) - before
+        info["compilations_during_run"] = _compiles(llm) - before
         info["elapsed_s_exact"] = elapsed_s
         return outputs, elapsed_s
 
