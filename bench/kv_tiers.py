@@ -88,7 +88,7 @@ def _capacity_run(args: argparse.Namespace, kv_cache_dtype: str) -> dict:
     elapsed = time.perf_counter() - t0
     after = llm.get_stats()
     num_output = sum(len(o.outputs[0].token_ids) for o in outs)
-    blocks = after["num_kv_blocks"]
+    blocks = after["num_usable_kv_blocks"]
     return {
         "kv_cache_dtype": kv_cache_dtype,
         "plan_kv_cache_dtype": after["plan"]["kv_cache_dtype"],

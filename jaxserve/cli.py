@@ -329,7 +329,7 @@ def format_summary(
     throughput = num_output_tokens / elapsed_s if elapsed_s > 0 else math.inf
     queries, hits = stats["prefix_cache_queries"], stats["prefix_cache_hits"]
     hit_rate = f"{hits / queries:.1%}" if queries else "n/a"
-    num_used = stats["num_kv_blocks"] - stats["num_free_kv_blocks"]
+    num_used = stats["num_usable_kv_blocks"] - stats["num_free_kv_blocks"]
     return "\n".join(
         [
             f"requests:           {len(outputs)} ({num_completions} completions)",
@@ -337,7 +337,7 @@ def format_summary(
             f"output tokens:      {num_output_tokens}",
             f"elapsed:            {elapsed_s:.2f} s (model load {load_s:.2f} s not included)",
             f"output throughput:  {throughput:.1f} tokens/s",
-            f"KV cache:           {num_used}/{stats['num_kv_blocks']} blocks in use "
+            f"KV cache:           {num_used}/{stats['num_usable_kv_blocks']} blocks in use "
             f"({stats['kv_cache_usage']:.1%}), peak slot utilization "
             f"{stats['peak_kv_slot_utilization']:.1%}",
             f"prefix cache hits:  {hit_rate} ({hits}/{queries} tokens)",

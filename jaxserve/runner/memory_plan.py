@@ -21,7 +21,7 @@ figure is per device: under tensor parallelism each of the N devices holds the s
                      num_kv_blocks, which overrides memory_utilization, the whole of it
     KV blocks        (budget - weights - workspace) // bytes per block, block 0 (the engine's
                      reserved null block) among them; max_kv_tokens = the others x block_size
-                     (the tokens requests can use: get_stats()["num_kv_blocks"] x block_size)
+                     (the tokens requests can use: get_stats()["num_usable_kv_blocks"] x block_size)
 
 It fits when the weights and the workspace leave room for at least one sequence of
 max_model_len tokens (ceil(max_model_len / block_size) blocks besides the null block), or,
@@ -101,7 +101,7 @@ class MemoryPlan:
     @property
     def max_kv_tokens(self) -> int:
         """Tokens the KV cache holds for requests: the blocks that fit, less the null block,
-        x block_size (an uncapped pool's get_stats()["num_kv_blocks"] x block_size)."""
+        x block_size (an uncapped pool's get_stats()["num_usable_kv_blocks"] x block_size)."""
         return max(self.num_kv_blocks_fit - 1, 0) * self.block_size
 
     @property

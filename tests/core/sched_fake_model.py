@@ -256,7 +256,7 @@ def check_all_free(sched: Scheduler) -> None:
     assert not sched.kv_cache_manager.req_to_blocks
     assert all(b.ref_cnt == 0 for b in pool.blocks)
     assert pool.get_num_free_blocks() == pool.num_usable_blocks
-    assert sched.get_stats()["num_free_kv_blocks"] == sched.get_stats()["num_kv_blocks"]
+    assert sched.get_stats()["num_free_kv_blocks"] == sched.get_stats()["num_usable_kv_blocks"]
 
 
 def run_to_completion(

@@ -410,6 +410,7 @@ def test_stats_keys_and_peak_utilization() -> None:
     stats = sched.get_stats()
     assert set(stats) >= {
         "num_kv_blocks",
+        "num_usable_kv_blocks",
         "num_free_kv_blocks",
         "kv_cache_usage",
         "prefix_cache_queries",
@@ -418,7 +419,9 @@ def test_stats_keys_and_peak_utilization() -> None:
         "num_steps",
         "peak_kv_slot_utilization",
     }
-    assert stats["num_kv_blocks"] == 63 and stats["num_free_kv_blocks"] == 63
+    # The pool as configured (the null block included), what requests can hold, what is free.
+    assert stats["num_kv_blocks"] == 64 and stats["num_usable_kv_blocks"] == 63
+    assert stats["num_free_kv_blocks"] == 63
     assert stats["kv_cache_usage"] == 0.0 and stats["num_steps"] == 3
     # Steps: 5 live of 8 slots, 6 of 8, 7 of 8.
     assert stats["peak_kv_slot_utilization"] == pytest.approx(7 / 8)

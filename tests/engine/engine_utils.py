@@ -21,5 +21,5 @@ def assert_nothing_held(engine: LLMEngine) -> None:
     stats = engine.get_stats()
     assert not engine.has_unfinished_requests()
     assert not engine.scheduler.has_unfinished_requests()
-    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+    assert stats["num_free_kv_blocks"] == stats["num_usable_kv_blocks"]
     assert all(b.ref_cnt == 0 for b in engine.scheduler.kv_cache_manager.block_pool.blocks[1:])

@@ -55,6 +55,6 @@ def assert_all_blocks_free(llm: LLM) -> None:
     sched = llm.engine.scheduler
     stats = llm.get_stats()
     assert not sched.has_unfinished_requests()
-    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+    assert stats["num_free_kv_blocks"] == stats["num_usable_kv_blocks"]
     pool = sched.kv_cache_manager.block_pool
     assert all(b.ref_cnt == 0 for b in pool.blocks[1:])

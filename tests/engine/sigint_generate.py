@@ -27,7 +27,7 @@ def _held(llm: LLM) -> bool:
     return (
         llm.engine.has_unfinished_requests()
         or llm.engine.scheduler.has_unfinished_requests()
-        or stats["num_free_kv_blocks"] != stats["num_kv_blocks"]
+        or stats["num_free_kv_blocks"] != stats["num_usable_kv_blocks"]
     )
 
 

@@ -28,7 +28,8 @@ from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
 STATS = {
-    "num_kv_blocks": 64,
+    "num_kv_blocks": 65,
+    "num_usable_kv_blocks": 64,
     "num_free_kv_blocks": 48,
     "kv_cache_usage": 0.25,
     "prefix_cache_queries": 40,

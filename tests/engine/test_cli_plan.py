@@ -236,7 +236,7 @@ def test_plan_agrees_with_the_engine_on_cpu(capsys: pytest.CaptureFixture[str]) 
     args = cli.build_parser().parse_args(["generate", "--prompt", "a", *flags])
     llm = LLM("tiny-random-llama", **cli.engine_kwargs(args), warmup=False)
     assert llm.engine.info.num_kv_blocks == plan["num_kv_blocks"]
-    assert llm.get_stats()["num_kv_blocks"] * 16 == plan["max_kv_tokens"]
+    assert llm.get_stats()["num_usable_kv_blocks"] * 16 == plan["max_kv_tokens"]
 
 
 def test_help_lists_plan_without_importing_jax() -> None:

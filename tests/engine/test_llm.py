@@ -241,6 +241,7 @@ def test_stop_strings_and_stop_tokens(llm):
 def test_get_stats_keys(llm):
     keys = {
         "num_kv_blocks",
+        "num_usable_kv_blocks",
         "num_free_kv_blocks",
         "kv_cache_usage",
         "prefix_cache_queries",

@@ -243,7 +243,7 @@ def test_engine_pool_agrees_with_the_plan_on_cpu() -> None:
     # The engine's pool, null block included, is the plan's; the blocks it reports (without
     # the null block) hold max_kv_tokens.
     assert llm.engine.info.num_kv_blocks == memory.num_kv_blocks
-    assert llm.get_stats()["num_kv_blocks"] * 16 == memory.max_kv_tokens
+    assert llm.get_stats()["num_usable_kv_blocks"] * 16 == memory.max_kv_tokens
     assert llm.engine.info.memory == memory
     out = llm.generate([[5, 6, 7]], use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) >= 1

@@ -193,7 +193,8 @@ class Scheduler:
         """Counters for LLM.get_stats() (docs/architecture.md), plus num_cow_copies."""
         kv = self.kv_cache_manager
         return {
-            "num_kv_blocks": self.num_usable_blocks,
+            "num_kv_blocks": self.num_kv_blocks,  # as configured: the null block included
+            "num_usable_kv_blocks": self.num_usable_blocks,  # what requests can hold
             "num_free_kv_blocks": kv.block_pool.get_num_free_blocks(),
             "kv_cache_usage": kv.usage,
             "prefix_cache_queries": kv.prefix_cache_queries,
