@@ -3,6 +3,11 @@
 Semantics and signature are those of reference.py. Mosaic GPU is the supported GPU Pallas
 backend; gpu.py lowers through the deprecated Triton backend.
 
+One module of about 800 lines, past the project's 400: the host-side tile plan (_plan_tiles,
+the query-tile gather and the output rows), the SMEM / barrier layout and the kernel body that
+reads them share one set of constants and index conventions, and the tests check them against
+each other; split, each part would be unreadable without the others.
+
 Glossary (reference.py): T tokens, R sequence slots, N query heads, K kv heads, G = N / K,
 H head dim, S pages, P page size, B block-table width. Here also: M = 64 query rows per
 tile (one warpgroup WGMMA), Qb query tiles, Ms query rows stored per tile, W = block_kv.
