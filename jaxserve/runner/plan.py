@@ -63,7 +63,7 @@ class ExecutionPlan:
     gpu_generation: str | None  # target.BLACKWELL / HOPPER / AMPERE / OLDER_GPU on "gpu"
     attention: AttentionImpl
     attention_refused: tuple[str, ...]  # why "auto" passed over each implementation before it
-    sampler_draw: str  # "cpu" | "xla" (sampler.DRAWS)
+    sampler_draw: str  # "cpu" | "xla" (draw.DRAWS)
     dtype: str  # params and activations
     kv_cache_dtype: str  # of the KV pages: dtype, or "float8_e4m3fn" / "float8_e5m2"
     tensor_parallel_size: int

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxserve.pallas_kernels.sampling import cpu_draw
-from jaxserve.runner.sampler import xla_draw
+from jaxserve.runner.draw import xla_draw
 
 
 @pytest.fixture(autouse=True)

@@ -14,8 +14,8 @@ import pytest
 
 from jaxserve.outputs import TokenLogprobs
 from jaxserve.pallas_kernels.sampling import cpu_draw
+from jaxserve.runner.draw import DRAWS
 from jaxserve.runner.sampler import (
-    DRAWS,
     LogprobsArrays,
     SamplerOutput,
     apply_penalties,
@@ -421,7 +421,7 @@ def test_bad_logits_rank_raises() -> None:
 def test_inverse_cdf_draw_edges_never_pick_masked_tokens():
     """The two-level inverse-CDF draw at the extremes of the uniform, with masked tokens at both
     ends of the vocabulary and a vocabulary that is not a multiple of the chunk."""
-    from jaxserve.runner.sampler import inverse_cdf_draw
+    from jaxserve.runner.draw import inverse_cdf_draw
 
     vocab = 600  # chunks of 256: 256, 256, 88 (+ 168 of padding)
     x = np.full((4, vocab), -np.inf, np.float32)
