@@ -38,9 +38,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine.llm_engine import CheckedRequest, LLMEngine, PromptType
+from jaxserve.engine.llm_engine import CheckedRequest, LLMEngine
 from jaxserve.engine.metrics import EngineMetrics
 from jaxserve.engine.output_channel import OutputChannel
+from jaxserve.engine.prompts import PromptType
 from jaxserve.engine.streaming import OutputDelta
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams

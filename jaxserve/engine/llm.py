@@ -10,7 +10,8 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from jaxserve.engine.interrupts import InterruptGuard, defer_sigint
-from jaxserve.engine.llm_engine import CheckedRequest, LLMEngine, PromptType
+from jaxserve.engine.llm_engine import CheckedRequest, LLMEngine
+from jaxserve.engine.prompts import PromptType
 from jaxserve.engine.scoring import SCORE_PARAMS, check_pairs, continuation_logprobs
 from jaxserve.engine.streaming import OutputDelta
 from jaxserve.outputs import RequestOutput

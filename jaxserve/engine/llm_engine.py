@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import itertools
 import logging
 import threading
@@ -32,10 +31,9 @@ import numpy as np
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.sched.scheduler import Scheduler
-from jaxserve.engine.chat import missing_chat_template_error, render_chat
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.interrupts import defer_sigint
-from jaxserve.engine.prompt_bound import check_text_length, max_token_chars
+from jaxserve.engine.prompts import PromptProcessor, PromptType
 from jaxserve.engine.request_state import RequestState
 from jaxserve.outputs import RequestOutput
 from jaxserve.request import Request, RequestStatus
@@ -44,7 +42,6 @@ from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.step_trace import StepTrace
 from jaxserve.sampling_params import SamplingParams
 
-PromptType = str | list[int] | dict[str, Any]
 _MASK63 = (1 << 63) - 1
 logger = logging.getLogger("jaxserve")
 
@@ -75,6 +72,12 @@ class LLMEngine:
         self.config = info.config
         self.info = info
         self.tokenizer = info.tokenizer.tokenizer
+        self.prompts = PromptProcessor(
+            info.tokenizer,
+            info.vocab_size,
+            self.config.model.max_model_len,
+            self.config.model.model,
+        )
         self.core = EngineCore(self.config, runner, info.num_kv_blocks, info.host_tier)
         self._states: dict[str, RequestState] = {}  # user request id -> state
         self._child_of: dict[str, tuple[str, int]] = {}  # scheduler id -> (user id, index)
@@ -106,81 +109,8 @@ class LLMEngine:
         self, prompt: PromptType, *, add_special_tokens: bool = True
     ) -> tuple[str | None, list[int]]:
         """Validate a prompt and tokenize it: (text or None, token ids). Allocates nothing.
-
-        Args:
-            add_special_tokens: let the tokenizer add its special tokens (BOS) to text; False
-                for text that continues another (a chat rendering, a scored continuation).
-
-        Raises:
-            TypeError: not a str, a list of int, or a dict with "prompt" / "prompt_token_ids";
-                token ids not in a list, tuple or numpy array.
-            ValueError: empty, a token id outside [0, vocab_size), text that is not valid
-                Unicode, text without a tokenizer.
-        """
-        text: str | None = None
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                token_ids, text = prompt["prompt_token_ids"], prompt.get("prompt")
-            elif "prompt" in prompt:
-                text = prompt["prompt"]
-                token_ids = None
-            else:
-                raise TypeError(
-                    f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}"
-                )
-        elif isinstance(prompt, str):
-            text, token_ids = prompt, None
-        elif isinstance(prompt, (list, tuple)):
-            token_ids = prompt
-        else:
-            raise TypeError(
-                f"prompt must be a str, a list of int or a dict, got {type(prompt).__name__}"
-            )
-        if token_ids is None:
-            if not isinstance(text, str):
-                raise TypeError(f"prompt text must be a str, got {type(text).__name__}")
-            if not text:
-                raise ValueError("prompt is empty (0 characters); need at least 1 token")
-            _check_unicode(text)
-            if self.tokenizer is None:
-                raise ValueError(
-                    f"model {self.config.model.model!r} has no tokenizer: pass prompt_token_ids"
-                )
-            check_text_length(text, self.config.model.max_model_len, self._max_token_chars)
-            token_ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
-        return text, self._check_token_ids(token_ids)
-
-    @functools.cached_property
-    def _max_token_chars(self) -> int:
-        return max_token_chars(self.tokenizer)
-
-    def _check_token_ids(self, token_ids: Any) -> list[int]:
-        # A sequence, not any iterable: a generator would be consumed by the checks below.
-        if not isinstance(token_ids, (list, tuple, np.ndarray)):
-            raise TypeError(
-                f"prompt_token_ids must be a list of int, got {type(token_ids).__name__}"
-            )
-        if isinstance(token_ids, np.ndarray) and token_ids.ndim != 1:
-            raise TypeError(f"prompt_token_ids must be 1-D, got shape {token_ids.shape}")
-        bad_type = next(
-            (t for t in token_ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))),
-            None,
-        )
-        if bad_type is not None:
-            raise TypeError(
-                f"prompt_token_ids must be a list of int, got an element {bad_type!r} "
-                f"({type(bad_type).__name__})"
-            )
-        ids = [int(t) for t in token_ids]
-        if not ids:
-            raise ValueError("prompt is empty (0 tokens); need at least 1 token")
-        vocab = self.info.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(
-                f"prompt_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})"
-            )
-        return ids
+        See PromptProcessor.process (engine/prompts.py)."""
+        return self.prompts.process(prompt, add_special_tokens=add_special_tokens)
 
     def render_chat_prompt(
         self,
@@ -191,29 +121,10 @@ class LLMEngine:
     ) -> dict[str, Any]:
         """One conversation rendered with the chat template (the tokenizer's, or
         ``chat_template``) as a prompt dict {"prompt", "prompt_token_ids"}. Allocates nothing.
-
-        Raises:
-            ValueError: no chat template, no tokenizer, or messages the template refuses.
-            TypeError: messages that are not a list of dicts with str role and content.
-        """
-        info = self.info.tokenizer
-        template = chat_template or info.chat_template
-        if template is None:
-            raise missing_chat_template_error(self.config.model.model)
-        if self.tokenizer is None:
-            raise ValueError("chat needs a tokenizer; the model has none")
-        text = render_chat(
-            messages,
-            template,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=info.bos_token or "",
-            eos_token=info.eos_token or "",
+        See PromptProcessor.render_chat (engine/prompts.py)."""
+        return self.prompts.render_chat(
+            messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt
         )
-        _check_unicode(text)
-        check_text_length(text, self.config.model.max_model_len, self._max_token_chars)
-        # The template writes the special tokens itself: tokenize without adding them again.
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
-        return {"prompt": text, "prompt_token_ids": ids}
 
     def check_request(
         self, prompt: PromptType, params: SamplingParams | None = None
@@ -418,14 +329,3 @@ class LLMEngine:
         if include_plan:
             stats["plan"] = self.info.plan.as_dict()
         return stats
-
-
-def _check_unicode(text: str) -> None:
-    """Text must be encodable as UTF-8 (a lone surrogate, e.g. from a bad decode, is not)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(
-            f"prompt text is not valid Unicode: {e.reason} {text[e.start : e.end]!r} at "
-            f"character {e.start}"
-        ) from None

@@ -7,7 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from jaxserve.engine.llm_engine import LLMEngine, PromptType
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.prompts import PromptType
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
