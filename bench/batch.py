@@ -237,13 +237,14 @@ def child_run_batch(spec: dict) -> dict:
 
 
 def child_generate_cli(spec: dict) -> dict:
-    """`jaxserve generate --input --output` through jaxserve.cli.main; cli._generate is wrapped
-    to record the compilations of the timed part."""
+    """`jaxserve generate --input --output` through jaxserve.cli.main; the job's generate
+    (jobs/generate.py) is wrapped to record the compilations of the timed part."""
     from jaxserve import cli
+    from jaxserve.jobs import generate as job
     from jaxserve.jobs.job_spec import is_header
 
     info: dict = {}
-    original = cli._generate
+    original = job.generate
 
     def generate(llm, requests, results, **kw):
         before = _compiles(llm)
@@ -252,7 +253,7 @@ def child_generate_cli(spec: dict) -> dict:
         info["elapsed_s_exact"] = elapsed_s
         return outputs, elapsed_s
 
-    cli._generate = generate
+    job.generate = generate
     rc = cli.main(
         [
             "generate",

@@ -211,7 +211,7 @@ def engine_counts(runner):
 
 spec = json.loads(sys.argv[1])
 mode = spec["mode"]
-import jaxserve.cli
+import jaxserve.cli.generate
 import jaxserve.runner.factory as factory
 from jaxserve import LLM, SamplingParams
 T["imported"] = time.time()
@@ -244,7 +244,7 @@ if mode == "demo":
     # another subcommand's import cannot break (or slow) the demo.
     import argparse
     parser = argparse.ArgumentParser(prog="jaxserve")
-    jaxserve.cli.add_generate_parser(parser.add_subparsers(dest="command", required=True))
+    jaxserve.cli.generate.add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(spec["argv"])
     out["rc"] = args.run(args)
     out["engine"] = {"fresh": stats["num_compilations"],

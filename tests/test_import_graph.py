@@ -83,8 +83,7 @@ def test_dependency_direction(folder: str) -> None:
 
 
 # Inside jaxserve/, from the bottom up: what each layer may not import (docs/architecture.md,
-# section 2). "cli" is the command line however it is laid out: jaxserve/cli.py and
-# jaxserve/cli_*.py, or a package jaxserve/cli/. Imports inside functions count too.
+# section 2); "cli" is the package jaxserve/cli/. Imports inside functions count too.
 HOST_DATA = ("config", "sampling_params", "request", "outputs")
 _ABOVE_CORE = {"engine", "runner", "entrypoints", "jobs", "ray", "cli"}
 FORBIDDEN = {
@@ -99,15 +98,15 @@ FORBIDDEN = {
 
 
 def _layer(module: str) -> str | None:
-    """The jaxserve/ layer a module belongs to: its folder or top-level module there ("cli" for
-    jaxserve.cli, jaxserve.cli.<x> and jaxserve.cli_<x>); None outside jaxserve/ (jaxserve.models,
-    jaxserve.pallas_kernels, jaxserve.checkpoints_tools) and for the package itself."""
+    """The jaxserve/ layer a module belongs to: its folder or top-level module there; None
+    outside jaxserve/ (jaxserve.models, jaxserve.pallas_kernels, jaxserve.checkpoints_tools) and
+    for the package itself."""
     parts = module.split(".")
     if parts[0] != "jaxserve" or len(parts) < 2:
         return None
     if parts[1] in ("models", "pallas_kernels", "checkpoints_tools"):
         return None
-    return "cli" if parts[1] == "cli" or parts[1].startswith("cli_") else parts[1]
+    return parts[1]
 
 
 def _imported_modules(path: pathlib.Path) -> set[str]:
@@ -127,9 +126,8 @@ def _layer_files(layer: str) -> list[pathlib.Path]:
 
 
 def test_the_layer_of_a_module() -> None:
-    assert _layer("jaxserve.cli") == _layer("jaxserve.cli_serve") == "cli"
-    assert _layer("jaxserve.cli.serve") == _layer("jaxserve.cli.jobs.generate") == "cli"
-    assert _layer("jaxserve.client") == "client"  # not the CLI: only cli and cli_* are
+    assert _layer("jaxserve.cli") == _layer("jaxserve.cli.serve") == "cli"
+    assert _layer("jaxserve.jobs.generate") == "jobs"
     assert _layer("jaxserve.engine.async_llm") == "engine"
     assert _layer("jaxserve.config") == "config"
     assert _layer("jaxserve") is None and _layer("jaxserve.models.decoder") is None

@@ -29,6 +29,7 @@ from typing import Any
 
 from jaxserve.checkpoints_tools.interrupt import check_interrupted
 from jaxserve.jobs.job_spec import HEADER_KEY, JobSpec, NotAResultsFileError, is_header
+from jaxserve.jobs.jsonl import LineError, decode_line, parse_object
 
 logger = logging.getLogger("jaxserve")
 
@@ -221,26 +222,13 @@ def _key_of(
 
 def _decode(raw: bytes, path: pathlib.Path, number: int) -> str:
     try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise NotAResultsFileError(
-            f"{path}:{number}: not UTF-8 text ({e.reason} at byte {e.start}); not a results file"
-        ) from None
+        return decode_line(raw, f"{path}:{number}")
+    except LineError as e:
+        raise NotAResultsFileError(f"{e}; not a results file") from None
 
 
 def _parse(line: str, path: pathlib.Path, number: int) -> Record:
     try:
-        record = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise NotAResultsFileError(
-            f"{path}:{number}: not a JSON line ({e}); not a results file?"
-        ) from None
-    except RecursionError:
-        raise NotAResultsFileError(
-            f"{path}:{number}: JSON nested too deeply; not a results file"
-        ) from None
-    if not isinstance(record, dict):
-        raise NotAResultsFileError(
-            f"{path}:{number}: expected a JSON object, got {type(record).__name__}"
-        )
-    return record
+        return parse_object(line, f"{path}:{number}")
+    except LineError as e:
+        raise NotAResultsFileError(f"{e}; not a results file?") from None

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import time
 import uuid
 from collections.abc import Iterable
@@ -37,13 +36,18 @@ from jaxserve.entrypoints.openai.protocol import OpenAIError
 from jaxserve.entrypoints.openai.request_outputs import api_error
 from jaxserve.entrypoints.openai.serving import OpenAIServing
 from jaxserve.jobs.job_spec import request_hash
+from jaxserve.jobs.jsonl import (
+    InputError,
+    JsonlLine,
+    LineError,
+    NestedTooDeeplyError,
+    UniqueIds,
+    numbered_lines,
+    parse_object,
+)
 from jaxserve.jobs.results import ResultsFile
 
 URLS = ("/v1/completions", "/v1/chat/completions")
-
-
-class BatchInputError(ValueError):
-    """The batch file cannot run at all (e.g. a repeated custom_id); names the lines."""
 
 
 @dataclass(frozen=True)
@@ -68,43 +72,35 @@ def parse_batch_lines(lines: Iterable[str], source: str) -> list[BatchLine]:
     """Parse the input (blank lines skipped).
 
     Raises:
-        BatchInputError: a custom_id that repeats (both lines named), or no request at all.
+        InputError: a custom_id that repeats (both lines named), a line nested too deeply to
+            read, or no request at all.
     """
     parsed: list[BatchLine] = []
-    first: dict[str, int] = {}
-    for number, text in enumerate(lines, start=1):
-        if not text.strip():
-            continue
-        try:
-            item = _parse_line(text, number)
-        except RecursionError:
-            raise BatchInputError(f"{source}:{number}: JSON nested too deeply to read") from None
+    custom_ids = UniqueIds("custom_id")
+    for line in numbered_lines(lines, source):
+        item = _parse_line(line)
         if item.custom_id is not None:
-            if item.custom_id in first:
-                raise BatchInputError(
-                    f"{source}:{number}: custom_id {item.custom_id!r} repeats line "
-                    f"{first[item.custom_id]}; each must be unique"
-                )
-            first[item.custom_id] = number
+            custom_ids.add(item.custom_id, line)
         parsed.append(item)
     if not parsed:
-        raise BatchInputError(f"{source}: no requests")
+        raise InputError(f"{source}: no requests")
     return parsed
 
 
-def _parse_line(text: str, number: int) -> BatchLine:
-    item = _parse_request(text, number)
-    request = text.strip() if item.error is not None else [item.url, item.body]
+def _parse_line(line: JsonlLine) -> BatchLine:
+    item = _parse_request(line)
+    request = line.text.strip() if item.error is not None else [item.url, item.body]
     return dataclasses.replace(item, input_hash=request_hash(request))
 
 
-def _parse_request(text: str, number: int) -> BatchLine:
+def _parse_request(line: JsonlLine) -> BatchLine:
+    number = line.number
     try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        return BatchLine(number, None, error=f"not valid JSON ({e})")
-    if not isinstance(obj, dict):
-        return BatchLine(number, None, error=f"expected a JSON object, got {type(obj).__name__}")
+        obj = parse_object(line.text, line.where)
+    except NestedTooDeeplyError:
+        raise
+    except LineError as e:  # the line gets an error record; the others run
+        return BatchLine(number, None, error=e.reason)
     custom_id = obj.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         return BatchLine(

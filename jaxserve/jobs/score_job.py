@@ -18,7 +18,6 @@ the job with its line number.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -26,16 +25,20 @@ from typing import Any
 from jaxserve.engine.llm import LLM
 from jaxserve.engine.scoring import SCORE_PARAMS, check_pair, continuation_logprobs
 from jaxserve.jobs.job_spec import request_hash
+from jaxserve.jobs.jsonl import (
+    InputError,
+    UniqueIds,
+    check_fields,
+    line_id,
+    numbered_lines,
+    parse_object,
+)
 from jaxserve.jobs.results import ResultsFile
 from jaxserve.sampling_params import RequestOutputKind
 
 _FIELDS = ("id", "prompt", "prompt_token_ids", "continuation", "continuation_token_ids")
 # Fields every output record has (recognises an older, header-less results file).
 RECORD_FIELDS = frozenset({"id", "logprob", "token_logprobs", "num_tokens"})
-
-
-class ScoreInputError(ValueError):
-    """A bad input line (its source and line number lead the message)."""
 
 
 @dataclass(frozen=True)
@@ -48,52 +51,33 @@ class ScoreLine:
 
 
 def parse_score_lines(lines: Iterable[str], source: str) -> list[ScoreLine]:
-    """Raises ScoreInputError: not JSON, an unknown field, not exactly one prompt and one
+    """Raises InputError: not JSON, an unknown field, not exactly one prompt and one
     continuation, an id that repeats, or no line at all."""
     parsed: list[ScoreLine] = []
-    seen: dict[str, int] = {}  # id -> its line number
-    for number, text in enumerate(lines, start=1):
-        if not text.strip():
-            continue
-        where = f"{source}:{number}"
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ScoreInputError(f"{where}: not valid JSON ({e})") from None
-        except RecursionError:
-            raise ScoreInputError(f"{where}: JSON nested too deeply to read") from None
-        if not isinstance(obj, dict):
-            raise ScoreInputError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-        unknown = sorted(set(obj) - set(_FIELDS))
-        if unknown:
-            raise ScoreInputError(f"{where}: unknown field {unknown[0]!r} (allowed: {_FIELDS})")
-        item_id = obj.get("id", len(parsed))
-        if isinstance(item_id, bool) or not isinstance(item_id, (str, int)):
-            raise ScoreInputError(
-                f"{where}: field 'id' must be a string or an int, got {item_id!r}"
-            )
-        item_id = str(item_id)
-        if item_id in seen:
-            raise ScoreInputError(f"{where}: id {item_id!r} repeats line {seen[item_id]}")
-        seen[item_id] = number
-        prompt = _one_of(obj, "prompt", where)
-        continuation = _one_of(obj, "continuation", where)
+    ids = UniqueIds("id")
+    for line in numbered_lines(lines, source):
+        obj = parse_object(line.text, line.where)
+        check_fields(obj, _FIELDS, line.where, ", ".join(_FIELDS))
+        item_id = line_id(obj, "id", len(parsed), line.where)
+        ids.add(item_id, line)
+        prompt = _one_of(obj, "prompt", line.where)
+        continuation = _one_of(obj, "continuation", line.where)
         # The id is hashed too: an implicit id is a line index, and a deleted line must not
         # let index 0 name another pair's score.
         digest = request_hash([item_id, prompt, continuation])
-        parsed.append(ScoreLine(item_id, prompt, continuation, where, digest))
+        parsed.append(ScoreLine(item_id, prompt, continuation, line.where, digest))
     if not parsed:
-        raise ScoreInputError(f"{source}: no lines to score")
+        raise InputError(f"{source}: no lines to score")
     return parsed
 
 
 def _one_of(obj: dict[str, Any], name: str, where: str) -> str | dict[str, list[int]]:
     text, ids = obj.get(name), obj.get(f"{name}_token_ids")
     if (text is None) == (ids is None):
-        raise ScoreInputError(f"{where}: give exactly one of '{name}' and '{name}_token_ids'")
+        raise InputError(f"{where}: give exactly one of '{name}' and '{name}_token_ids'")
     if text is not None:
         if not isinstance(text, str) or not text:
-            raise ScoreInputError(f"{where}: field '{name}' must be a non-empty string")
+            raise InputError(f"{where}: field '{name}' must be a non-empty string")
         return text
     return {"prompt_token_ids": ids}  # checked (type, vocabulary) by the engine
 
@@ -103,7 +87,7 @@ def score_lines(llm: LLM, lines: list[ScoreLine], results: ResultsFile) -> Itera
     finishes.
 
     Raises:
-        ScoreInputError: a pair the engine refuses (named by its input line), before any runs.
+        InputError: a pair the engine refuses (named by its input line), before any runs.
     """
     todo = [item for item in lines if item.id not in results.done]
     pairs = []
@@ -111,7 +95,7 @@ def score_lines(llm: LLM, lines: list[ScoreLine], results: ResultsFile) -> Itera
         try:
             pairs.append(check_pair(llm.engine, item.prompt, item.continuation))
         except (TypeError, ValueError) as e:
-            raise ScoreInputError(f"{item.where} (prompt + continuation): {e}") from None
+            raise InputError(f"{item.where} (prompt + continuation): {e}") from None
     if not todo:
         return
     num_prompt = {item.id: p.num_prompt_tokens for item, p in zip(todo, pairs, strict=True)}

@@ -1,6 +1,6 @@
 """The memory plan: will a model fit on a device, and how many KV blocks will the engine get?
 
-One piece of arithmetic, used by ``jaxserve plan`` (cli_plan.py, from config.json alone) and
+One piece of arithmetic, used by ``jaxserve plan`` (cli/plan.py, from config.json alone) and
 by build_runner (factory.py, before any weight is read), so that the two always agree. Every
 figure is per device: under tensor parallelism each of the N devices holds the same share.
 

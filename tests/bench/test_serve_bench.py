@@ -191,7 +191,7 @@ def test_the_search_brackets_a_server_s_threshold(threshold, grid):
         return _run(rate, 500.0 if rate <= threshold else 5000.0)
 
     runs = {r: measure(r) for r in [*grid, inf]}
-    for steps in range(40):
+    for _ in range(40):
         rate = serve.next_search_rate(runs)
         if rate is None:
             break

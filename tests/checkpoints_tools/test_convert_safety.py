@@ -363,7 +363,7 @@ def test_importing_the_converter_loads_no_jax():
     `jaxserve --help` stays fast too."""
     code = (
         "import sys\n"
-        "import jaxserve.checkpoints_tools.convert, jaxserve.cli_convert, jaxserve.cli\n"
+        "import jaxserve.checkpoints_tools.convert, jaxserve.cli.convert, jaxserve.cli\n"
         "jaxserve.cli.build_parser()\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'orbax'))\n"
         "assert not bad, bad[:5]\n"

@@ -14,8 +14,9 @@ import textwrap
 import pytest
 
 from jaxserve import cli
-from jaxserve.cli import (
-    InputError,
+from jaxserve.cli import flags
+from jaxserve.cli import generate as generate_cli
+from jaxserve.jobs.generate import (
     PromptRequest,
     format_completion,
     format_summary,
@@ -24,6 +25,7 @@ from jaxserve.cli import (
     read_prompt_lines,
     write_jsonl,
 )
+from jaxserve.jobs.jsonl import InputError
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -114,17 +116,17 @@ def test_flags_map_to_sampling_defaults_and_engine_kwargs() -> None:
         "--prompt", "a", "--stop", "x", "--stop", "y", "--top-p", "0.5", "--ignore-eos",
         "--seed", "3", "--no-prefix-caching", "--num-kv-blocks", "32",
     )  # fmt: skip
-    assert cli.sampling_defaults(args) == {"stop": ["x", "y"], "top_p": 0.5, "ignore_eos": True}
-    assert cli.engine_kwargs(args) == {
+    assert flags.sampling_defaults(args) == {"stop": ["x", "y"], "top_p": 0.5, "ignore_eos": True}
+    assert flags.engine_kwargs(args) == {
         "num_kv_blocks": 32,
         "enable_prefix_caching": False,
         "seed": 3,
     }
-    requests = cli.collect_requests(args)
+    requests = generate_cli.collect_requests(args)
     assert [(r.request_id, r.prompt) for r in requests] == [("0", "a")]
     assert requests[0].params.stop_strings == ("x", "y") and requests[0].params.seed is None
     bare = generate_args("--prompt", "a")
-    assert cli.sampling_defaults(bare) == {} and cli.engine_kwargs(bare) == {}
+    assert flags.sampling_defaults(bare) == {} and flags.engine_kwargs(bare) == {}
 
 
 def test_bad_jsonl_exits_2_naming_line_and_field(
@@ -405,6 +407,6 @@ def test_generate_resumes_after_an_interrupted_run(
 
 def test_quantization_flag_reaches_the_engine_kwargs() -> None:
     args = generate_args("--prompt", "a", "--quantization", "fp8")
-    assert cli.engine_kwargs(args) == {"quantization": "fp8"}
+    assert flags.engine_kwargs(args) == {"quantization": "fp8"}
     with pytest.raises(SystemExit):
         generate_args("--prompt", "a", "--quantization", "int4")

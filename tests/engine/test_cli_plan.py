@@ -15,6 +15,7 @@ import pytest
 
 from jaxserve import LLM, cli
 from jaxserve.checkpoints_tools import hub
+from jaxserve.cli.flags import engine_kwargs
 
 GIB = 1 << 30
 LLAMA3_8B = {
@@ -214,7 +215,7 @@ def test_generate_engine_flags_use_vllm_names() -> None:
         + ["--download-dir", "/d", "--tokenizer", "/t", "--memory-utilization", "0.5"]
         + ["--kv-cache-dtype", "fp8_e5m2"]
     )  # fmt: skip
-    assert cli.engine_kwargs(args) == {
+    assert engine_kwargs(args) == {
         "gpu_memory_utilization": 0.5,
         "memory_utilization": 0.5,
         "revision": "v2",
@@ -234,7 +235,7 @@ def test_plan_agrees_with_the_engine_on_cpu(capsys: pytest.CaptureFixture[str]) 
     assert plan["device_memory_bytes"] == 4 * GIB  # CacheConfig.cpu_memory_bytes
     assert plan["num_kv_blocks"] == plan["num_kv_blocks_fit"]  # not capped
     args = cli.build_parser().parse_args(["generate", "--prompt", "a", *flags])
-    llm = LLM("tiny-random-llama", **cli.engine_kwargs(args), warmup=False)
+    llm = LLM("tiny-random-llama", **engine_kwargs(args), warmup=False)
     assert llm.engine.info.num_kv_blocks == plan["num_kv_blocks"]
     assert llm.get_stats()["num_usable_kv_blocks"] * 16 == plan["max_kv_tokens"]
 

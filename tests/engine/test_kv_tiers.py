@@ -11,7 +11,8 @@ import pytest
 from engine_utils import assert_nothing_held, random_prompts
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.cli import build_parser, engine_kwargs
+from jaxserve.cli import build_parser
+from jaxserve.cli.flags import engine_kwargs
 
 # 15 usable blocks of 8 tokens: 4 prefixes of 4 blocks do not fit together.
 SETTINGS = dict(

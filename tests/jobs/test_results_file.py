@@ -57,7 +57,7 @@ def test_keys_with_missing_records_are_dropped_and_the_file_rewritten(tmp_path):
 def test_a_line_that_is_not_a_record_is_refused(tmp_path):
     path = tmp_path / "out.jsonl"
     path.write_text('{"id": "a"}\nnot json\n{"id": "b"}\n')
-    with pytest.raises(ValueError, match=r"out.jsonl:2: not a JSON line"):
+    with pytest.raises(ValueError, match=r"out.jsonl:2: not valid JSON"):
         ResultsFile(path, _key)
     path.write_text('{"id": "a"}\n[1, 2]\n')
     with pytest.raises(ValueError, match=r"out.jsonl:2: expected a JSON object, got list"):

@@ -1,5 +1,5 @@
 """What the resumable JSONL jobs (generate --output, run-batch, score) share on the command line:
-reading the input line by line (a bad byte or a too-deep line is named by its file and line),
+reading the input (jobs/jsonl.py: a bad byte or a too-deep line is named by its file and line),
 the job's identity for its results file (jobs/job_spec.py), and the interrupt message.
 
 Imports no jax: the input and the results file are checked before the engine loads.
@@ -8,14 +8,10 @@ Imports no jax: the input and the results file are checked before the engine loa
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
-from jaxserve.cli import InputError
-
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
+from jaxserve.jobs.jsonl import InputError, read_lines, source_name
 
 # Engine flags that change what a job writes (not only how fast): a resume must keep them.
 _OUTPUT_FLAGS = (
@@ -29,43 +25,16 @@ _OUTPUT_FLAGS = (
 )
 
 
-def read_input_lines(path: str) -> list[str]:
-    """The lines of ``path`` ("-": stdin), each decoded on its own.
+def read_input(path: str) -> tuple[str, list[str]]:
+    """``--input``'s name for messages and its lines.
 
     Raises:
-        InputError: the file cannot be read, or a line is not UTF-8 (file and line named).
-    """
-    source = "<stdin>" if path == "-" else path
-    try:
-        if path == "-":
-            data = sys.stdin.buffer.read()
-        else:
-            with open(path, "rb") as f:
-                data = f.read()
-    except OSError as e:
-        raise InputError(f"cannot read {path!r} ({e.strerror})") from None
-    lines = []
-    for number, raw in enumerate(data.splitlines(), start=1):
-        try:
-            lines.append(raw.decode("utf-8"))
-        except UnicodeDecodeError as e:
-            raise InputError(
-                f"{source}:{number}: not UTF-8 text ({e.reason} at byte {e.start} of the line)"
-            ) from None
-    return lines
-
-
-def load_json_line(text: str, where: str) -> Any:
-    """``json.loads``; a line nested past Python's recursion limit is InputError, not a crash.
-
-    Raises:
-        json.JSONDecodeError: not JSON (the caller words it for its job).
-        InputError: nested too deeply (``where`` named).
+        InputError: unreadable, or a line that is not UTF-8 (file and line named).
     """
     try:
-        return json.loads(text)
-    except RecursionError:
-        raise InputError(f"{where}: JSON nested too deeply to read") from None
+        return source_name(path), read_lines(path)
+    except InputError as e:
+        raise InputError(f"--input: {e}") from None
 
 
 def job_settings(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 
 from jaxserve.checkpoints_tools.interrupt import sigint_to_asyncio
-from jaxserve.cli import EXIT_BAD_INPUT, add_engine_flags, add_job_flags, engine_kwargs
+from jaxserve.cli.flags import add_engine_flags, add_job_flags, engine_kwargs, fail
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -48,14 +47,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jaxserve.cli_jobs import job_settings, open_results, read_input_lines
+    from jaxserve.cli.jobs import job_settings, open_results, read_input
     from jaxserve.jobs.run_batch import RECORD_FIELDS, output_key, parse_batch_lines
 
     if args.max_in_flight is not None and args.max_in_flight < 1:
-        return _fail(f"--max-in-flight must be >= 1, got {args.max_in_flight}")
+        return fail("run-batch", f"--max-in-flight must be >= 1, got {args.max_in_flight}")
     try:
-        source = "<stdin>" if args.input == "-" else args.input
-        lines = parse_batch_lines(read_input_lines(args.input), source)
+        source, text_lines = read_input(args.input)
+        lines = parse_batch_lines(text_lines, source)
         settings = job_settings(args, served_model_name=args.served_model_name or args.model)
         results = open_results(
             args,
@@ -66,9 +65,9 @@ def run(args: argparse.Namespace) -> int:
             settings=settings,
         )
     except OSError as e:
-        return _fail(f"cannot use {e.filename!r} ({e.strerror})")
-    except ValueError as e:  # BatchInputError, InputError, the results file's checks
-        return _fail(str(e))
+        return fail("run-batch", f"cannot use {e.filename!r} ({e.strerror})")
+    except ValueError as e:  # InputError, the results file's checks
+        return fail("run-batch", str(e))
     with results:
         if all(item.key in results.done for item in lines):
             print(f"nothing to do: all {len(lines)} requests are in {args.output}")
@@ -78,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             engine = AsyncLLM(args.model, **engine_kwargs(args))
         except (OSError, TypeError, ValueError) as e:
-            return _fail(str(e))
+            return fail("run-batch", str(e))
         try:
             with sigint_to_asyncio():  # Ctrl-C cancels _run: its finally flushes the results
                 summary = asyncio.run(_run(args, engine, lines, results))
@@ -96,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
 async def _run(args, engine, lines, results):
     from jaxserve.jobs.run_batch import run_batch
 
-    max_seqs = engine.engine.config.scheduler.max_num_seqs
+    max_seqs = engine.config.scheduler.max_num_seqs
     return await run_batch(
         engine,
         lines,
@@ -105,8 +104,3 @@ async def _run(args, engine, lines, results):
         max_in_flight=args.max_in_flight or 4 * max_seqs,
         progress=not args.no_progress,
     )
-
-
-def _fail(message: str) -> int:
-    print(f"jaxserve run-batch: error: {message}", file=sys.stderr)
-    return EXIT_BAD_INPUT

@@ -11,10 +11,9 @@ this job's; nothing runs then), 130 interrupted.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
-from jaxserve.cli import EXIT_BAD_INPUT, add_engine_flags, add_job_flags, engine_kwargs
+from jaxserve.cli.flags import add_engine_flags, add_job_flags, engine_kwargs, fail
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -31,12 +30,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jaxserve.cli_jobs import job_settings, open_results, read_input_lines
-    from jaxserve.jobs.score_job import RECORD_FIELDS, ScoreInputError, parse_score_lines
+    from jaxserve.cli.jobs import job_settings, open_results, read_input
+    from jaxserve.jobs.jsonl import InputError
+    from jaxserve.jobs.score_job import RECORD_FIELDS, parse_score_lines
 
     try:
-        source = "<stdin>" if args.input == "-" else args.input
-        lines = parse_score_lines(read_input_lines(args.input), source)
+        source, text_lines = read_input(args.input)
+        lines = parse_score_lines(text_lines, source)
         results = open_results(
             args,
             "score",
@@ -46,9 +46,9 @@ def run(args: argparse.Namespace) -> int:
             settings=job_settings(args),
         )
     except OSError as e:
-        return _fail(f"cannot use {e.filename!r} ({e.strerror})")
-    except ValueError as e:  # ScoreInputError, InputError, the results file's checks
-        return _fail(str(e))
+        return fail("score", f"cannot use {e.filename!r} ({e.strerror})")
+    except ValueError as e:  # InputError, the results file's checks
+        return fail("score", str(e))
     with results:
         done_before = sum(item.id in results.done for item in lines)
         if done_before == len(lines):
@@ -62,14 +62,14 @@ def run(args: argparse.Namespace) -> int:
         try:
             llm = LLM(args.model, **engine_kwargs(args))
         except (OSError, TypeError, ValueError) as e:
-            return _fail(str(e))
+            return fail("score", str(e))
         bar = tqdm(total=len(lines), initial=done_before, desc="Pairs", disable=args.no_progress)
         start = time.perf_counter()
         try:
             for _ in score_lines(llm, lines, results):
                 bar.update(1)
-        except ScoreInputError as e:
-            return _fail(str(e))
+        except InputError as e:
+            return fail("score", str(e))
         finally:
             bar.close()
     print(
@@ -77,8 +77,3 @@ def run(args: argparse.Namespace) -> int:
         f"scored in {time.perf_counter() - start:.2f} s)"
     )
     return 0
-
-
-def _fail(message: str) -> int:
-    print(f"jaxserve score: error: {message}", file=sys.stderr)
-    return EXIT_BAD_INPUT

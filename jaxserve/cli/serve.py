@@ -5,7 +5,7 @@
 
 Serves /v1/models, /v1/completions, /v1/chat/completions, /health and /metrics. The API key is
 --api-key, else $JAXSERVE_API_KEY; without either the server needs none. The engine flags are
-``jaxserve generate``'s (cli.add_engine_flags). Exit status: 0 after a clean shutdown (SIGINT or
+``jaxserve generate``'s (flags.py). Exit status: 0 after a clean shutdown (SIGINT or
 SIGTERM), 2 bad input (a flag, an empty --api-key, a port in use, a model that cannot be found
 or read), 130 interrupted before the server started (cli.main). The port is bound first, so a
 port in use is reported before the model loads.
@@ -15,43 +15,20 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 
-from jaxserve.cli import EXIT_BAD_INPUT, add_engine_flags, engine_kwargs
+from jaxserve.cli.flags import (
+    add_engine_flags,
+    add_model_flag,
+    engine_kwargs,
+    fail,
+    port,
+    positive_float,
+    positive_int,
+)
 from jaxserve.entrypoints.openai.body import DEFAULT_MAX_BODY_BYTES
 from jaxserve.entrypoints.openai.settings import ServerSettings
 
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
-
-
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an int in [0, 65535], got {text!r}") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"must be in [0, 65535] (0: any free port), got {port}")
-    return port
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -64,15 +41,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "(Prometheus). Exit status: 0 after a clean shutdown, 2 bad input.",
     )
     p.set_defaults(run=run)
-    p.add_argument(
-        "--model",
-        required=True,
-        help="a built-in model name, an HF or Orbax checkpoint folder, or a Hugging Face Hub "
-        "model ID (org/name; HF_HOME and HF_HUB_OFFLINE apply)",
-    )
+    add_model_flag(p, required=True)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument(
-        "--port", type=_port, default=8000, help="port to listen on (default 8000; 0: any free)"
+        "--port", type=port, default=8000, help="port to listen on (default 8000; 0: any free)"
     )
     p.add_argument(
         "--api-key",
@@ -86,7 +58,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--max-waiting-requests",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         help="answer 503 to a request arriving while N requests already wait (default: no limit)",
     )
@@ -98,7 +70,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--graceful-shutdown-timeout",
-        type=_positive_float,
+        type=positive_float,
         default=10.0,
         metavar="SECONDS",
         help="on SIGINT / SIGTERM, how long open requests may finish before they are cut "
@@ -106,7 +78,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--max-request-body-bytes",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_MAX_BODY_BYTES,
         metavar="N",
         help=f"answer 413 to a request body over N bytes (default {DEFAULT_MAX_BODY_BYTES})",
@@ -145,5 +117,4 @@ def run(args: argparse.Namespace) -> int:
     try:
         return run_server({"model": args.model, **engine_kwargs(args)}, settings)
     except (OSError, TypeError, ValueError) as e:  # bad model or flag, a port that is taken
-        print(f"jaxserve serve: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return fail("serve", str(e))

@@ -24,43 +24,38 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from typing import Any
 
-from jaxserve.config import (
-    DTYPES,
-    KV_CACHE_DTYPES,
-    QUANTIZATIONS,
-    EngineConfig,
-    kv_cache_storage_dtype,
-)
+from jaxserve.cli.flags import add_engine_flags, add_model_flag, engine_kwargs, fail
+from jaxserve.config import EngineConfig, kv_cache_storage_dtype
 
 EXIT_FITS = 0
 EXIT_DOES_NOT_FIT = 1
-EXIT_BAD_INPUT = 2
 MAX_DEVICE_GIB = 2**20  # 1 PiB: far above any one device, far below a float's overflow
 PLATFORMS = ("cpu", "gpu", "tpu")
 GIB = 1 << 30
 
-# Flags passed to EngineConfig.from_kwargs as they are (its checks name the field).
-_ENGINE_FLAGS = (
+
+class PlanInputError(ValueError):
+    """Bad input to ``jaxserve plan``; the message names the flag and value."""
+
+
+# The engine flags a plan reads (flags.ENGINE_FLAGS; EngineConfig.from_kwargs checks them).
+PLAN_ENGINE_FLAGS = (
     "dtype",
+    "quantization",
+    "kv_cache_dtype",
     "tensor_parallel_size",
     "max_model_len",
     "block_size",
+    "memory_utilization",
     "gpu_memory_utilization",
     "max_num_seqs",
     "max_num_batched_tokens",
     "num_kv_blocks",
-    "kv_cache_dtype",
-    "quantization",
     "revision",
     "download_dir",
 )
-
-
-class PlanInputError(ValueError):
-    """Bad input to ``jaxserve plan``; the message names the flag and value."""
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -73,47 +68,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "status: 0 fits, 1 does not fit, 2 bad input.",
     )
     p.set_defaults(run=run)
-    p.add_argument(
-        "--model",
+    add_model_flag(
+        p,
         required=True,
         help="a built-in model name, a checkpoint folder or a Hugging Face Hub model ID "
         "(org/name: config.json only is fetched)",
     )
-    p.add_argument("--dtype", choices=DTYPES, help="model dtype (default: auto)")
-    p.add_argument(
-        "--kv-cache-dtype",
-        choices=KV_CACHE_DTYPES,
-        help="auto (the model dtype, default) or an FP8 KV cache: fp8 (= fp8_e4m3), fp8_e5m2, "
-        "one byte per value",
-    )
-    p.add_argument(
-        "--quantization",
-        choices=[q for q in QUANTIZATIONS if q is not None],
-        help="8-bit linear weights (int8, fp8): 1 byte per weight plus f32 scales (default: "
-        "the checkpoint's own)",
-    )
-    p.add_argument("--tensor-parallel-size", type=int)
-    p.add_argument("--max-model-len", type=int, help="default: max_position_embeddings")
-    p.add_argument("--block-size", type=int)
-    p.add_argument(
-        "--gpu-memory-utilization",
-        "--memory-utilization",
-        dest="gpu_memory_utilization",
-        type=float,
-        metavar="SHARE",
-        help="share of the device memory for weights, workspace and KV cache (default 0.9)",
-    )
-    p.add_argument(
-        "--max-num-seqs",
-        type=int,
-        help="sequences in one step (sizes the logits reserve, caps the pool)",
-    )
-    p.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        help="tokens in one step (sizes the activations reserve)",
-    )
-    p.add_argument("--num-kv-blocks", type=int, help="an explicit KV pool size to check")
     p.add_argument(
         "--device-memory-gb",
         type=float,
@@ -127,9 +87,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="the platform dtype=auto resolves for (default: gpu with --device-memory-gb, "
         "else the local device's)",
     )
-    p.add_argument("--revision", help="branch, tag or commit of a Hub model ID")
-    p.add_argument("--download-dir", help="Hugging Face cache folder for a Hub model ID")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_engine_flags(p, only=PLAN_ENGINE_FLAGS)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -137,8 +96,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         report = plan_report(args)
     except (OSError, TypeError, ValueError, RuntimeError) as e:
-        print(f"jaxserve plan: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return fail("plan", str(e))
     if args.json:
         print(json.dumps(report))
     else:
@@ -152,10 +110,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     Raises:
         TypeError / ValueError: a bad flag value (the field named).
     """
-    kwargs = {
-        name: getattr(args, name) for name in _ENGINE_FLAGS if getattr(args, name) is not None
-    }
-    return EngineConfig.from_kwargs(model=args.model, **kwargs)
+    return EngineConfig.from_kwargs(model=args.model, **engine_kwargs(args))
 
 
 def plan_report(args: argparse.Namespace) -> dict[str, Any]:
