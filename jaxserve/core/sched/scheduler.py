@@ -39,6 +39,7 @@ from jaxserve.core.sched.output_processor import (
 from jaxserve.core.sched.pending_prefixes import PendingPrefixes
 from jaxserve.core.sched.policy import make_policy
 from jaxserve.core.sched.starting_point import starting_point
+from jaxserve.core.sched.stats import SchedulerStats
 from jaxserve.core.sched.step_batch import StepBatch
 from jaxserve.outputs import EngineCoreOutput, ModelRunnerOutput
 from jaxserve.request import Request, RequestStatus
@@ -83,10 +84,7 @@ class Scheduler:
         self.running: list[Request] = []  # sorted by sort_key: the last one is preempted first
         self._finished_req_ids: set[str] = set()  # since the last schedule(); for the runner
         self._num_added = 0  # arrival_index of the next request
-        # Stats (docs/architecture.md), monotonic except the peak.
-        self.num_preemptions = 0
-        self.num_steps = 0  # schedule() calls that scheduled at least one token
-        self.peak_kv_slot_utilization = 0.0  # max over steps of live tokens / allocated slots
+        self.stats = SchedulerStats()
 
     # ----------------------------------------------------------------------------- requests
 
@@ -192,19 +190,7 @@ class Scheduler:
     def get_stats(self) -> dict[str, int | float]:
         """Counters for LLM.get_stats() (docs/architecture.md), plus num_cow_copies."""
         kv = self.kv_cache_manager
-        return {
-            "num_kv_blocks": self.num_kv_blocks,  # as configured: the null block included
-            "num_usable_kv_blocks": self.num_usable_blocks,  # what requests can hold
-            "num_free_kv_blocks": kv.block_pool.get_num_free_blocks(),
-            "kv_cache_usage": kv.usage,
-            "prefix_cache_queries": kv.prefix_cache_queries,
-            "prefix_cache_hits": kv.prefix_cache_hits,
-            "num_preemptions": self.num_preemptions,
-            "num_steps": self.num_steps,
-            "peak_kv_slot_utilization": self.peak_kv_slot_utilization,
-            "num_cow_copies": kv.num_cow_copies,
-            **self.host.stats(kv),
-        }
+        return self.stats.report(kv, self.num_kv_blocks, self.host.stats(kv))
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         """The engine's measurement of a step (tokens computed, wall time), for "auto"
@@ -313,7 +299,7 @@ class Scheduler:
             req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
-        self.num_preemptions += 1
+        self.stats.num_preemptions += 1
         self.waiting.add_preempted(req)
         step.preempted_req_ids.add(req.request_id)
 
@@ -377,11 +363,7 @@ class Scheduler:
         step.add_new(req, self.kv_cache_manager.get_block_ids(rid), num_new)
 
     def _build_output(self, step: StepBatch) -> SchedulerOutput:
-        if step.num_scheduled_tokens:
-            self.num_steps += 1
-            utilization = step.slot_utilization(self.block_size)
-            if utilization > self.peak_kv_slot_utilization:
-                self.peak_kv_slot_utilization = utilization
+        self.stats.record_step(step, self.block_size)
         finished, self._finished_req_ids = self._finished_req_ids, set()
         kv = self.kv_cache_manager
         return step.to_output(finished, kv.take_block_copies(), kv.take_host_copies())
