@@ -77,6 +77,28 @@ class SamplingParams:
     all_stop_token_ids: frozenset[int] = field(default=frozenset(), init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self._check_sampling()
+        self._check_logprobs_and_penalties()
+        self.stop_strings = self._normalise_stop(self.stop)
+        self.all_stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
+        if self.min_tokens > 0 and len(self.all_stop_token_ids) > MAX_BANNED_STOP_TOKEN_IDS:
+            raise ValueError(
+                f"SamplingParams.stop_token_ids: at most {MAX_BANNED_STOP_TOKEN_IDS} distinct ids "
+                f"with min_tokens > 0 (each is banned until min_tokens outputs), got "
+                f"{len(self.all_stop_token_ids)} with min_tokens={self.min_tokens}"
+            )
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"SamplingParams.{name} must be a bool, got {value!r}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise TypeError(
+                "SamplingParams.output_kind must be a RequestOutputKind "
+                f"({', '.join(k.name for k in RequestOutputKind)}), got {self.output_kind!r}"
+            )
+
+    def _check_sampling(self) -> None:
+        """n, the sampling knobs, the seed and the length bounds (each field named)."""
         _check_int("n", self.n)
         if self.n < 1:
             raise ValueError(f"SamplingParams.n must be >= 1, got {self.n}")
@@ -106,6 +128,8 @@ class SamplingParams:
                 f"SamplingParams.min_tokens must be in [0, max_tokens={self.max_tokens}], "
                 f"got {self.min_tokens}"
             )
+
+    def _check_logprobs_and_penalties(self) -> None:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check_int(name, value, allow_none=True)
@@ -123,23 +147,6 @@ class SamplingParams:
             raise ValueError(
                 "SamplingParams.repetition_penalty must be in (0, 10], got "
                 f"{self.repetition_penalty}"
-            )
-        self.stop_strings = self._normalise_stop(self.stop)
-        self.all_stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
-        if self.min_tokens > 0 and len(self.all_stop_token_ids) > MAX_BANNED_STOP_TOKEN_IDS:
-            raise ValueError(
-                f"SamplingParams.stop_token_ids: at most {MAX_BANNED_STOP_TOKEN_IDS} distinct ids "
-                f"with min_tokens > 0 (each is banned until min_tokens outputs), got "
-                f"{len(self.all_stop_token_ids)} with min_tokens={self.min_tokens}"
-            )
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise TypeError(f"SamplingParams.{name} must be a bool, got {value!r}")
-        if not isinstance(self.output_kind, RequestOutputKind):
-            raise TypeError(
-                "SamplingParams.output_kind must be a RequestOutputKind "
-                f"({', '.join(k.name for k in RequestOutputKind)}), got {self.output_kind!r}"
             )
 
     def __setattr__(self, name: str, value: object) -> None:
