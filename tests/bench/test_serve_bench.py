@@ -191,13 +191,14 @@ def test_the_search_brackets_a_server_s_threshold(threshold, grid):
         return _run(rate, 500.0 if rate <= threshold else 5000.0)
 
     runs = {r: measure(r) for r in [*grid, inf]}
-    for _ in range(40):
+    for _ in range(39):
         rate = serve.next_search_rate(runs)
         if rate is None:
             break
         assert rate not in runs
         runs[rate] = measure(rate)
-    assert steps < 39
+    else:
+        pytest.fail("the search did not end within 39 steps")
     lo, hi = serve.slo_bracket(runs)
     assert hi is not None and threshold < hi
     if lo is not None:
