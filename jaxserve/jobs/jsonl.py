@@ -135,13 +135,12 @@ def line_id(obj: dict[str, Any], field: str, default: int, where: str) -> str:
 class UniqueIds:
     """The ids seen so far in one input, with the line each came from."""
 
-    def __init__(self, what: str, error: type[ValueError] = InputError) -> None:
+    def __init__(self, what: str) -> None:
         self.what = what  # how messages name the id ("field 'request_id'", "custom_id")
-        self.error = error
         self._line_of: dict[Hashable, int] = {}
 
     def add(self, key: Hashable, line: JsonlLine) -> None:
-        """Raises ``error``: ``key`` was seen before (both lines named)."""
+        """Raises InputError: ``key`` was seen before (both lines named)."""
         if key in self._line_of:
-            raise self.error(f"{line.where}: {self.what} {key!r} repeats line {self._line_of[key]}")
+            raise InputError(f"{line.where}: {self.what} {key!r} repeats line {self._line_of[key]}")
         self._line_of[key] = line.number
