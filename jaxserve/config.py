@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from jaxserve.speculative_config import SpeculativeConfig
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # KV cache storage: "auto" keeps the model dtype; the others are vLLM's names of an FP8 KV
 # cache ("fp8" is "fp8_e4m3"), stored as the jnp dtype named here (kv_cache_storage_dtype).
@@ -243,6 +245,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     runner: RunnerConfig = field(default_factory=RunnerConfig)
+    speculative: SpeculativeConfig | None = None  # LLM(speculative_config=...); None: off
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:
@@ -254,6 +257,7 @@ class EngineConfig:
             ValueError: a bad value; an alias and its name given with different values.
         """
         kwargs = _resolve_aliases(kwargs)
+        speculative = SpeculativeConfig.from_value(kwargs.pop("speculative_config", None))
         parts: dict[str, dict[str, object]] = {}
         owners = {"model": ModelConfig, "cache": CacheConfig, "runner": RunnerConfig}
         owners["scheduler"] = SchedulerConfig
@@ -264,10 +268,11 @@ class EngineConfig:
         for key, value in kwargs.items():
             part = by_field.get(key)
             if part is None:
-                known = sorted([*by_field, *ARGUMENT_ALIASES])
+                known = sorted([*by_field, *ARGUMENT_ALIASES, "speculative_config"])
                 raise TypeError(f"unknown engine argument {key!r}; known: {known}")
             parts.setdefault(part, {})[key] = value
-        return cls(**{part: owners[part](**vals) for part, vals in parts.items()})
+        configs = {part: owners[part](**vals) for part, vals in parts.items()}
+        return cls(**configs, speculative=speculative)
 
 
 def kv_cache_storage_dtype(kv_cache_dtype: str, dtype: str) -> str:

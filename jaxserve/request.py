@@ -70,6 +70,7 @@ class Request:
         "arrival_index",
         "parent_req_id",
         "stop_token_set",
+        "spec_token_ids",
     )
 
     def __init__(
@@ -118,6 +119,10 @@ class Request:
         self.stop_token_set = sampling_params.all_stop_token_ids
         if not sampling_params.ignore_eos:
             self.stop_token_set = self.stop_token_set | self.eos_token_ids
+        # Speculative drafts for the tokens after all_token_ids, proposed after a step
+        # (EngineCore) and consumed by the next schedule(): verified then, or dropped. Never
+        # part of all_token_ids until the target accepts them.
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:

@@ -33,6 +33,9 @@ HOST_MODULES = [
     "jaxserve.core.sched.starting_point",
     "jaxserve.core.sched.pending_prefixes",
     "jaxserve.core.sched.output_processor",
+    "jaxserve.core.sched.spec_tokens",
+    "jaxserve.speculative_config",
+    "jaxserve.spec_decode",
 ]
 
 # folder -> first-party packages it may import (besides itself).
@@ -84,11 +87,13 @@ def test_dependency_direction(folder: str) -> None:
 
 # Inside jaxserve/, from the bottom up: what each layer may not import (docs/architecture.md,
 # section 2); "cli" is the package jaxserve/cli/. Imports inside functions count too.
-HOST_DATA = ("config", "sampling_params", "request", "outputs")
+HOST_DATA = ("config", "speculative_config", "sampling_params", "request", "outputs")
 _ABOVE_CORE = {"engine", "runner", "entrypoints", "jobs", "ray", "cli"}
 FORBIDDEN = {
     "core": _ABOVE_CORE,
     "runner": _ABOVE_CORE - {"runner"},
+    # the proposers and their policy: host side, below the engine that calls them
+    "spec_decode": _ABOVE_CORE,
     "engine": {"entrypoints", "jobs", "ray", "cli"},
     "entrypoints": {"jobs", "ray", "cli"},
     "jobs": {"ray", "cli"},

@@ -19,6 +19,7 @@ from jaxserve.core.sched.scheduler import Scheduler
 from jaxserve.outputs import EngineCoreOutput, ModelRunnerOutput
 from jaxserve.request import Request, RequestStatus
 from jaxserve.runner.step_trace import StepTrace
+from jaxserve.spec_decode import SpecDecoder
 
 
 class Runner(Protocol):
@@ -55,7 +56,9 @@ class EngineCore:
         self.runner = runner
         self.num_kv_blocks = num_kv_blocks
         self.host_tier = host_tier
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_kv_blocks, host_tier)
+        self.scheduler = self._new_scheduler(config)
+        # Speculative decoding: proposes each step's drafts (None: off).
+        self.spec = None if config.speculative is None else SpecDecoder(config.speculative)
         # Called with each step's StepTrace while set (set_step_tracer); None: off.
         self.step_tracer: Callable[[StepTrace], None] | None = None
 
@@ -73,7 +76,20 @@ class EngineCore:
         # "auto" preemption turns into a prefill rate (core/sched/preemption.py).
         seconds = time.perf_counter() - start
         self.scheduler.observe_step(scheduler_output.total_num_scheduled_tokens, seconds)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.spec is not None:
+            self._speculate(scheduler_output, seconds)
+        return outputs
+
+    def _speculate(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
+        """Feed the step to the speculation policy and propose the next step's drafts."""
+        spec, sched = self.spec, self.scheduler
+        spec.observe_step(scheduler_output.total_num_scheduled_tokens, seconds)
+        verified = scheduler_output.scheduled_spec_decode_tokens
+        if verified:
+            stats = sched.spec_stats
+            spec.observe_verification(*stats.take_step_counts())
+        sched.set_spec_tokens(spec.propose(sched.running))
 
     def _traced_step(self, tracer: Callable[[StepTrace], None]) -> list[EngineCoreOutput]:
         """``step``, timed phase by phase; the runner fills in its part of the trace."""
@@ -85,6 +101,8 @@ class EngineCore:
         t2 = time.perf_counter()
         self.scheduler.observe_step(scheduler_output.total_num_scheduled_tokens, t2 - t1)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.spec is not None:
+            self._speculate(scheduler_output, t2 - t1)
         trace.record_phases(t1 - t0, t2 - t1, time.perf_counter() - t2)
         tracer(trace)
         return outputs
@@ -152,7 +170,17 @@ class EngineCore:
         if enable_prefix_caching is not None:
             cache = dataclasses.replace(cache, enable_prefix_caching=enable_prefix_caching)
         self.config = dataclasses.replace(self.config, cache=cache)
-        self.scheduler = Scheduler(self.config.scheduler, cache, self.num_kv_blocks, self.host_tier)
+        self.scheduler = self._new_scheduler(self.config)
+
+    def _new_scheduler(self, config: EngineConfig) -> Scheduler:
+        spec = config.speculative
+        return Scheduler(
+            config.scheduler,
+            config.cache,
+            self.num_kv_blocks,
+            self.host_tier,
+            num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
+        )
 
     # ---- introspection ----------------------------------------------------------------------
     def get_stats(self) -> dict[str, Any]:

@@ -21,9 +21,14 @@ class PreparedBatch:
     input_ids / positions / slot_mapping: i32[T]; padding tokens: id 0, position 0, slot 0
         (the null block, which nothing reads).
     block_tables: i32[R, B]; kv_lens: i32[R]; cu_q_lens: i32[R + 1]; num_seqs: i32[1].
-    logits_indices: i32[R] the last token row of each request (padding rows: 0).
+    logits_indices: i32[R] the token rows whose logits are sampled: the last token row of
+        each request, preceded, for a request verifying k speculative drafts, by the k rows
+        before it (its last known token and its first k - 1 drafts); padding rows: 0.
+    draft_ids: i32[R] per logits row, the draft it verifies (the input token of the next token
+        row), -1 where none: a request's last logits row, padding (rejection_sampler.py).
     sampling_rows: bool[num_reqs] rows whose scheduled tokens reach the end of the known tokens
         (they sample); a mid-prefill chunk does not.
+    num_drafts: i32[num_reqs] drafts each request verifies (its logits rows are 1 + that).
     """
 
     req_ids: list[str]
@@ -37,7 +42,9 @@ class PreparedBatch:
     cu_q_lens: np.ndarray
     num_seqs: np.ndarray
     logits_indices: np.ndarray
+    draft_ids: np.ndarray
     sampling_rows: np.ndarray
+    num_drafts: np.ndarray
 
     @classmethod
     def padding(cls, padded_tokens: int, padded_rows: int, width: int) -> PreparedBatch:
@@ -55,7 +62,9 @@ class PreparedBatch:
             cu_q_lens=zeros(padded_rows + 1),
             num_seqs=zeros(1),
             logits_indices=zeros(padded_rows),
+            draft_ids=np.full(padded_rows, -1, np.int32),
             sampling_rows=np.zeros(0, bool),
+            num_drafts=zeros(0),
         )
 
     @classmethod
@@ -158,6 +167,21 @@ class InputBatch:
         self.token_ids[slots, self.num_tokens[slots]] = token_ids
         self.num_tokens[slots] += 1
 
+    def append_token_runs(self, slots: np.ndarray, counts: np.ndarray, token_ids: np.ndarray):
+        """Append counts[i] tokens to slots[i], the runs back to back in ``token_ids``
+        (speculative steps emit several tokens per request)."""
+        offsets = np.arange(len(token_ids)) - np.repeat(np.cumsum(counts) - counts, counts)
+        rows = np.repeat(slots, counts)
+        self.token_ids[rows, self.num_tokens[rows] + offsets] = token_ids
+        self.num_tokens[slots] += counts
+
+    def set_drafts(self, req_id: str, draft_ids: list[int]) -> None:
+        """Write a request's speculative drafts after its known tokens (not counted among
+        them): the step reads them as the input tokens of its draft positions."""
+        slot = self.slot_of[req_id]
+        start = self.num_tokens[slot]
+        self.token_ids[slot, start : start + len(draft_ids)] = draft_ids
+
     def update_cached(
         self, req_id: str, num_computed_tokens: int, new_block_ids: list[int]
     ) -> None:
@@ -175,8 +199,10 @@ class InputBatch:
         padded_tokens: int,
         padded_rows: int,
         padded_width_fn,
+        num_drafts: np.ndarray | None = None,
     ) -> PreparedBatch:
-        """Gather this step's rows into padded arrays (see PreparedBatch)."""
+        """Gather this step's rows into padded arrays (see PreparedBatch); ``num_drafts``:
+        i32[num_reqs] speculative drafts per request (written by set_drafts), None: none."""
         num_reqs = len(req_ids)
         slot_of = self.slot_of
         slots = np.fromiter((slot_of[r] for r in req_ids), np.int32, num_reqs)
@@ -203,8 +229,10 @@ class InputBatch:
         block_tables[:num_reqs] = self.block_table[slots, :width]
         kv_lens = np.zeros(padded_rows, np.int32)
         kv_lens[:num_reqs] = seq_lens_real
-        logits_indices = np.zeros(padded_rows, np.int32)
-        logits_indices[:num_reqs] = cu[1 : num_reqs + 1] - 1
+        if num_drafts is None:
+            num_drafts = np.zeros(num_reqs, np.int32)
+        logits_indices, draft_ids = _logits_rows(cu[1 : num_reqs + 1], num_drafts, input_ids,
+                                                 padded_rows)  # fmt: skip
         return PreparedBatch(
             req_ids=req_ids,
             slots=slots,
@@ -217,5 +245,36 @@ class InputBatch:
             cu_q_lens=cu,
             num_seqs=np.array([num_reqs], np.int32),
             logits_indices=logits_indices,
+            draft_ids=draft_ids,
             sampling_rows=seq_lens_real >= self.num_tokens[slots],
+            num_drafts=num_drafts,
         )
+
+
+def _logits_rows(
+    ends: np.ndarray, num_drafts: np.ndarray, input_ids: np.ndarray, padded_rows: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(logits_indices, draft_ids) i32[R] of PreparedBatch: request i, ending at token row
+    ends[i] (exclusive), owns 1 + num_drafts[i] logits rows, the last token rows of its chunk;
+    each but the last verifies the input token of the next row.
+
+        token rows:   ... x  d1 d2 d3 | next request
+        logits rows:      x  d1 d2 d3        (4 rows; drafts verified: d1 d2 d3 -1)
+    """
+    logits_indices = np.zeros(padded_rows, np.int32)
+    draft_ids = np.full(padded_rows, -1, np.int32)
+    num_reqs = len(ends)
+    if not num_drafts.any():  # the common case: one row per request
+        logits_indices[:num_reqs] = ends - 1
+        return logits_indices, draft_ids
+    per_req = num_drafts + 1
+    total = int(per_req.sum())
+    if total > padded_rows:
+        raise ValueError(f"{total} logits rows (requests + drafts) exceed R={padded_rows}")
+    req_of_row = np.repeat(np.arange(num_reqs), per_req)
+    back = np.repeat(np.cumsum(per_req), per_req) - np.arange(total)  # k + 1 .. 1 per request
+    rows = ends[req_of_row] - back
+    logits_indices[:total] = rows
+    nxt = np.minimum(rows + 1, len(input_ids) - 1)  # a last row's next is unused
+    draft_ids[:total] = np.where(back > 1, input_ids[nxt], -1)
+    return logits_indices, draft_ids

@@ -241,17 +241,31 @@ class ModelRunner:
         num_scheduled = np.fromiter(so.num_scheduled_tokens.values(), np.int32, len(req_ids))
         padded_tokens = self.buckets.padded_tokens(int(num_scheduled.sum()))
         padded_rows = self.buckets.padded_rows(padded_tokens)
-        batch = self.input_batch.prepare(
-            req_ids, num_scheduled, padded_tokens, padded_rows, self.buckets.padded_width
-        )
         ib = self.input_batch
-        output_pos = ib.num_tokens[batch.slots] - ib.num_prompt_tokens[batch.slots]
-        sampling_md = self.sampling.build(batch.slots, padded_rows, output_pos)
+        num_drafts = self._set_drafts(req_ids, so.scheduled_spec_decode_tokens)
+        batch = ib.prepare(
+            req_ids, num_scheduled, padded_tokens, padded_rows, self.buckets.padded_width,
+            num_drafts,
+        )  # fmt: skip
+        # One sampling row per logits row: a request's k + 1 rows sample output positions
+        # pos .. pos + k, each with its own key (rejection_sampler.py).
+        row_slots, row_offsets = _logits_row_owners(batch.slots, batch.num_drafts)
+        output_pos = ib.num_tokens[row_slots] - ib.num_prompt_tokens[row_slots] + row_offsets
+        sampling_md = self.sampling.build(row_slots, padded_rows, output_pos)
         targets = self._prompt_logprobs.targets(batch, ib)
         if trace is not None:
             trace.record_batch(batch, sampling_md.temperature, time.perf_counter() - start)
-        out, plp = self.run_prepared(batch, sampling_md, targets, trace)
-        return self._collect(batch, out, plp)
+        out, plp, num_emitted = self.run_prepared(batch, sampling_md, targets, trace)
+        return self._collect(batch, out, plp, num_emitted)
+
+    def _set_drafts(self, req_ids: list[str], drafts: dict[str, list[int]]) -> np.ndarray | None:
+        """Write this step's speculative drafts into the batch rows; i32[num_reqs] drafts per
+        request in batch order, or None when no request has any."""
+        if not drafts:
+            return None
+        for req_id, draft_ids in drafts.items():
+            self.input_batch.set_drafts(req_id, draft_ids)
+        return np.fromiter((len(drafts.get(r, ())) for r in req_ids), np.int32, len(req_ids))
 
     def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Copy-on-write: KV pages src[i] -> dst[i], in place (a padded count: copy_sizes)."""
@@ -263,22 +277,24 @@ class ModelRunner:
         sampling_md: SamplingMetadata,
         prompt_targets: np.ndarray | None = None,  # i32[T]; None: no prompt logprobs
         trace: StepTrace | None = None,
-    ) -> tuple[Any, Any]:
+    ) -> tuple[Any, Any, Any]:
         """Run the jitted step on a prepared batch (its KV writes land in the pages).
 
         The engine's path after the host arrays are built; benchmarks call it directly with
-        synthetic batches of a bucket's shape. Returns the sampler's output and the prompt
-        logprobs, on device.
+        synthetic batches of a bucket's shape. Returns the sampler's output, the prompt
+        logprobs and the tokens each request's logits rows emit (rejection_sampler.py), on
+        device.
         """
         if prompt_targets is None:
             prompt_targets = np.full(batch.input_ids.shape, -1, np.int32)
         start = time.perf_counter()
-        self.kv_caches, out, plp = self._step(
+        self.kv_caches, out, plp, num_emitted = self._step(
             self.params,
             self.kv_caches,
             batch.input_ids,
             attention_metadata(batch, self.rope_tables, self.kv_scales),
             batch.logits_indices,
+            batch.draft_ids,
             sampling_md,
             prompt_targets,
         )
@@ -286,7 +302,7 @@ class ModelRunner:
             dispatch_s = time.perf_counter() - start
             jax.block_until_ready(out.token_ids)
             trace.record_device(dispatch_s, time.perf_counter() - start)
-        return out, plp
+        return out, plp, num_emitted
 
     def _update_states(self, so: SchedulerOutput) -> None:
         ib = self.input_batch
@@ -317,28 +333,62 @@ class ModelRunner:
         for cached in so.scheduled_cached_reqs:
             ib.update_cached(cached.req_id, cached.num_computed_tokens, cached.new_block_ids)
 
-    def _collect(self, batch: PreparedBatch, out: Any, plp: Any) -> ModelRunnerOutput:
-        """Sampled tokens (and logprobs) back to the host; the persistent rows learn them."""
-        rows = np.flatnonzero(batch.sampling_rows)
-        token_ids = np.asarray(out.token_ids)[rows]
+    def _collect(
+        self, batch: PreparedBatch, out: Any, plp: Any, num_emitted: Any
+    ) -> ModelRunnerOutput:
+        """Sampled tokens (and logprobs) back to the host; the persistent rows learn them. A
+        request that verified drafts gets its accepted drafts and one more token."""
+        rows = np.flatnonzero(batch.sampling_rows)  # requests that sample
         slots = batch.slots[rows]
-        self.input_batch.append_tokens(slots, token_ids)
-        self.sampling.append_output_tokens(slots, token_ids)
         req_ids = [batch.req_ids[r] for r in rows.tolist()]
-        result = ModelRunnerOutput(
-            req_ids=req_ids, sampled_token_ids=[[t] for t in token_ids.tolist()]
-        )
+        all_tokens = np.asarray(out.token_ids)
+        if batch.num_drafts.any():
+            first, counts, token_ids = _emitted_runs(batch, rows, all_tokens, num_emitted)
+            self.input_batch.append_token_runs(slots, counts, token_ids)
+            self.sampling.append_output_tokens(np.repeat(slots, counts), token_ids)
+            sampled = [t.tolist() for t in np.split(token_ids, np.cumsum(counts)[:-1])]
+        else:  # one token per request: the common path, kept lean
+            first, counts, token_ids = rows, np.ones(len(rows), np.int64), all_tokens[rows]
+            self.input_batch.append_tokens(slots, token_ids)
+            self.sampling.append_output_tokens(slots, token_ids)
+            sampled = [[t] for t in token_ids.tolist()]
+        result = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
         wanted = self._num_logprobs
         if wanted and any(req_id in wanted for req_id in req_ids):
             host = jax.device_get(out)
             width = logprobs_width(self.vocab_size)
-            for r, req_id in zip(rows.tolist(), req_ids, strict=True):
+            for i, req_id in enumerate(req_ids):
                 num = wanted.get(req_id)
                 if num is not None:
-                    result.logprobs[req_id] = [host.token_logprobs(r, min(num, width))]
+                    start = int(first[i])
+                    result.logprobs[req_id] = [
+                        host.token_logprobs(r, min(num, width))
+                        for r in range(start, start + int(counts[i]))
+                    ]
         if self._prompt_logprobs and self._prompt_logprobs.owed_in(batch):
             self._prompt_logprobs.collect(batch, jax.device_get(plp), self.input_batch, result)
         return result
+
+
+def _emitted_runs(
+    batch: PreparedBatch, rows: np.ndarray, all_tokens: np.ndarray, num_emitted: Any
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For the sampling requests ``rows`` of a batch that verified drafts: each one's first
+    logits row, how many tokens it emits (accepted drafts + 1), and those tokens, back to back."""
+    first = (np.cumsum(batch.num_drafts + 1) - batch.num_drafts - 1)[rows]
+    counts = np.asarray(num_emitted)[rows]
+    offsets = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+    return first, counts, all_tokens[np.repeat(first, counts) + offsets]
+
+
+def _logits_row_owners(slots: np.ndarray, num_drafts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(slot, offset) of each logits row: request i's 1 + num_drafts[i] rows in batch order,
+    at offsets 0..num_drafts[i] (the output position each row samples, past the request's)."""
+    if not num_drafts.any():
+        return slots, np.zeros(len(slots), np.int32)
+    per_req = num_drafts + 1
+    offsets = np.arange(per_req.sum()) - np.repeat(np.cumsum(per_req) - per_req, per_req)
+    return np.repeat(slots, per_req), offsets.astype(np.int32)
 
 
 def _all_ready(arrays: Any) -> bool:

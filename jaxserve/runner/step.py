@@ -20,6 +20,7 @@ from jax import lax
 
 from jaxserve.models import AttentionMetadata, CausalLM
 from jaxserve.runner.input_batch import PreparedBatch
+from jaxserve.runner.rejection_sampler import num_emitted_per_segment
 from jaxserve.runner.sampler import logprobs_width, no_logprobs, prompt_logprobs, sample
 from jaxserve.runner.sampling_metadata import SamplingMetadata
 from jaxserve.runner.sharding import ShardingPlan
@@ -30,6 +31,7 @@ STEP_ARGS = (  # the step's positional arguments, named for compilation explanat
     "input_ids",
     "attention_metadata",
     "logits_indices",
+    "draft_ids",
     "sampling_metadata",
     "prompt_targets",
 )
@@ -38,7 +40,8 @@ COPY_ARGS = ("kv_caches", "src", "dst")
 
 def jit_step(model: CausalLM, draw: str, sharding: ShardingPlan | None) -> Any:
     """The jitted step of ``model`` with the sampler's ``draw``: called with STEP_ARGS, it
-    returns (kv_caches, sampler output, prompt logprobs); the KV pages are donated."""
+    returns (kv_caches, sampler output, prompt logprobs, tokens emitted per logits segment);
+    the KV pages are donated."""
     return jax.jit(
         functools.partial(_step_fn, _SharedTraces(model), draw),
         donate_argnames=("kv_caches",),
@@ -82,22 +85,26 @@ def _step_fn(
     kv_caches: list[tuple[jax.Array, jax.Array]],
     input_ids: jax.Array,  # i32[T]
     md: AttentionMetadata,
-    logits_indices: jax.Array,  # i32[R]
+    logits_indices: jax.Array,  # i32[R] token row of each logits row (PreparedBatch)
+    draft_ids: jax.Array,  # i32[R] draft each logits row verifies, -1: none (rejection_sampler)
     sampling_md: SamplingMetadata,
     prompt_targets: jax.Array,  # i32[T] next prompt token per row (prompt logprobs), else -1
 ):
-    """The jitted step: forward, logits at the R sampling rows, sample, and the prompt logprobs
-    of the rows that owe them (the [T, V] logits only when some row does: a run-time test)."""
+    """The jitted step: forward, logits at the R sampling rows, sample, the speculative drafts'
+    verification (how many tokens each segment of rows keeps; 1 per request without drafts),
+    and the prompt logprobs of the rows that owe them (the [T, V] logits only when some row
+    does: a run-time test)."""
     kv_caches, hidden = model.forward(params, kv_caches, input_ids, md)  # [T, D]
     logits = model.compute_logits(params, hidden[logits_indices])  # f32[R, V]
     out = sample(logits, sampling_md, draw=draw)
+    num_emitted = num_emitted_per_segment(out.token_ids, draft_ids)  # i32[R]
     num = logprobs_width(model.arch.vocab_size)
     plp = lax.cond(
         jnp.any(prompt_targets >= 0),
         lambda: prompt_logprobs(model.compute_logits(params, hidden), prompt_targets, num=num),
         lambda: no_logprobs(prompt_targets.shape[0], num),
     )
-    return kv_caches, out, plp
+    return kv_caches, out, plp, num_emitted
 
 
 def attention_metadata(
@@ -136,9 +143,11 @@ def _step_shardings(plan: ShardingPlan | None, num_layers: int) -> dict[str, Any
         return {}
     kv, rep = plan.kv_shardings(num_layers), plan.replicated
     return dict(
-        # params, kv_caches, input_ids, md, logits_indices, sampling_md, prompt_targets
-        in_shardings=(plan.param_shardings(), kv, rep, rep, rep, rep, rep),
-        out_shardings=(kv, rep, rep),  # kv_caches, sampler output, prompt logprobs
+        # params, kv_caches, input_ids, md, logits_indices, draft_ids, sampling_md,
+        # prompt_targets
+        in_shardings=(plan.param_shardings(), kv, rep, rep, rep, rep, rep, rep),
+        # kv_caches, sampler output, prompt logprobs, tokens emitted per segment
+        out_shardings=(kv, rep, rep, rep),
     )
 
 

@@ -118,6 +118,7 @@ def padding_step_inputs(
         batch.input_ids,
         attention_metadata(batch, runner.rope_tables, runner.kv_scales),
         batch.logits_indices,
+        batch.draft_ids,
         neutral_sampling(padded_rows, runner.vocab_size, widths),
         np.full(padded_tokens, -1, np.int32),  # no prompt-logprob targets
     )

@@ -53,6 +53,8 @@ class SchedulerOutput:
     host_to_device: (host slot, device block id) pairs: prefix hits on the host tier and
         swap-ins. Copied after device_to_host (a slot may be written and then read in one
         step), and before block_copies and the forward.
+    scheduled_spec_decode_tokens: req_id -> the speculative drafts it verifies this step
+        (running decodes only; their num_scheduled_tokens is 1 + len(drafts)).
     """
 
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -64,6 +66,7 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     device_to_host: list[tuple[int, int]] = field(default_factory=list)
     host_to_device: list[tuple[int, int]] = field(default_factory=list)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -4,7 +4,6 @@ scheduler frees what finished."""
 
 from __future__ import annotations
 
-from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.outputs import EngineCoreOutput, ModelRunnerOutput
 from jaxserve.request import Request, RequestStatus
 
@@ -12,21 +11,21 @@ _RUNNING = RequestStatus.RUNNING
 
 
 def advance_computed(
-    requests: dict[str, Request],
-    num_scheduled_tokens: dict[str, int],
-    kv: KVCacheManager | None,
-    block_size: int,
-) -> None:
-    """Count a step's scheduled tokens as computed (requests gone since are skipped); with
-    ``kv`` (prefix caching on), enter each block that just became full into the cache."""
-    for rid, num in num_scheduled_tokens.items():
+    requests: dict[str, Request], num_computed: dict[str, int], block_size: int
+) -> list[Request]:
+    """Count a step's computed tokens (requests gone since are skipped). Returns the requests
+    a block of which just became full: the caller hashes those into the prefix cache once the
+    step's tokens are appended (a block is hashed from its tokens)."""
+    crossed = []
+    for rid, num in num_computed.items():
         req = requests.get(rid)
         if req is None or req.status is not _RUNNING:
             continue
         old = req.num_computed_tokens
         req.num_computed_tokens = old + num
-        if kv is not None and (old + num) // block_size != old // block_size:
-            kv.cache_blocks(req)
+        if (old + num) // block_size != old // block_size:
+            crossed.append(req)
+    return crossed
 
 
 def finished_output(req: Request) -> EngineCoreOutput:
@@ -101,12 +100,16 @@ def append_samples(
 
 
 def _append_tokens(req: Request, token_ids: list[int]) -> tuple[list[int], RequestStatus | None]:
-    """Append several samples (multi-token steps), stopping at the first stop; returns the
-    tokens kept and the terminal status, if any."""
+    """Append several samples (accepted speculative drafts and one more), stopping at the first
+    stop; returns the tokens kept and the terminal status, if any. A stop inside the run drops
+    the tokens after it, and the computed count with them (nothing past a stop is cached)."""
     for i, token_id in enumerate(token_ids):
         req.append_output_token_id(token_id)
         status = req.check_stop(token_id)
         if status is not None:
+            last = len(req.all_token_ids) - 1
+            if req.num_computed_tokens > last:
+                req.num_computed_tokens = last
             return token_ids[: i + 1], status
     return token_ids, None
 

@@ -38,6 +38,7 @@ from jaxserve.core.sched.output_processor import (
 )
 from jaxserve.core.sched.pending_prefixes import PendingPrefixes
 from jaxserve.core.sched.policy import make_policy
+from jaxserve.core.sched.spec_tokens import SpecDecodeStats, computed_counts, take_drafts
 from jaxserve.core.sched.starting_point import starting_point
 from jaxserve.core.sched.stats import SchedulerStats
 from jaxserve.core.sched.step_batch import StepBatch
@@ -57,6 +58,8 @@ class Scheduler:
         num_kv_blocks: size of the device KV pool in blocks, including the null block 0.
         host_tier: the runner's host KV tier, or None; required (with num_blocks > 0) when
             cache_config.kv_offloading_size > 0.
+        num_speculative_tokens: k of speculative decoding (0: off): requests may carry up to
+            k drafts (Request.spec_token_ids), verified in their next step (spec_tokens.py).
 
     Requests live in ``requests`` from add_request until they finish; a request is in exactly
     one of ``waiting`` (WAITING or PREEMPTED) and ``running`` (RUNNING, sorted by policy key).
@@ -68,6 +71,7 @@ class Scheduler:
         cache_config: CacheConfig,
         num_kv_blocks: int,
         host_tier: HostTier | None = None,
+        num_speculative_tokens: int = 0,
     ) -> None:
         self.host = HostKVTier(cache_config, host_tier)
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
@@ -85,6 +89,7 @@ class Scheduler:
         self._finished_req_ids: set[str] = set()  # since the last schedule(); for the runner
         self._num_added = 0  # arrival_index of the next request
         self.stats = SchedulerStats()
+        self.spec_stats = SpecDecodeStats(num_speculative_tokens) if num_speculative_tokens else None
 
     # ----------------------------------------------------------------------------- requests
 
@@ -119,6 +124,14 @@ class Scheduler:
         self._num_added += 1
         self.requests[request.request_id] = request
         self.waiting.add(request)
+
+    def set_spec_tokens(self, drafts: dict[str, list[int]]) -> None:
+        """Speculative drafts for running requests, verified in the next schedule() as far as
+        budget, sampling rows, length limits and free blocks allow (spec_tokens.py)."""
+        for req_id, draft_ids in drafts.items():
+            req = self.requests.get(req_id)
+            if req is not None and req.status is _RUNNING:
+                req.spec_token_ids = draft_ids
 
     def check_prompt_length(self, num_prompt_tokens: int) -> None:
         """Raise ValueError unless a prompt of this many tokens can ever be served (what
@@ -190,7 +203,10 @@ class Scheduler:
     def get_stats(self) -> dict[str, int | float]:
         """Counters for LLM.get_stats() (docs/architecture.md), plus num_cow_copies."""
         kv = self.kv_cache_manager
-        return self.stats.report(kv, self.num_kv_blocks, self.host.stats(kv))
+        stats = self.stats.report(kv, self.num_kv_blocks, self.host.stats(kv))
+        if self.spec_stats is not None:
+            stats.update(self.spec_stats.report())
+        return stats
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         """The engine's measurement of a step (tokens computed, wall time), for "auto"
@@ -228,8 +244,9 @@ class Scheduler:
         return self._build_output(step)
 
     def _schedule_running(self, step: StepBatch) -> None:
-        """Give each running request its next tokens (a decode: 1; a chunked prefill: the rest,
-        up to the budget), preempting from the back of ``running`` when the pool is full.
+        """Give each running request its next tokens (a decode: 1, plus the speculative drafts
+        that fit; a chunked prefill: the rest, up to the budget), preempting from the back of
+        ``running`` when the pool is full.
 
         A running request never writes into a shared block (prefix hits share only full blocks;
         a fork child copies its shared partial block in its first step), so when its table
@@ -237,12 +254,13 @@ class Scheduler:
         ``allocate_slots`` altogether.
         """
         running = self.running
-        allocate = self.kv_cache_manager.allocate_slots
         tables = self.kv_cache_manager.req_to_blocks
         bs = self.block_size
         budget = step.budget
         cached_reqs = step.cached_reqs
         cached_tokens = step.cached_tokens
+        # Sampling rows a step has beyond one per running request, for drafts.
+        spare_rows = self.max_num_seqs - len(running)
         live = num_blocks = 0
         # Preemption pops from the end of ``running`` only (never before ``req``), which a list
         # iterator tolerates: it just stops earlier.
@@ -254,16 +272,22 @@ class Scheduler:
             num_new = len(req.all_token_ids) - num_computed
             if num_new > budget:
                 num_new = budget
+            drafts = req.spec_token_ids
+            if drafts:
+                drafts = take_drafts(req, min(budget - num_new, spare_rows))
             table = tables[rid]
-            if num_computed + num_new <= len(table) * bs:
+            if num_computed + num_new + len(drafts) <= len(table) * bs:
                 new_ids = []
             else:
-                new_blocks = allocate(req, num_new)
-                if new_blocks is None:
-                    new_blocks = self._preempt_until_fits(req, num_new, step)
-                    if new_blocks is None:  # req itself was the victim
-                        break
+                new_blocks, drafts = self._allocate(req, num_new, drafts, step)
+                if new_blocks is None:  # req itself was the victim
+                    break
                 new_ids = [b.block_id for b in new_blocks]
+            if drafts:
+                step.spec_tokens[rid] = drafts
+                step.num_draft_tokens += len(drafts)
+                spare_rows -= len(drafts)
+                num_new += len(drafts)
             cached_reqs.append(CachedRequestData(rid, new_ids, num_computed))
             cached_tokens[rid] = num_new
             budget -= num_new
@@ -272,6 +296,24 @@ class Scheduler:
         step.budget = budget
         step.live_tokens += live
         step.num_blocks += num_blocks
+
+    def _allocate(
+        self, req: Request, num_new: int, drafts: list[int], step: StepBatch
+    ) -> tuple[list[KVCacheBlock] | None, list[int]]:
+        """Blocks for ``num_new`` tokens and the drafts; when the pool is short, the drafts are
+        dropped first, then lower-ranked requests preempted. Returns (the new blocks, or None
+        when ``req`` itself was preempted; the drafts kept)."""
+        allocate = self.kv_cache_manager.allocate_slots
+        new_blocks = allocate(req, num_new + len(drafts))
+        if new_blocks is None and drafts:
+            drafts = []
+            table = self.kv_cache_manager.req_to_blocks[req.request_id]
+            if req.num_computed_tokens + num_new <= len(table) * self.block_size:
+                return [], drafts
+            new_blocks = allocate(req, num_new)
+        if new_blocks is None:
+            new_blocks = self._preempt_until_fits(req, num_new, step)
+        return new_blocks, drafts
 
     def _preempt_until_fits(
         self, req: Request, num_new: int, step: StepBatch
@@ -298,6 +340,7 @@ class Scheduler:
             kv.free(req)
             req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.add_preempted(req)
@@ -314,7 +357,8 @@ class Scheduler:
         waiting = self.waiting
         skipped: list[Request] = []
         pending = PendingPrefixes(kv, self.running, self.block_size)
-        while len(waiting) and step.budget > 0 and len(self.running) < self.max_num_seqs:
+        max_running = self.max_num_seqs - step.num_draft_tokens  # drafts take sampling rows
+        while len(waiting) and step.budget > 0 and len(self.running) < max_running:
             req = waiting.peek()
             if kv.is_swapped(req.request_id):
                 if not self._swap_in(req, step):
@@ -380,9 +424,15 @@ class Scheduler:
         EngineCoreOutput per request that sampled or received prompt logprobs.
         """
         requests = self.requests
-        kv = self.kv_cache_manager if self.enable_caching else None
-        advance_computed(requests, scheduler_output.num_scheduled_tokens, kv, self.block_size)
+        num_computed = scheduler_output.num_scheduled_tokens
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        if spec:  # rejected drafts are not computed: rolled back before any block is hashed
+            num_computed = computed_counts(num_computed, spec, model_runner_output, self.spec_stats)
+        crossed = advance_computed(requests, num_computed, self.block_size)
         outputs, finished = append_samples(requests, model_runner_output)
+        if self.enable_caching:
+            for req in crossed:
+                self.kv_cache_manager.cache_blocks(req)
         if model_runner_output.prompt_logprobs:
             attach_prompt_logprobs(requests, model_runner_output, outputs)
         if finished:

@@ -25,6 +25,8 @@ class StepBatch:
         "preempted_req_ids",
         "live_tokens",
         "num_blocks",
+        "spec_tokens",
+        "num_draft_tokens",
     )
 
     def __init__(self, budget: int) -> None:
@@ -39,6 +41,8 @@ class StepBatch:
         # (num_computed + scheduled), and blocks in their tables.
         self.live_tokens = 0
         self.num_blocks = 0
+        self.spec_tokens: dict[str, list[int]] = {}  # req_id -> drafts verified this step
+        self.num_draft_tokens = 0  # their total: each takes a sampling row of the step
 
     def add_new(self, req: Request, block_ids: list[int], num_new: int) -> None:
         """Schedule ``num_new`` tokens of an admitted request from its num_computed_tokens
@@ -91,4 +95,5 @@ class StepBatch:
             block_copies=block_copies,
             device_to_host=host_copies[0],
             host_to_device=host_copies[1],
+            scheduled_spec_decode_tokens=self.spec_tokens,
         )

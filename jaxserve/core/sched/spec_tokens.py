@@ -1,0 +1,84 @@
+"""Speculative drafts on the scheduler's side: what fits in a step, how many were accepted, and
+the counters (vLLM's spec_decode_* metrics).
+
+The scheduler knows drafts only as tokens that spend budget like any other: a running decode
+with drafts d_1..d_k schedules 1 + k tokens (KV slots from allocate_slots, one sampling row
+each). After the step, the runner reports the tokens each request emits (its accepted drafts
+plus one); the rejected drafts' positions are rolled back from ``num_computed_tokens`` before any
+block is hashed, so an unverified token never enters the prefix cache. Their KV slots stay in
+the request's table and are overwritten by later steps.
+"""
+
+from __future__ import annotations
+
+from jaxserve.outputs import ModelRunnerOutput
+from jaxserve.request import Request
+
+
+def take_drafts(req: Request, room: int) -> list[int]:
+    """The drafts of a running decode that this step verifies: at most ``room`` (what the
+    step's token budget and sampling rows leave), and never so many that accepting them all
+    (plus the bonus token) would pass the request's length limit. Consumes them: a draft is
+    verified once or dropped."""
+    drafts = req.spec_token_ids
+    req.spec_token_ids = []
+    room = min(room, req.max_num_tokens - len(req.all_token_ids) - 1)
+    return drafts[:room] if room > 0 else []
+
+
+def computed_counts(
+    num_scheduled: dict[str, int],
+    spec_tokens: dict[str, list[int]],
+    runner_output: ModelRunnerOutput,
+    stats: SpecDecodeStats,
+) -> dict[str, int]:
+    """Tokens each request computed for good this step: its scheduled tokens less its rejected
+    drafts (a request that sampled nothing keeps none of them). Records the acceptance."""
+    emitted = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True))
+    counts = dict(num_scheduled)
+    for req_id, drafts in spec_tokens.items():
+        tokens = emitted.get(req_id)
+        num_accepted = len(tokens) - 1 if tokens else 0
+        counts[req_id] -= len(drafts) - num_accepted
+        stats.record(len(drafts), num_accepted)
+    return counts
+
+
+class SpecDecodeStats:
+    """Counters of verified drafts (vLLM's names, get_stats() and /metrics)."""
+
+    def __init__(self, num_speculative_tokens: int) -> None:
+        self.num_drafts = 0  # requests' verification steps (each verifies 1..k drafts)
+        self.num_draft_tokens = 0  # drafts verified
+        self.num_accepted_tokens = 0  # drafts accepted
+        # [k]: drafts accepted at position i (0-based) of their run
+        self.num_accepted_tokens_per_pos = [0] * num_speculative_tokens
+        self._step_counts = [0, 0]  # (drafts verified, accepted) since take_step_counts
+
+    def take_step_counts(self) -> tuple[int, int]:
+        """(drafts verified, drafts accepted) since the previous call: one step's worth."""
+        counts, self._step_counts = self._step_counts, [0, 0]
+        return counts[0], counts[1]
+
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        self._step_counts[0] += num_draft_tokens
+        self._step_counts[1] += num_accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        for i in range(min(num_accepted, len(per_pos))):
+            per_pos[i] += 1
+
+    def report(self) -> dict[str, object]:
+        """The get_stats() keys: counters, the acceptance rate and the mean tokens a
+        verification step emits (accepted drafts + 1)."""
+        drafts, tokens, accepted = self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens
+        return {
+            "spec_decode_num_drafts": drafts,
+            "spec_decode_num_draft_tokens": tokens,
+            "spec_decode_num_accepted_tokens": accepted,
+            "spec_decode_num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
+            "spec_decode_acceptance_rate": accepted / tokens if tokens else 0.0,
+            "spec_decode_mean_accepted_length": 1.0 + accepted / drafts if drafts else 0.0,
+        }

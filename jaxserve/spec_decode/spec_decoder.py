@@ -1,0 +1,68 @@
+"""SpecDecoder: what EngineCore calls to speculate: after each step, the next step's drafts.
+
+It owns the proposer (one per method) and the policy, and decides which running requests may
+carry drafts: decodes (every known token but the last computed) whose sampling the target can
+verify position by position exactly. Requests with presence, frequency or repetition penalties
+are verified without drafts: their penalty counts would have to include the drafts before each
+position, which the sampler's per-request penalty lists do not. They are served exactly, one
+token per step, while the others speculate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from jaxserve.request import Request
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.spec_decode.ngram_proposer import NgramProposer
+from jaxserve.spec_decode.policy import SpecPolicy
+from jaxserve.speculative_config import SpeculativeConfig
+
+
+def can_speculate(params: SamplingParams) -> bool:
+    """Whether a request with these parameters may carry drafts (module docstring)."""
+    return (
+        params.presence_penalty == 0.0
+        and params.frequency_penalty == 0.0
+        and params.repetition_penalty == 1.0
+    )
+
+
+class SpecDecoder:
+    """Proposes drafts for the running decodes, as the policy allows.
+
+    Args:
+        config: the validated speculative_config.
+    """
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.proposer = NgramProposer(
+            config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+        )
+        self.policy = SpecPolicy(config)
+
+    def propose(self, running: Iterable[Request]) -> dict[str, list[int]]:
+        """The next step's drafts by request id (requests without a proposal left out)."""
+        running = list(running)
+        k = self.policy.num_drafts(len(running))
+        eligible = []
+        if k:
+            eligible = [
+                r
+                for r in running
+                if r.num_computed_tokens == len(r.all_token_ids) - 1
+                and can_speculate(r.sampling_params)
+            ]
+        drafts = self.proposer.propose(eligible, k)
+        if eligible:
+            self.policy.observe_drafts(len(eligible), sum(map(len, drafts.values())))
+        return drafts
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """A step's scheduled tokens and wall time (the policy's cost line)."""
+        self.policy.observe_step(num_tokens, seconds)
+
+    def observe_verification(self, num_draft_tokens: int, num_accepted: int) -> None:
+        """Drafts verified in a step and how many the target accepted."""
+        self.policy.observe_acceptance(num_draft_tokens, num_accepted)

@@ -1,0 +1,101 @@
+"""SpeculativeConfig: vLLM's ``speculative_config`` dict, validated (host side, no jax).
+
+``LLM(..., speculative_config={"method": "ngram", "num_speculative_tokens": 4})`` turns on
+speculative decoding: a proposer guesses up to k next tokens of a running request, the target
+model scores all 1 + k positions in the same ragged batch as every other request, and the
+rejection sampler keeps the longest prefix the target agrees with plus one token of its own
+(jaxserve/spec_decode/). Every key is checked before anything loads; an unknown key, a method
+jaxserve lacks, or a value out of range is a ValueError naming the key, the value and the limit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+# Methods jaxserve implements. vLLM also has "suffix", "draft_model", "eagle", "eagle3",
+# "mtp" and "medusa": named here so that their refusal says what is missing, not "unknown".
+SPEC_METHODS = ("ngram",)
+NOT_IMPLEMENTED_METHODS = ("suffix", "draft_model", "eagle", "eagle3", "mtp", "medusa")
+MAX_SPECULATIVE_TOKENS = 32  # k: drafts per request per step
+# The automatic policy's modes: "auto" speculates only while the measured cost model says it
+# gains (spec_decode/policy.py); "always" speculates at every batch size.
+SPEC_POLICIES = ("auto", "always")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding settings (vLLM's names).
+
+    method: SPEC_METHODS. "ngram" is prompt lookup: the longest suffix of the request's tokens
+        (prompt and outputs) of prompt_lookup_max down to prompt_lookup_min tokens that occurred
+        earlier proposes the tokens that followed it.
+    num_speculative_tokens: k, the most drafts a request verifies per step, 1..32.
+    prompt_lookup_min / prompt_lookup_max: the n-gram lengths tried, longest first.
+    disable_by_batch_size: vLLM's switch: no speculation while more requests than this are
+        running (None: no such cap).
+    policy: SPEC_POLICIES; "auto" also stops speculating where the measured step costs and
+        acceptance rate say it would lose throughput, and resumes when the batch shrinks.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    disable_by_batch_size: int | None = None
+    policy: str = "auto"
+
+    def __post_init__(self) -> None:
+        owner = "speculative_config"
+        if self.method in NOT_IMPLEMENTED_METHODS:
+            raise ValueError(
+                f"{owner}['method']={self.method!r} is not implemented in jaxserve; "
+                f"implemented: {list(SPEC_METHODS)}"
+            )
+        if self.method not in SPEC_METHODS:
+            raise ValueError(
+                f"{owner}['method'] must be one of {list(SPEC_METHODS)}, got {self.method!r}"
+            )
+        _int_in(owner, "num_speculative_tokens", self.num_speculative_tokens, 1,
+                MAX_SPECULATIVE_TOKENS)  # fmt: skip
+        _int_in(owner, "prompt_lookup_min", self.prompt_lookup_min, 1, 1 << 20)
+        _int_in(owner, "prompt_lookup_max", self.prompt_lookup_max, self.prompt_lookup_min, 1 << 20)
+        if self.disable_by_batch_size is not None:
+            _int_in(owner, "disable_by_batch_size", self.disable_by_batch_size, 1, 1 << 30)
+        if self.policy not in SPEC_POLICIES:
+            raise ValueError(
+                f"{owner}['policy'] must be one of {list(SPEC_POLICIES)}, got {self.policy!r}"
+            )
+
+    @classmethod
+    def from_value(cls, value: Any) -> SpeculativeConfig | None:
+        """``speculative_config`` as LLM(...) takes it: None (off), a dict of vLLM's keys, or a
+        SpeculativeConfig.
+
+        Raises:
+            TypeError: not a dict (or SpeculativeConfig, or None).
+            ValueError: an unknown key (the known ones listed), a missing "method", a bad value.
+        """
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise TypeError(
+                f"speculative_config must be a dict such as {{'method': 'ngram', "
+                f"'num_speculative_tokens': 4}}, got {type(value).__name__}"
+            )
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(str(k) for k in value if k not in known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {unknown}; known: {known}")
+        if "method" not in value:
+            raise ValueError(
+                f"speculative_config needs a 'method', one of {list(SPEC_METHODS)}"
+            )
+        return cls(**value)
+
+
+def _int_in(owner: str, name: str, value: object, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{owner}[{name!r}] must be an int, got {value!r}")
+    if not lo <= value <= hi:
+        raise ValueError(f"{owner}[{name!r}] must be in [{lo}, {hi}], got {value}")
