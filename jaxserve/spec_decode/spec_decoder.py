@@ -11,12 +11,19 @@ token per step, while the others speculate.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Protocol
 
 from jaxserve.request import Request
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.spec_decode.ngram_proposer import NgramProposer
 from jaxserve.spec_decode.policy import SpecPolicy
 from jaxserve.speculative_config import SpeculativeConfig
+
+
+class Proposer(Protocol):
+    def propose(self, requests: Iterable[Request], k: int) -> dict[str, list[int]]:
+        """Up to k drafts for each of the given running decodes (none where it has no guess)."""
+        ...
 
 
 def can_speculate(params: SamplingParams) -> bool:
@@ -33,11 +40,13 @@ class SpecDecoder:
 
     Args:
         config: the validated speculative_config.
+        proposer: what proposes the drafts (``propose(requests, k) -> {req_id: drafts}``);
+            default: the one config.method names.
     """
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None) -> None:
         self.config = config
-        self.proposer = NgramProposer(
+        self.proposer = proposer or NgramProposer(
             config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
         )
         self.policy = SpecPolicy(config)

@@ -86,6 +86,13 @@ class FakeRunner:
         expected_order += [r.req_id for r in so.scheduled_cached_reqs]
         assert list(so.num_scheduled_tokens) == expected_order
         assert sum(so.num_scheduled_tokens.values()) == so.total_num_scheduled_tokens
+        # Speculative drafts are input tokens of their positions, until verified.
+        spec = so.scheduled_spec_decode_tokens
+        for rid, drafts in spec.items():
+            state = self.reqs[rid]
+            assert state.num_computed == len(state.tokens) - 1, "drafts for a prefill"
+            assert so.num_scheduled_tokens[rid] == 1 + len(drafts)
+            state.tokens.extend(drafts)
         # A forward pass writes all KV first, then attends: so write everything, then sample.
         for rid, num in so.num_scheduled_tokens.items():
             self._write(self.reqs[rid], num)
@@ -106,10 +113,10 @@ class FakeRunner:
         state.num_computed += num
         self.num_computed_tokens_total += num
 
-    def _read(self, state: _RunnerState) -> list[int]:
+    def _read(self, state: _RunnerState, num_tokens: int | None = None) -> list[int]:
         bs = self.block_size
         out = []
-        for pos in range(len(state.tokens)):
+        for pos in range(len(state.tokens) if num_tokens is None else num_tokens):
             entry = self.slots[state.block_table[pos // bs] * bs + pos % bs]
             assert entry == (pos, state.tokens[pos]), (pos, entry, state.tokens[pos])
             out.append(entry[1])
@@ -128,15 +135,32 @@ class FakeRunner:
                 ]
                 if entries:
                     mro.prompt_logprobs[rid] = entries
+            drafts = so.scheduled_spec_decode_tokens.get(rid, [])
             if state.num_computed < len(state.tokens):
                 continue  # mid-prefill: nothing to sample
-            token = next_token(self._read(state))
-            state.tokens.append(token)
+            tokens = self._verify(state, drafts)
             mro.req_ids.append(rid)
-            mro.sampled_token_ids.append([token])
+            mro.sampled_token_ids.append(tokens)
             if state.params.logprobs is not None:
-                mro.logprobs[rid] = [TokenLogprobs([token], [-0.5], [1])]
+                mro.logprobs[rid] = [TokenLogprobs([t], [-0.5], [1]) for t in tokens]
         return mro
+
+    def _verify(self, state: _RunnerState, drafts: list[int]) -> list[int]:
+        """The tokens a step emits: the model's next token after each accepted draft, up to
+        the first that differs from its draft (the rejection rule for one-hot drafts). The
+        rejected drafts leave the state: their KV is not computed for good."""
+        known = len(state.tokens) - len(drafts)
+        emitted = []
+        for j in range(len(drafts) + 1):
+            token = next_token(self._read(state, known + j))
+            emitted.append(token)
+            if j == len(drafts) or token != drafts[j]:
+                break
+        num_rejected = len(drafts) - (len(emitted) - 1)
+        del state.tokens[known:]
+        state.tokens.extend(emitted)
+        state.num_computed -= num_rejected
+        return emitted
 
 
 def reference_output(
@@ -185,15 +209,18 @@ def make_request(
     )
 
 
-def check_invariants(sched: Scheduler) -> None:
-    """docs/architecture.md, checked on the live structures."""
+def check_invariants(sched: Scheduler, lookahead: int = 0) -> None:
+    """docs/architecture.md, checked on the live structures. ``lookahead``: speculative
+    drafts per request (k); a table may keep the slots of rejected drafts, at most k."""
     kv = sched.kv_cache_manager
     pool = kv.block_pool
     holders = [0] * pool.num_blocks
     for rid, table in kv.req_to_blocks.items():
         req = sched.requests[rid]
         assert req.status == RequestStatus.RUNNING, req
-        assert len(table) == -(-req.num_computed_tokens // kv.block_size), (req, len(table))
+        num_needed = -(-req.num_computed_tokens // kv.block_size)
+        most = -(-(req.num_computed_tokens + lookahead) // kv.block_size)
+        assert num_needed <= len(table) <= most, (req, len(table))
         for block in table:
             holders[block.block_id] += 1
     assert holders[0] == 0 and pool.null_block.ref_cnt == 0

@@ -1,5 +1,5 @@
 """Property test: random add / fork / abort / step sequences with random budgets, pools, block
-sizes, host KV tiers and preemption modes. After every step the block accounting of both tiers
+sizes, host KV tiers, preemption modes and speculative drafts (right or wrong at random). After every step the block accounting of both tiers
 holds (docs/architecture.md); at the end everything is free, and every request produced exactly
 what the fake model gives it alone (the fake model reads its KV back through the block tables,
 so a block restored from the host with the wrong contents changes the output)."""
@@ -9,11 +9,13 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sched_fake_model import (
+    VOCAB,
     FakeRunner,
     check_all_free,
     check_invariants,
     make_request,
     merge_output,
+    next_token,
     reference_output,
 )
 
@@ -41,25 +43,47 @@ _op = st.one_of(
 
 
 class _Harness:
-    def __init__(self, sched: Scheduler, runner: FakeRunner) -> None:
+    def __init__(
+        self, sched: Scheduler, runner: FakeRunner, spec_k: int = 0, rng=None
+    ) -> None:
         self.sched = sched
         self.runner = runner
         self.results: dict[str, EngineCoreOutput] = {}
         self.reqs: dict = {}
         self.aborted: set[str] = set()
+        self.spec_k = spec_k
+        self.rng = rng
 
     def step(self) -> None:
         so = self.sched.schedule()
         for out in self.sched.update_from_output(so, self.runner.execute(so)):
             merge_output(self.results, out)
-        check_invariants(self.sched)
+        check_invariants(self.sched, lookahead=self.spec_k)
+        if self.spec_k:
+            self.sched.set_spec_tokens(self._drafts())
+
+    def _drafts(self) -> dict[str, list[int]]:
+        """Up to k drafts for each running decode, each the fake model's next token (accepted)
+        or a random one (usually rejected), at random."""
+        drafts = {}
+        for req in self.sched.running:
+            if req.num_computed_tokens != req.num_tokens - 1:
+                continue
+            tokens, guess = list(req.all_token_ids), []
+            for _ in range(self.rng.randint(0, self.spec_k)):
+                right = next_token(tokens)
+                token = right if self.rng.random() < 0.7 else self.rng.randrange(VOCAB)
+                guess.append(token)
+                tokens.append(token)
+            drafts[req.request_id] = guess
+        return drafts
 
     def add(self, req, parent: str | None = None) -> None:
         try:
             self.sched.add_request(req, parent_req_id=parent)
         except ValueError:
             assert req.request_id not in self.sched.requests
-            check_invariants(self.sched)
+            check_invariants(self.sched, lookahead=self.spec_k)
             return
         self.reqs[req.request_id] = req
 
@@ -77,6 +101,8 @@ class _Harness:
     ops=st.lists(_op, max_size=30),
     host_blocks=st.integers(0, 10),
     mode=st.sampled_from(["recompute", "swap", "auto"]),
+    spec_k=st.sampled_from([0, 0, 1, 3]),
+    rng=st.randoms(use_true_random=False),
 )
 def test_random_workloads_keep_invariants_and_outputs(
     block_size,
@@ -90,6 +116,8 @@ def test_random_workloads_keep_invariants_and_outputs(
     ops,
     host_blocks,
     mode,
+    spec_k,
+    rng,
 ) -> None:
     # "auto" with unit rates swaps a victim when it would copy fewer blocks than it has
     # tokens to recompute: both choices occur. A host tier needs a use (CacheConfig refuses one
@@ -112,9 +140,11 @@ def test_random_workloads_keep_invariants_and_outputs(
         ),
         num_blocks,
         host,
+        num_speculative_tokens=spec_k,
     )
     sched.observe_step(1, 1.0)
-    h = _Harness(sched, FakeRunner(num_blocks, block_size, sched.kv_cache_manager.block_pool))
+    runner = FakeRunner(num_blocks, block_size, sched.kv_cache_manager.block_pool)
+    h = _Harness(sched, runner, spec_k, rng)
     pending = list(specs)
     # Unused "add" ops leave requests pending; they all arrive before the final drain.
     for i, op in enumerate(ops + [("add", 0)] * len(specs)):
@@ -145,7 +175,7 @@ def test_random_workloads_keep_invariants_and_outputs(
             rid = list(h.reqs)[op[1] % len(h.reqs)]
             if sched.abort_requests(rid):
                 h.aborted.add(rid)
-            check_invariants(sched)
+            check_invariants(sched, lookahead=spec_k)
         elif op[0] == "step":
             for _ in range(op[1]):
                 h.step()
