@@ -1,0 +1,46 @@
+"""The speculation policy's cost model: it speculates where the measured step costs and
+acceptance say it gains, stops where it would lose, probes while off, and resumes."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxserve.spec_decode.policy import PROBE_EVERY, SpecPolicy
+from jaxserve.speculative_config import SpeculativeConfig
+
+
+def _policy(**kw) -> SpecPolicy:
+    return SpecPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=4, **kw))
+
+
+def _feed(policy: SpecPolicy, cost, accepted_per_draft: float) -> None:
+    for tokens in (1, 5, 16, 64, 256, 1024) * 4:
+        policy.observe_step(tokens, cost(tokens))
+    for _ in range(200):
+        policy.observe_drafts(10, 40)
+        policy.observe_acceptance(40, int(40 * accepted_per_draft))
+
+
+def test_speculates_until_it_has_measurements():
+    policy = _policy()
+    assert policy.num_drafts(256) == 4
+
+
+def test_small_batches_speculate_and_compute_bound_batches_do_not():
+    policy = _policy()
+    # A step costs 10 ms plus 0.1 ms a token: flat at batch 1, proportional at 256.
+    _feed(policy, lambda t: 0.010 + 0.0001 * t, accepted_per_draft=0.5)
+    assert policy.expected_speedup(1) == pytest.approx((1 + 0.5 * 4) * 0.0101 / 0.0105, rel=0.02)
+    assert policy.num_drafts(1) == 4
+    assert policy.expected_speedup(256) < 1.0
+    decisions = [policy.num_drafts(256) for _ in range(2 * PROBE_EVERY)]
+    assert decisions.count(4) == 2  # probes only
+    assert policy.num_drafts(2) == 4  # the batch shrank: back on
+
+
+def test_always_and_disable_by_batch_size():
+    policy = _policy(policy="always", disable_by_batch_size=8)
+    _feed(policy, lambda t: 0.0001 * t, accepted_per_draft=0.0)
+    assert policy.num_drafts(8) == 4
+    assert policy.num_drafts(9) == 0
+    assert policy.num_drafts(0) == 0
