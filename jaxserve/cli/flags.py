@@ -9,6 +9,7 @@ Imports no jax: ``jaxserve --help`` and a bad flag stay fast.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +48,17 @@ class Flag:
 
 def _flag(*options: str, **kwargs: Any) -> Flag:
     return Flag(options, kwargs)
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """argparse type: a JSON object (its keys are checked where it is used)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e.msg}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 # The LLM constructor arguments, in --help order. A flag whose dest is an LLM argument is passed
@@ -109,6 +121,13 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
         "--no-warmup",
         action="store_true",
         help="compile each batch shape when it first runs instead of all at start-up",
+    ),
+    _flag(
+        "--speculative-config",
+        type=json_object,
+        metavar="JSON",
+        help='speculative decoding, vLLM\'s keys, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4}\' (greedy and seeded outputs do not change)',
     ),
 )
 _MAPPED = {"engine_seed", "no_prefix_caching", "no_warmup"}

@@ -45,6 +45,10 @@ _MIRRORED = {
     "host_to_device_bytes": "host_to_device_bytes",
     "num_swap_preemptions": "num_swap_preemptions",
     "num_swap_fallbacks": "num_swap_fallbacks",
+    # speculative decoding (vLLM's names; 0 while it is off)
+    "spec_decode_num_drafts": "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens": "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens": "spec_decode_num_accepted_tokens",
 }
 
 
@@ -78,6 +82,13 @@ class EngineMetrics:
             key: counter(name, f"Engine counter {key}.") for key, name in _MIRRORED.items()
         }
         self._mirrored_last = dict.fromkeys(_MIRRORED, 0)
+        self._accepted_per_pos = prom.Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Accepted speculative drafts, by position in their run (0-based).",
+            ["model_name", "position"],
+            registry=reg,
+        )
+        self._accepted_per_pos_last: list[int] = []
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that started.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self._success = prom.Counter(
@@ -116,10 +127,16 @@ class EngineMetrics:
         self.num_requests_waiting.set(stats["num_requests_waiting"])
         self.kv_cache_usage_perc.set(stats["kv_cache_usage"])
         for key, metric in self._mirrored.items():
-            value = stats[key]
+            value = stats.get(key, 0)
             if value > self._mirrored_last[key]:
                 metric.inc(value - self._mirrored_last[key])
             self._mirrored_last[key] = value
+        per_pos = stats.get("spec_decode_num_accepted_tokens_per_pos", [])
+        last = self._accepted_per_pos_last + [0] * (len(per_pos) - len(self._accepted_per_pos_last))
+        for pos, (value, before) in enumerate(zip(per_pos, last)):
+            if value > before:
+                self._accepted_per_pos.labels(self.model_name, str(pos)).inc(value - before)
+        self._accepted_per_pos_last = list(per_pos)
 
     def observe_output(self, out: RequestOutput) -> None:
         """Token counts and latencies of one (cumulative) RequestOutput."""

@@ -219,6 +219,14 @@ def format_summary(
     queries, hits = stats["prefix_cache_queries"], stats["prefix_cache_hits"]
     hit_rate = f"{hits / queries:.1%}" if queries else "n/a"
     num_used = stats["num_usable_kv_blocks"] - stats["num_free_kv_blocks"]
+    spec = []
+    if "spec_decode_num_draft_tokens" in stats:
+        spec = [
+            f"speculation:        {stats['spec_decode_num_accepted_tokens']}/"
+            f"{stats['spec_decode_num_draft_tokens']} drafts accepted "
+            f"({stats['spec_decode_acceptance_rate']:.1%}), "
+            f"{stats['spec_decode_mean_accepted_length']:.2f} tokens per verification"
+        ]
     return "\n".join(
         [
             f"requests:           {len(outputs)} ({num_completions} completions)",
@@ -233,6 +241,7 @@ def format_summary(
             f"engine:             {stats['num_steps']} steps, {stats['num_preemptions']} "
             f"preemptions, {stats['num_compilations']} compilations "
             f"({stats.get('num_compilation_cache_hits', 0)} more loaded from the cache)",
+            *spec,
         ]
     )
 
