@@ -12,6 +12,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from jaxserve.runner.spec_rows import logits_rows
+
 
 @dataclass
 class PreparedBatch:
@@ -231,8 +233,8 @@ class InputBatch:
         kv_lens[:num_reqs] = seq_lens_real
         if num_drafts is None:
             num_drafts = np.zeros(num_reqs, np.int32)
-        logits_indices, draft_ids = _logits_rows(cu[1 : num_reqs + 1], num_drafts, input_ids,
-                                                 padded_rows)  # fmt: skip
+        logits_indices, draft_ids = logits_rows(cu[1 : num_reqs + 1], num_drafts, input_ids,
+                                                padded_rows)  # fmt: skip
         return PreparedBatch(
             req_ids=req_ids,
             slots=slots,
@@ -249,32 +251,3 @@ class InputBatch:
             sampling_rows=seq_lens_real >= self.num_tokens[slots],
             num_drafts=num_drafts,
         )
-
-
-def _logits_rows(
-    ends: np.ndarray, num_drafts: np.ndarray, input_ids: np.ndarray, padded_rows: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """(logits_indices, draft_ids) i32[R] of PreparedBatch: request i, ending at token row
-    ends[i] (exclusive), owns 1 + num_drafts[i] logits rows, the last token rows of its chunk;
-    each but the last verifies the input token of the next row.
-
-        token rows:   ... x  d1 d2 d3 | next request
-        logits rows:      x  d1 d2 d3        (4 rows; drafts verified: d1 d2 d3 -1)
-    """
-    logits_indices = np.zeros(padded_rows, np.int32)
-    draft_ids = np.full(padded_rows, -1, np.int32)
-    num_reqs = len(ends)
-    if not num_drafts.any():  # the common case: one row per request
-        logits_indices[:num_reqs] = ends - 1
-        return logits_indices, draft_ids
-    per_req = num_drafts + 1
-    total = int(per_req.sum())
-    if total > padded_rows:
-        raise ValueError(f"{total} logits rows (requests + drafts) exceed R={padded_rows}")
-    req_of_row = np.repeat(np.arange(num_reqs), per_req)
-    back = np.repeat(np.cumsum(per_req), per_req) - np.arange(total)  # k + 1 .. 1 per request
-    rows = ends[req_of_row] - back
-    logits_indices[:total] = rows
-    nxt = np.minimum(rows + 1, len(input_ids) - 1)  # a last row's next is unused
-    draft_ids[:total] = np.where(back > 1, input_ids[nxt], -1)
-    return logits_indices, draft_ids

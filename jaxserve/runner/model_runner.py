@@ -48,6 +48,7 @@ from jaxserve.runner.prompt_logprobs import PromptLogprobs
 from jaxserve.runner.sampler import logprobs_width
 from jaxserve.runner.sampling_metadata import SamplingInputs, SamplingMetadata
 from jaxserve.runner.sharding import ShardingPlan
+from jaxserve.runner.spec_rows import emitted_runs, logits_row_owners
 from jaxserve.runner.step import (
     COPY_ARGS,
     STEP_ARGS,
@@ -249,7 +250,7 @@ class ModelRunner:
         )  # fmt: skip
         # One sampling row per logits row: a request's k + 1 rows sample output positions
         # pos .. pos + k, each with its own key (rejection_sampler.py).
-        row_slots, row_offsets = _logits_row_owners(batch.slots, batch.num_drafts)
+        row_slots, row_offsets = logits_row_owners(batch.slots, batch.num_drafts)
         output_pos = ib.num_tokens[row_slots] - ib.num_prompt_tokens[row_slots] + row_offsets
         sampling_md = self.sampling.build(row_slots, padded_rows, output_pos)
         targets = self._prompt_logprobs.targets(batch, ib)
@@ -343,7 +344,7 @@ class ModelRunner:
         req_ids = [batch.req_ids[r] for r in rows.tolist()]
         all_tokens = np.asarray(out.token_ids)
         if batch.num_drafts.any():
-            first, counts, token_ids = _emitted_runs(batch, rows, all_tokens, num_emitted)
+            first, counts, token_ids = emitted_runs(batch.num_drafts, rows, all_tokens, num_emitted)
             self.input_batch.append_token_runs(slots, counts, token_ids)
             self.sampling.append_output_tokens(np.repeat(slots, counts), token_ids)
             sampled = [t.tolist() for t in np.split(token_ids, np.cumsum(counts)[:-1])]
@@ -368,27 +369,6 @@ class ModelRunner:
         if self._prompt_logprobs and self._prompt_logprobs.owed_in(batch):
             self._prompt_logprobs.collect(batch, jax.device_get(plp), self.input_batch, result)
         return result
-
-
-def _emitted_runs(
-    batch: PreparedBatch, rows: np.ndarray, all_tokens: np.ndarray, num_emitted: Any
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """For the sampling requests ``rows`` of a batch that verified drafts: each one's first
-    logits row, how many tokens it emits (accepted drafts + 1), and those tokens, back to back."""
-    first = (np.cumsum(batch.num_drafts + 1) - batch.num_drafts - 1)[rows]
-    counts = np.asarray(num_emitted)[rows]
-    offsets = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-    return first, counts, all_tokens[np.repeat(first, counts) + offsets]
-
-
-def _logits_row_owners(slots: np.ndarray, num_drafts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(slot, offset) of each logits row: request i's 1 + num_drafts[i] rows in batch order,
-    at offsets 0..num_drafts[i] (the output position each row samples, past the request's)."""
-    if not num_drafts.any():
-        return slots, np.zeros(len(slots), np.int32)
-    per_req = num_drafts + 1
-    offsets = np.arange(per_req.sum()) - np.repeat(np.cumsum(per_req) - per_req, per_req)
-    return np.repeat(slots, per_req), offsets.astype(np.int32)
 
 
 def _all_ready(arrays: Any) -> bool:

@@ -4,18 +4,50 @@ scheduler frees what finished."""
 
 from __future__ import annotations
 
+from jaxserve.core.kv_cache_manager import KVCacheManager
+from jaxserve.core.sched.output import SchedulerOutput
+from jaxserve.core.sched.spec_tokens import SpecDecodeStats, computed_counts
 from jaxserve.outputs import EngineCoreOutput, ModelRunnerOutput
 from jaxserve.request import Request, RequestStatus
 
 _RUNNING = RequestStatus.RUNNING
 
 
+def process_step(
+    requests: dict[str, Request],
+    scheduler_output: SchedulerOutput,
+    runner_output: ModelRunnerOutput,
+    kv: KVCacheManager | None,
+    spec_stats: SpecDecodeStats | None,
+) -> tuple[list[EngineCoreOutput], list[Request]]:
+    """A step's results on the requests: computed tokens advance (less rejected drafts),
+    samples are appended and stops checked, newly full blocks enter the prefix cache (``kv``,
+    when prefix caching is on) once their tokens are known, prompt logprobs ride along.
+
+    Returns:
+        (one EngineCoreOutput per request that sampled or got prompt logprobs, the requests
+        that finished; the caller frees them).
+    """
+    num_computed = scheduler_output.num_scheduled_tokens
+    spec = scheduler_output.scheduled_spec_decode_tokens
+    if spec:  # rejected drafts are not computed: rolled back before any block is hashed
+        num_computed = computed_counts(num_computed, spec, runner_output, spec_stats)
+    crossed = advance_computed(requests, num_computed, kv.block_size if kv is not None else 0)
+    outputs, finished = append_samples(requests, runner_output)
+    if kv is not None:
+        for req in crossed:
+            kv.cache_blocks(req)
+    if runner_output.prompt_logprobs:
+        attach_prompt_logprobs(requests, runner_output, outputs)
+    return outputs, finished
+
+
 def advance_computed(
     requests: dict[str, Request], num_computed: dict[str, int], block_size: int
 ) -> list[Request]:
     """Count a step's computed tokens (requests gone since are skipped). Returns the requests
-    a block of which just became full: the caller hashes those into the prefix cache once the
-    step's tokens are appended (a block is hashed from its tokens)."""
+    a block of which just became full (none for ``block_size`` 0): the caller hashes those into
+    the prefix cache once the step's tokens are appended (a block is hashed from its tokens)."""
     crossed = []
     for rid, num in num_computed.items():
         req = requests.get(rid)
@@ -23,7 +55,7 @@ def advance_computed(
             continue
         old = req.num_computed_tokens
         req.num_computed_tokens = old + num
-        if (old + num) // block_size != old // block_size:
+        if block_size and (old + num) // block_size != old // block_size:
             crossed.append(req)
     return crossed
 

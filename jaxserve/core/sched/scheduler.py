@@ -30,17 +30,12 @@ from jaxserve.core.sched.admission import (
 )
 from jaxserve.core.sched.host_kv_tier import HostKVTier
 from jaxserve.core.sched.output import CachedRequestData, SchedulerOutput
-from jaxserve.core.sched.output_processor import (
-    advance_computed,
-    append_samples,
-    attach_prompt_logprobs,
-    finished_output,
-)
+from jaxserve.core.sched.output_processor import finished_output, process_step
 from jaxserve.core.sched.pending_prefixes import PendingPrefixes
 from jaxserve.core.sched.policy import make_policy
-from jaxserve.core.sched.spec_tokens import SpecDecodeStats, computed_counts, take_drafts
+from jaxserve.core.sched.spec_tokens import SpecDecodeStats, take_drafts
 from jaxserve.core.sched.starting_point import starting_point
-from jaxserve.core.sched.stats import SchedulerStats
+from jaxserve.core.sched.stats import SchedulerStats, carry_kv_counters
 from jaxserve.core.sched.step_batch import StepBatch
 from jaxserve.outputs import EngineCoreOutput, ModelRunnerOutput
 from jaxserve.request import Request, RequestStatus
@@ -227,10 +222,7 @@ class Scheduler:
             self.host.pool,
         )
         if counters_from is not None:
-            kv.prefix_cache_queries = counters_from.prefix_cache_queries
-            kv.prefix_cache_hits = counters_from.prefix_cache_hits
-            kv.host_cache_hits = counters_from.host_cache_hits
-            kv.num_cow_copies = counters_from.num_cow_copies
+            carry_kv_counters(counters_from, kv)
         return kv
 
     # ----------------------------------------------------------------------------- schedule
@@ -423,18 +415,10 @@ class Scheduler:
         whose tokens are not all computed yet (mid-prefill) is discarded. Returns one
         EngineCoreOutput per request that sampled or received prompt logprobs.
         """
-        requests = self.requests
-        num_computed = scheduler_output.num_scheduled_tokens
-        spec = scheduler_output.scheduled_spec_decode_tokens
-        if spec:  # rejected drafts are not computed: rolled back before any block is hashed
-            num_computed = computed_counts(num_computed, spec, model_runner_output, self.spec_stats)
-        crossed = advance_computed(requests, num_computed, self.block_size)
-        outputs, finished = append_samples(requests, model_runner_output)
-        if self.enable_caching:
-            for req in crossed:
-                self.kv_cache_manager.cache_blocks(req)
-        if model_runner_output.prompt_logprobs:
-            attach_prompt_logprobs(requests, model_runner_output, outputs)
+        kv = self.kv_cache_manager if self.enable_caching else None
+        outputs, finished = process_step(
+            self.requests, scheduler_output, model_runner_output, kv, self.spec_stats
+        )
         if finished:
             for req in finished:
                 self._release(req)

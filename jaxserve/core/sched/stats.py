@@ -43,3 +43,12 @@ class SchedulerStats:
             "num_cow_copies": kv.num_cow_copies,
             **host_stats,
         }
+
+
+def carry_kv_counters(old: KVCacheManager, new: KVCacheManager) -> None:
+    """Carry the prefix-cache and copy counters of a pool being replaced into its successor
+    (get_stats() counts over the engine's life)."""
+    new.prefix_cache_queries = old.prefix_cache_queries
+    new.prefix_cache_hits = old.prefix_cache_hits
+    new.host_cache_hits = old.host_cache_hits
+    new.num_cow_copies = old.num_cow_copies
