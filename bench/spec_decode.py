@@ -1,0 +1,147 @@
+"""Speculative decoding, side by side in one run: output tok/s with and without it, by batch size.
+
+Engines (one checkpoint, one process, the same greedy requests with ignore_eos and a fixed
+max_tokens, so every engine generates the same tokens, which the script checks):
+
+    plain        no speculation
+    ngram        n-gram drafts, policy "always" (speculates at every batch size)
+    ngram-auto   n-gram drafts, the cost-model policy (stops where speculating would lose)
+    oracle       drafts that are always right (the plain run's own tokens): the mechanism's
+                 ceiling, what n-gram reaches on outputs that quote their inputs
+
+Workloads: "repetitive" (prompts made of a span repeated, the case prompt lookup is for) and
+"sharegpt" (bench/_datasets.py's lognormal lengths). A random-weight checkpoint never quotes its
+input the way a summariser does, so n-gram's acceptance here is what the model's own loops give;
+the oracle row shows what acceptance 1 is worth on this machine.
+
+    python bench/spec_decode.py                          # the 57M preset, batch 1, 4, 16
+    python bench/spec_decode.py --preset quick --batch-sizes 1,4,16,64,256
+
+Prints a table and writes bench/results/spec_decode[_<preset>].json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+from throughput import CACHE, PRESETS, ensure_checkpoint
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.spec_decode import SpecDecoder
+from jaxserve.speculative_config import SpeculativeConfig
+
+RESULTS = Path(__file__).resolve().parent / "results"
+K = 4
+
+
+class _Oracle:
+    """Always-right drafts: each request's tokens from the plain run."""
+
+    def __init__(self, reference: dict[tuple[int, ...], list[int]]) -> None:
+        self.reference = reference
+
+    def propose(self, requests, k):
+        out = {}
+        for req in requests:
+            known = self.reference.get(tuple(req.prompt_token_ids))
+            if known is None:  # a warm-up request: no guess
+                continue
+            full = list(req.prompt_token_ids) + known
+            n = len(req.all_token_ids)
+            out[req.request_id] = full[n : n + k]
+        return out
+
+
+def _prompts(workload: str, n: int, vocab: int, max_len: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    if workload == "repetitive":
+        out = []
+        for _ in range(n):
+            span = rng.integers(3, vocab, size=int(rng.integers(4, 12))).tolist()
+            out.append((span * (max_len // len(span)))[: max_len // 2])
+        return out
+    lengths = np.clip(rng.lognormal(np.log(max_len / 6), 0.6, size=n), 4, max_len // 2)
+    return [rng.integers(3, vocab, size=int(m)).tolist() for m in lengths]
+
+
+def _run(llm: LLM, prompts, params) -> tuple[float, list[list[int]], dict]:
+    before = llm.get_stats()
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    after = llm.get_stats()
+    delta = {
+        key: after.get(key, 0) - before.get(key, 0)
+        for key in ("num_steps", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+    }
+    return seconds, [o.outputs[0].token_ids for o in outs], delta
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="default")
+    p.add_argument("--batch-sizes", default="1,4,16")
+    p.add_argument("--workloads", default="repetitive,sharegpt")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--output")
+    args = p.parse_args(argv)
+    preset = PRESETS[args.preset]
+    folder = ensure_checkpoint(preset, CACHE)
+    engine_kw = dict(preset.engine)
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    engine_kw["max_num_seqs"] = max(engine_kw["max_num_seqs"], max(batch_sizes))
+    max_len = engine_kw["max_model_len"]
+    max_tokens = min(args.max_tokens, max_len // 2 - 1)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    ngram = {"method": "ngram", "num_speculative_tokens": K}
+    engines = {
+        "plain": LLM(str(folder), **engine_kw),
+        "ngram": LLM(str(folder), speculative_config={**ngram, "policy": "always"}, **engine_kw),
+        "ngram-auto": LLM(str(folder), speculative_config=ngram, **engine_kw),
+        "oracle": LLM(str(folder), speculative_config={**ngram, "policy": "always"}, **engine_kw),
+    }
+    vocab = preset.model["vocab_size"]
+    rows = []
+    for workload in args.workloads.split(","):
+        for batch in batch_sizes:
+            prompts = _prompts(workload, batch, vocab, max_len, seed=batch)
+            for llm in engines.values():  # warm every bucket this batch touches
+                llm.generate([{"prompt_token_ids": q} for q in prompts[:2]],
+                             SamplingParams(max_tokens=2), use_tqdm=False)  # fmt: skip
+            _, reference, _ = _run(engines["plain"], prompts, params)
+            engines["oracle"].engine.core.spec = SpecDecoder(
+                SpeculativeConfig(**ngram, policy="always"),
+                proposer=_Oracle({tuple(q): r for q, r in zip(prompts, reference)}),
+            )
+            base = None
+            for name, llm in engines.items():
+                seconds, tokens, delta = _run(llm, prompts, params)
+                assert tokens == reference, f"{name} changed a greedy token"
+                tok_s = batch * max_tokens / seconds
+                base = base or tok_s
+                drafts = delta["spec_decode_num_draft_tokens"]
+                rows.append(dict(
+                    workload=workload, batch=batch, engine=name, output_tok_s=tok_s,
+                    ratio=tok_s / base, steps=delta["num_steps"], draft_tokens=drafts,
+                    acceptance=delta["spec_decode_num_accepted_tokens"] / drafts if drafts else None,
+                ))  # fmt: skip
+    report = {"preset": args.preset, "k": K, "max_tokens": max_tokens, "rows": rows}
+    print(f"{'workload':<11}{'batch':>6} {'engine':<11}{'tok/s':>9}{'x plain':>9}"
+          f"{'steps':>7}{'drafts':>8}{'accept':>8}")  # fmt: skip
+    for r in rows:
+        acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
+        print(f"{r['workload']:<11}{r['batch']:>6} {r['engine']:<11}{r['output_tok_s']:>9.1f}"
+              f"{r['ratio']:>9.2f}{r['steps']:>7}{r['draft_tokens']:>8}{acc:>8}")  # fmt: skip
+    suffix = "" if args.preset == "default" else f"_{args.preset}"
+    out = Path(args.output) if args.output else RESULTS / f"spec_decode{suffix}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main()
