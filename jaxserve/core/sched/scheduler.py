@@ -1,16 +1,12 @@
 """Scheduler: token-budget continuous batching with chunked prefill, prefix caching (device
 and host tiers) and preemption by recompute or swap (docs/architecture.md).
 
-There is no prefill or decode phase. Every request has ``num_computed_tokens`` and
-``num_tokens``; each ``schedule()`` hands out ``max_num_batched_tokens`` so that requests catch
-up: running requests first (in policy order), then waiting ones. The runner computes the
-scheduled tokens and samples for every request whose chunk reaches its last token;
-``update_from_output`` appends the samples, checks stops and frees finished requests.
-
-Parallel sampling (n > 1): the engine adds the n - 1 extra samples as child requests with
-``add_request(child, parent_req_id=...)``. A child waits until its parent's prompt is computed,
-then borrows the parent's prompt blocks (copy-on-write for the block it writes) and computes only
-the last prompt token to sample its own first token.
+No prefill or decode phase: each ``schedule()`` hands out ``max_num_batched_tokens`` so that
+requests catch up (``num_computed_tokens`` towards ``num_tokens``, plus speculative drafts),
+running requests first in policy order, then waiting ones; ``update_from_output`` appends the
+samples, checks stops and frees finished requests. Parallel sampling (n > 1): child requests
+(``add_request(child, parent_req_id=...)``) wait for the parent's prompt, then borrow its blocks
+(copy-on-write for the one they write) and compute only the last prompt token.
 """
 
 from __future__ import annotations
@@ -29,7 +25,7 @@ from jaxserve.core.sched.admission import (
     validate_request,
 )
 from jaxserve.core.sched.host_kv_tier import HostKVTier
-from jaxserve.core.sched.output import CachedRequestData, SchedulerOutput
+from jaxserve.core.sched.output import SchedulerOutput
 from jaxserve.core.sched.output_processor import finished_output, process_step
 from jaxserve.core.sched.pending_prefixes import PendingPrefixes
 from jaxserve.core.sched.policy import make_policy
@@ -103,17 +99,9 @@ class Scheduler:
         """
         if not isinstance(request, Request):
             raise TypeError(f"add_request expects a Request, got {type(request).__name__}")
-        validate_request(
-            request,
-            parent_req_id,
-            self.requests,
-            self.max_model_len,
-            self.block_size,
-            self.num_usable_blocks,
-        )
-        request.max_num_tokens = generation_limit(
-            request, self.max_model_len, self.block_size, self.num_usable_blocks
-        )
+        limits = (self.max_model_len, self.block_size, self.num_usable_blocks)
+        validate_request(request, parent_req_id, self.requests, *limits)
+        request.max_num_tokens = generation_limit(request, *limits)
         request.arrival_index = self._num_added
         request.parent_req_id = parent_req_id
         self._num_added += 1
@@ -214,13 +202,8 @@ class Scheduler:
 
     def _new_kv_cache_manager(self, counters_from: KVCacheManager | None = None) -> KVCacheManager:
         """An empty pool; the stats counters carry over from ``counters_from`` if given."""
-        kv = KVCacheManager(
-            self.block_size,
-            self.num_kv_blocks,
-            self.enable_caching,
-            self.max_model_len,
-            self.host.pool,
-        )
+        kv = KVCacheManager(self.block_size, self.num_kv_blocks, self.enable_caching,
+                            self.max_model_len, self.host.pool)  # fmt: skip
         if counters_from is not None:
             carry_kv_counters(counters_from, kv)
         return kv
@@ -248,26 +231,21 @@ class Scheduler:
         running = self.running
         tables = self.kv_cache_manager.req_to_blocks
         bs = self.block_size
-        budget = step.budget
-        cached_reqs = step.cached_reqs
-        cached_tokens = step.cached_tokens
         # Sampling rows a step has beyond one per running request, for drafts.
         spare_rows = self.max_num_seqs - len(running)
-        live = num_blocks = 0
         # Preemption pops from the end of ``running`` only (never before ``req``), which a list
         # iterator tolerates: it just stops earlier.
         for req in running:
+            budget = step.budget
             if budget <= 0:
                 break
-            rid = req.request_id
             num_computed = req.num_computed_tokens
-            num_new = len(req.all_token_ids) - num_computed
-            if num_new > budget:
-                num_new = budget
+            num_new = min(len(req.all_token_ids) - num_computed, budget)
             drafts = req.spec_token_ids
             if drafts:
-                drafts = take_drafts(req, min(budget - num_new, spare_rows))
-            table = tables[rid]
+                room = spare_rows - step.num_draft_tokens
+                drafts = take_drafts(req, min(budget - num_new, room))
+            table = tables[req.request_id]
             if num_computed + num_new + len(drafts) <= len(table) * bs:
                 new_ids = []
             else:
@@ -275,19 +253,7 @@ class Scheduler:
                 if new_blocks is None:  # req itself was the victim
                     break
                 new_ids = [b.block_id for b in new_blocks]
-            if drafts:
-                step.spec_tokens[rid] = drafts
-                step.num_draft_tokens += len(drafts)
-                spare_rows -= len(drafts)
-                num_new += len(drafts)
-            cached_reqs.append(CachedRequestData(rid, new_ids, num_computed))
-            cached_tokens[rid] = num_new
-            budget -= num_new
-            live += num_computed + num_new
-            num_blocks += len(table)
-        step.budget = budget
-        step.live_tokens += live
-        step.num_blocks += num_blocks
+            step.add_cached(req, new_ids, num_new, drafts, len(table))
 
     def _allocate(
         self, req: Request, num_new: int, drafts: list[int], step: StepBatch

@@ -64,6 +64,24 @@ class StepBatch:
         self.live_tokens += num_computed + num_new
         self.num_blocks += len(block_ids)
 
+    def add_cached(
+        self, req: Request, new_block_ids: list[int], num_new: int, drafts: list[int],
+        num_blocks: int,
+    ) -> None:  # fmt: skip
+        """Schedule ``num_new`` tokens of a running request from its num_computed_tokens, and
+        its speculative ``drafts`` after them; its table now holds ``num_blocks`` blocks, the
+        last ``new_block_ids`` of them new this step."""
+        rid, num_computed = req.request_id, req.num_computed_tokens
+        if drafts:
+            self.spec_tokens[rid] = drafts
+            self.num_draft_tokens += len(drafts)
+            num_new += len(drafts)
+        self.cached_reqs.append(CachedRequestData(rid, new_block_ids, num_computed))
+        self.cached_tokens[rid] = num_new
+        self.budget -= num_new
+        self.live_tokens += num_computed + num_new
+        self.num_blocks += num_blocks
+
     @property
     def num_scheduled_tokens(self) -> int:
         return self.max_budget - self.budget
