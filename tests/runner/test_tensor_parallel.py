@@ -129,6 +129,13 @@ def test_seeded_sampling_matches_one_device(results):
     assert runs["1"]["seeded"] != runs["1"]["tokens"]
 
 
+def test_speculative_decoding_under_tp_keeps_one_devices_tokens(results):
+    runs, spec = results["parity"]["llama"], results["spec"]
+    assert spec["tokens"] == runs["1"]["tokens"]
+    assert spec["seeded"] == runs["1"]["seeded"]
+    assert spec["accepted_tokens"] == spec["draft_tokens"] > 0  # several tokens per step
+
+
 def test_nothing_compiles_after_warmup_under_tp(results):
     compiles = results["parity"]["llama"]["2"]["compiles"]
     # Token buckets 1, 4, 6, 8, 12, 16 x the sampler's two variants, and the block copy at

@@ -13,6 +13,9 @@ separate process; test_tensor_parallel.py runs it once and checks the JSON it wr
     builtin[tp]             tiny-random-llama's greedy tokens at tp 1 and 4 (tp_multihost.py's
                             reference)
     orbax                   tokens and param shardings of an Orbax checkpoint restored at tp 2
+    spec                    llama at tp 2 with speculative decoding, drafts from an oracle that
+                            knows tp 1's tokens: greedy and seeded tokens, drafts verified and
+                            accepted (k = 3, so several tokens per step)
     maps[tp]                memory maps and executables of llama warmed up at tp 4 and 8 with
                             table widths bucketed (runner/map_budget.py), and its greedy tokens
     kernels[family][backend]  llama and qwen3 at tp 2 with each per-device attention (xla, cpu,
@@ -184,6 +187,38 @@ def _hf_greedy(folder: pathlib.Path, prompts: list[list[int]]) -> list[dict[str,
     return out
 
 
+class _Oracle:
+    """Always-right drafts: each prompt's reference tokens (from the tp 1 run)."""
+
+    def __init__(self, reference: dict[tuple[int, ...], list[int]]) -> None:
+        self.reference = reference
+
+    def propose(self, requests, k):
+        out = {}
+        for req in requests:
+            full = list(req.prompt_token_ids) + self.reference[tuple(req.prompt_token_ids)]
+            out[req.request_id] = full[len(req.all_token_ids) : len(req.all_token_ids) + k]
+        return out
+
+
+def run_spec(work: pathlib.Path, parity: dict[str, Any]) -> dict[str, Any]:
+    """llama at tp 2 verifying drafts: the tokens must be tp 1's, greedy and seeded."""
+    from jaxserve.spec_decode import SpecDecoder
+    from jaxserve.speculative_config import SpeculativeConfig
+
+    config = {"method": "ngram", "num_speculative_tokens": 3, "policy": "always"}
+    llm = LLM(str(work / "llama"), tensor_parallel_size=2, speculative_config=config, **ENGINE)
+    greedy_prompts, seeded_prompts = _prompts(512), _prompts(512, seed=1)
+    reference = dict(zip(map(tuple, greedy_prompts), parity["llama"][1]["tokens"]))
+    reference.update(zip(map(tuple, seeded_prompts), parity["llama"][1]["seeded"]))
+    llm.engine.core.spec = SpecDecoder(SpeculativeConfig(**config), proposer=_Oracle(reference))
+    out = {"tokens": _greedy(llm, greedy_prompts), "seeded": _seeded(llm)}
+    stats = llm.get_stats()
+    out["draft_tokens"] = stats["spec_decode_num_draft_tokens"]
+    out["accepted_tokens"] = stats["spec_decode_num_accepted_tokens"]
+    return out
+
+
 def run_kernels(work: pathlib.Path) -> dict[str, Any]:
     """The per-device implementations under shard_map at tp 2: llama (K = 2: one KV head per
     device) and qwen3 (K = 8), each with xla, the C++ cpu kernel and the Pallas (Triton)
@@ -276,8 +311,10 @@ def _num_maps() -> int:
 def main() -> None:
     work, results_file = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
     assert jax.device_count() == 8, jax.devices()
+    parity = run_parity(work)
     results = {
-        "parity": run_parity(work),
+        "parity": parity,
+        "spec": run_spec(work, parity),
         "kernels": run_kernels(work),
         "builtin": run_builtin(),
         "orbax": run_orbax(work),
