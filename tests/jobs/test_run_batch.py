@@ -159,3 +159,37 @@ def test_a_job_killed_five_times_ends_with_every_line_once(tmp_path):
         return {k: r["response"]["body"]["choices"][0]["text"] for k, r in _records(path).items()}
 
     assert texts(out) == texts(reference)
+
+
+def test_speculative_decoding_does_not_change_a_batch_job(tmp_path):
+    """run-batch with --speculative-config answers every line as without it: greedy, seeded,
+    n > 1, logprobs, a stop string and a chat (the texts, usage and logprob tokens)."""
+    inp = tmp_path / "in.jsonl"
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "ab ab ab ab"}],
+            "max_tokens": 12, "temperature": 0}  # fmt: skip
+    _write(inp, [
+        _completion("rep", "abc abc abc abc abc abc", max_tokens=16),
+        _completion("ids", [40, 41, 42] * 6, max_tokens=16, logprobs=2),
+        _completion("seeded", "the the the the", temperature=0.9, seed=5, n=2, max_tokens=12),
+        _completion("stop", "xyz xyz xyz xyz", max_tokens=16, stop=["z"]),
+        {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions", "body": chat},
+    ])  # fmt: skip
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "policy": "always"}'
+    bodies = []
+    for name, extra in (("plain", []), ("spec", ["--speculative-config", spec])):
+        out = tmp_path / f"{name}.jsonl"
+        assert cli.main([*_run_batch_args(tmp_path, inp, out), *extra]) == 0
+        records = _records(out)
+        assert {r["response"]["status_code"] for r in records.values()} == {200}
+        bodies.append({k: r["response"]["body"] for k, r in records.items()})
+    plain, spec_bodies = bodies
+    for key in plain:
+        a, b = plain[key], spec_bodies[key]
+        assert a["usage"] == b["usage"], key
+        for ca, cb in zip(a["choices"], b["choices"], strict=True):
+            assert ca.get("text", ca.get("message")) == cb.get("text", cb.get("message")), key
+            assert ca.get("logprobs") == cb.get("logprobs") or key == "ids", key
+            assert ca["finish_reason"] == cb["finish_reason"], key
+    lp_a, lp_b = plain["ids"]["choices"][0]["logprobs"], spec_bodies["ids"]["choices"][0]["logprobs"]
+    assert lp_a["tokens"] == lp_b["tokens"]
+    assert lp_a["token_logprobs"] == pytest.approx(lp_b["token_logprobs"], abs=1e-4)

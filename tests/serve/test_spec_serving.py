@@ -1,0 +1,74 @@
+"""Speculative decoding behind the OpenAI server: a stream carries several tokens in a delta
+when several drafts were accepted, its text is the non-speculative greedy text, and /metrics
+counts the drafts (vLLM's names under jaxserve:)."""
+
+from __future__ import annotations
+
+import pytest
+from server_utils import MODEL, SMALL, client, metrics, running_server
+
+from jaxserve import AsyncLLM, LLMEngine, SamplingParams
+from jaxserve.entrypoints.openai.api_server import build_app
+from jaxserve.spec_decode import SpecDecoder
+from jaxserve.speculative_config import SpeculativeConfig
+
+PROMPT = "The quick brown fox"
+CONFIG = {"method": "ngram", "num_speculative_tokens": 3, "policy": "always"}
+
+
+class _Oracle:
+    """Drafts from the plain engine's greedy tokens: always right."""
+
+    def __init__(self, prompt_ids: list[int], tokens: list[int]) -> None:
+        self.full = prompt_ids + tokens
+
+    def propose(self, requests, k):
+        return {
+            r.request_id: self.full[len(r.all_token_ids) : len(r.all_token_ids) + k]
+            for r in requests
+            if r.all_token_ids == self.full[: len(r.all_token_ids)]
+        }
+
+
+@pytest.fixture(scope="module")
+def reference(llm_engine):
+    """The greedy tokens and text of PROMPT without speculation (the session's plain engine)."""
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    llm_engine.add_request("spec-reference", PROMPT, params)
+    final = None
+    while llm_engine.has_unfinished_requests():
+        for out in llm_engine.step():
+            final = out
+    completion = final.outputs[0]
+    return final.prompt_token_ids, completion.token_ids, completion.text
+
+
+@pytest.fixture(scope="module")
+def base_url(reference):
+    engine = LLMEngine("tiny-random-llama", speculative_config=CONFIG, **SMALL)
+    prompt_ids, tokens, _ = reference
+    engine.core.spec = SpecDecoder(SpeculativeConfig(**CONFIG), proposer=_Oracle(prompt_ids, tokens))
+    async_engine = AsyncLLM.from_engine(engine, served_model_name=MODEL)
+    with running_server(build_app(async_engine, served_model_name=MODEL)) as url:
+        yield url
+    async_engine.shutdown()
+
+
+def test_a_stream_carries_accepted_runs_and_the_plain_text(base_url, reference):
+    _, tokens, text = reference
+    oai = client(base_url)
+    stream = oai.completions.create(
+        model=MODEL, prompt=PROMPT, stream=True, temperature=0.0, max_tokens=16,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    deltas = [c.choices[0].text for c in stream if c.choices]
+    assert "".join(deltas) == text
+    # 16 tokens, up to 4 a step: far fewer deltas than tokens.
+    assert len([d for d in deltas if d]) < len(tokens) // 2
+    values = metrics(base_url)
+    accepted = sum(v for (name, _), v in values.items()
+                   if name == "jaxserve:spec_decode_num_accepted_tokens_total")  # fmt: skip
+    assert accepted > 0
+    per_pos = {labels: v for (name, labels), v in values.items()
+               if name == "jaxserve:spec_decode_num_accepted_tokens_per_pos_total"}  # fmt: skip
+    assert len(per_pos) == 3 and all(v > 0 for v in per_pos.values())
