@@ -1,7 +1,10 @@
 """Speculative decoding, side by side in one run: output tok/s with and without it, by batch size.
 
 Engines (one checkpoint, one process, the same greedy requests with ignore_eos and a fixed
-max_tokens, so every engine generates the same tokens, which the script checks):
+max_tokens, so every engine generates the same tokens, which the script checks). "Batch" B is
+max_num_seqs; each run serves 4 * B requests, so that a request that finishes early (it accepted
+more drafts) hands its slot to the next one, as in serving (a closed batch of B would wait for
+its slowest request, whatever the others gained):
 
     plain        no speculation
     ngram        n-gram drafts, policy "always" (speculates at every batch size)
@@ -81,54 +84,63 @@ def _run(llm: LLM, prompts, params) -> tuple[float, list[list[int]], dict]:
     return seconds, [o.outputs[0].token_ids for o in outs], delta
 
 
+def _measure(engines, args, batch, vocab, max_len, max_tokens, params, ngram) -> list[dict]:
+    """Every engine on every workload at one batch size; one row each."""
+    rows = []
+    for workload in args.workloads.split(","):
+        prompts = _prompts(workload, batch * args.requests_per_slot, vocab, max_len, seed=batch)
+        for llm in engines.values():  # warm every bucket this batch touches
+            llm.generate([{"prompt_token_ids": q} for q in prompts[:batch]],
+                         SamplingParams(max_tokens=2), use_tqdm=False)  # fmt: skip
+        _, reference, _ = _run(engines["plain"], prompts, params)
+        engines["oracle"].engine.core.spec = SpecDecoder(
+            SpeculativeConfig(**ngram, policy="always"),
+            proposer=_Oracle({tuple(q): r for q, r in zip(prompts, reference)}),
+        )
+        base = None
+        for name, llm in engines.items():
+            seconds, tokens, delta = _run(llm, prompts, params)
+            assert tokens == reference, f"{name} changed a greedy token"
+            tok_s = len(prompts) * max_tokens / seconds
+            base = base or tok_s
+            drafts = delta["spec_decode_num_draft_tokens"]
+            rows.append(dict(
+                workload=workload, batch=batch, engine=name, output_tok_s=tok_s,
+                ratio=tok_s / base, steps=delta["num_steps"], draft_tokens=drafts,
+                acceptance=delta["spec_decode_num_accepted_tokens"] / drafts if drafts else None,
+            ))  # fmt: skip
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="default")
     p.add_argument("--batch-sizes", default="1,4,16")
     p.add_argument("--workloads", default="repetitive,sharegpt")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--requests-per-slot", type=int, default=4)
     p.add_argument("--output")
     args = p.parse_args(argv)
     preset = PRESETS[args.preset]
     folder = ensure_checkpoint(preset, CACHE)
     engine_kw = dict(preset.engine)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    engine_kw["max_num_seqs"] = max(engine_kw["max_num_seqs"], max(batch_sizes))
+    engine_kw["max_num_seqs"] = max(batch_sizes)
     max_len = engine_kw["max_model_len"]
     max_tokens = min(args.max_tokens, max_len // 2 - 1)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     ngram = {"method": "ngram", "num_speculative_tokens": K}
-    engines = {
-        "plain": LLM(str(folder), **engine_kw),
-        "ngram": LLM(str(folder), speculative_config={**ngram, "policy": "always"}, **engine_kw),
-        "ngram-auto": LLM(str(folder), speculative_config=ngram, **engine_kw),
-        "oracle": LLM(str(folder), speculative_config={**ngram, "policy": "always"}, **engine_kw),
-    }
+    specs = {"plain": None, "ngram": {**ngram, "policy": "always"}, "ngram-auto": ngram,
+             "oracle": {**ngram, "policy": "always"}}  # fmt: skip
     vocab = preset.model["vocab_size"]
     rows = []
-    for workload in args.workloads.split(","):
-        for batch in batch_sizes:
-            prompts = _prompts(workload, batch, vocab, max_len, seed=batch)
-            for llm in engines.values():  # warm every bucket this batch touches
-                llm.generate([{"prompt_token_ids": q} for q in prompts[:2]],
-                             SamplingParams(max_tokens=2), use_tqdm=False)  # fmt: skip
-            _, reference, _ = _run(engines["plain"], prompts, params)
-            engines["oracle"].engine.core.spec = SpecDecoder(
-                SpeculativeConfig(**ngram, policy="always"),
-                proposer=_Oracle({tuple(q): r for q, r in zip(prompts, reference)}),
-            )
-            base = None
-            for name, llm in engines.items():
-                seconds, tokens, delta = _run(llm, prompts, params)
-                assert tokens == reference, f"{name} changed a greedy token"
-                tok_s = batch * max_tokens / seconds
-                base = base or tok_s
-                drafts = delta["spec_decode_num_draft_tokens"]
-                rows.append(dict(
-                    workload=workload, batch=batch, engine=name, output_tok_s=tok_s,
-                    ratio=tok_s / base, steps=delta["num_steps"], draft_tokens=drafts,
-                    acceptance=delta["spec_decode_num_accepted_tokens"] / drafts if drafts else None,
-                ))  # fmt: skip
+    for batch in batch_sizes:
+        engines = {
+            name: LLM(str(folder), speculative_config=spec, **{**engine_kw, "max_num_seqs": batch})
+            for name, spec in specs.items()
+        }
+        rows += _measure(engines, args, batch, vocab, max_len, max_tokens, params, ngram)
+        del engines
     report = {"preset": args.preset, "k": K, "max_tokens": max_tokens, "rows": rows}
     print(f"{'workload':<11}{'batch':>6} {'engine':<11}{'tok/s':>9}{'x plain':>9}"
           f"{'steps':>7}{'drafts':>8}{'accept':>8}")  # fmt: skip

@@ -31,6 +31,10 @@ class Runner(Protocol):
 
     def reset(self) -> bool: ...
 
+    def padded_tokens(self, num_tokens: int) -> int:
+        """The token bucket a step of ``num_tokens`` tokens runs in."""
+        ...
+
     @property
     def is_idle(self) -> bool: ...
 
@@ -58,7 +62,9 @@ class EngineCore:
         self.host_tier = host_tier
         self.scheduler = self._new_scheduler(config)
         # Speculative decoding: proposes each step's drafts (None: off).
-        self.spec = None if config.speculative is None else SpecDecoder(config.speculative)
+        self.spec = None
+        if config.speculative is not None:
+            self.spec = SpecDecoder(config.speculative, padded_tokens=runner.padded_tokens)
         # Called with each step's StepTrace while set (set_step_tracer); None: off.
         self.step_tracer: Callable[[StepTrace], None] | None = None
 

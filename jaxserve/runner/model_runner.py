@@ -164,6 +164,10 @@ class ModelRunner:
             None if self.sharding is None else self.sharding.kv_sharding,
         )
 
+    def padded_tokens(self, num_tokens: int) -> int:
+        """The token bucket (T) a step of ``num_tokens`` scheduled tokens runs in."""
+        return self.buckets.padded_tokens(num_tokens)
+
     @property
     def is_idle(self) -> bool:
         """True when the runner holds no request: no batch row, no logprob bookkeeping."""

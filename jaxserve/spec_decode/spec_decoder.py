@@ -10,7 +10,7 @@ token per step, while the others speculate.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from jaxserve.request import Request
@@ -42,14 +42,20 @@ class SpecDecoder:
         config: the validated speculative_config.
         proposer: what proposes the drafts (``propose(requests, k) -> {req_id: drafts}``);
             default: the one config.method names.
+        padded_tokens: the runner's token bucket of n tokens (the policy's cost keys).
     """
 
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None) -> None:
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        proposer: Proposer | None = None,
+        padded_tokens: Callable[[int], int] | None = None,
+    ) -> None:
         self.config = config
         self.proposer = proposer or NgramProposer(
             config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
         )
-        self.policy = SpecPolicy(config)
+        self.policy = SpecPolicy(config, padded_tokens)
 
     def propose(self, running: Iterable[Request]) -> dict[str, list[int]]:
         """The next step's drafts by request id (requests without a proposal left out)."""
