@@ -15,8 +15,8 @@ from typing import Any
 
 # Methods jaxserve implements. vLLM also has "suffix", "draft_model", "eagle", "eagle3",
 # "mtp" and "medusa": named here so that their refusal says what is missing, not "unknown".
-SPEC_METHODS = ("ngram",)
-NOT_IMPLEMENTED_METHODS = ("suffix", "draft_model", "eagle", "eagle3", "mtp", "medusa")
+SPEC_METHODS = ("ngram", "draft_model")
+NOT_IMPLEMENTED_METHODS = ("suffix", "eagle", "eagle3", "mtp", "medusa")
 MAX_SPECULATIVE_TOKENS = 32  # k: drafts per request per step
 # The automatic policy's modes: "auto" speculates only while the measured cost model says it
 # gains (spec_decode/policy.py); "always" speculates at every batch size.
@@ -29,7 +29,10 @@ class SpeculativeConfig:
 
     method: SPEC_METHODS. "ngram" is prompt lookup: the longest suffix of the request's tokens
         (prompt and outputs) of prompt_lookup_max down to prompt_lookup_min tokens that occurred
-        earlier proposes the tokens that followed it.
+        earlier proposes the tokens that followed it. "draft_model": a smaller model (``model``)
+        proposes k tokens greedily (runner/draft_model.py).
+    model: the draft model of "draft_model" (any checkpoint jaxserve loads, with the target's
+        vocabulary); refused with "ngram".
     num_speculative_tokens: k, the most drafts a request verifies per step, 1..32.
     prompt_lookup_min / prompt_lookup_max: the n-gram lengths tried, longest first.
     disable_by_batch_size: vLLM's switch: no speculation while more requests than this are
@@ -40,6 +43,7 @@ class SpeculativeConfig:
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
+    model: str | None = None
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     disable_by_batch_size: int | None = None
@@ -60,6 +64,15 @@ class SpeculativeConfig:
                 MAX_SPECULATIVE_TOKENS)  # fmt: skip
         _int_in(owner, "prompt_lookup_min", self.prompt_lookup_min, 1, 1 << 20)
         _int_in(owner, "prompt_lookup_max", self.prompt_lookup_max, self.prompt_lookup_min, 1 << 20)
+        if self.method == "draft_model" and (not isinstance(self.model, str) or not self.model):
+            raise ValueError(
+                f"{owner}['model'] must name the draft model (a checkpoint folder, a Hub ID or "
+                f"a built-in name) for method 'draft_model', got {self.model!r}"
+            )
+        if self.method != "draft_model" and self.model is not None:
+            raise ValueError(
+                f"{owner}['model']={self.model!r} is for method 'draft_model', not {self.method!r}"
+            )
         if self.disable_by_batch_size is not None:
             _int_in(owner, "disable_by_batch_size", self.disable_by_batch_size, 1, 1 << 30)
         if self.policy not in SPEC_POLICIES:

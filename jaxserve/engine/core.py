@@ -20,6 +20,7 @@ from jaxserve.outputs import EngineCoreOutput, ModelRunnerOutput
 from jaxserve.request import Request, RequestStatus
 from jaxserve.runner.step_trace import StepTrace
 from jaxserve.spec_decode import SpecDecoder
+from jaxserve.spec_decode.spec_decoder import Proposer
 
 
 class Runner(Protocol):
@@ -33,6 +34,11 @@ class Runner(Protocol):
 
     def padded_tokens(self, num_tokens: int) -> int:
         """The token bucket a step of ``num_tokens`` tokens runs in."""
+        ...
+
+    @property
+    def spec_proposer(self) -> Proposer | None:
+        """The runner's own speculative proposer (a draft model), or None."""
         ...
 
     @property
@@ -64,7 +70,11 @@ class EngineCore:
         # Speculative decoding: proposes each step's drafts (None: off).
         self.spec = None
         if config.speculative is not None:
-            self.spec = SpecDecoder(config.speculative, padded_tokens=runner.padded_tokens)
+            self.spec = SpecDecoder(
+                config.speculative,
+                proposer=runner.spec_proposer,  # a draft model's, or None: the config's own
+                padded_tokens=runner.padded_tokens,
+            )
         # Called with each step's StepTrace while set (set_step_tracer); None: off.
         self.step_tracer: Callable[[StepTrace], None] | None = None
 
@@ -186,6 +196,10 @@ class EngineCore:
             self.num_kv_blocks,
             self.host_tier,
             num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
+            # a draft model writes its proposals' KV: k slots past the known tokens
+            num_lookahead_tokens=spec.num_speculative_tokens
+            if spec is not None and spec.method == "draft_model"
+            else 0,
         )
 
     # ---- introspection ----------------------------------------------------------------------

@@ -42,6 +42,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.host_block_pool import HostTier
 from jaxserve.models import CausalLM, ModelArchConfig, get_model
 from jaxserve.runner.compile_cache import enable_compilation_cache
+from jaxserve.runner.draft_model import DraftSpec
 from jaxserve.runner.kv_cache import device_memory_bytes
 from jaxserve.runner.kv_offload import KVOffloader, host_kv_blocks
 from jaxserve.runner.kv_scales import kv_scales_for
@@ -95,6 +96,7 @@ def _checked_memory_plan(
     device: jax.Device,
     max_model_len: int,
     quantization: str | None,
+    draft_arch: ModelArchConfig | None = None,
 ) -> MemoryPlan | None:
     """The memory plan on `device`, checked: raises before any weight is read when the model
     cannot fit. None when the pool size is explicit and the device reports no memory limit
@@ -119,6 +121,7 @@ def _checked_memory_plan(
         max_model_len=max_model_len,
         device_memory_bytes=memory_bytes,
         quantization=quantization,
+        draft_arch=draft_arch,
     )
     memory.check(config.model.model)
     logger.info(
@@ -133,12 +136,14 @@ def _checked_memory_plan(
     return memory
 
 
-def _compare_weights(ckpt: LoadedCheckpoint, memory: MemoryPlan | None) -> None:
-    """Warn when the loaded weights take other than the planned bytes on a device (the pool
-    was sized with the planned figure)."""
+def _compare_weights(runner: ModelRunner, memory: MemoryPlan | None) -> None:
+    """Warn when the loaded weights (a draft model's included) take other than the planned
+    bytes on a device (the pool was sized with the planned figure)."""
     if memory is None:
         return
-    loaded = per_device_bytes(ckpt.params)
+    loaded = per_device_bytes(runner.params)
+    if runner.draft is not None:
+        loaded += per_device_bytes(runner.draft.params)
     if loaded != memory.weights_bytes:
         logger.warning(
             "the loaded weights take %d bytes per device, the memory plan counted %d",
@@ -157,6 +162,7 @@ class ResolvedModel:
     memory: MemoryPlan | None  # None: explicit num_kv_blocks, device memory unknown
     sharding: ShardingPlan
     num_host_blocks: int  # host KV tier slots; 0: no host tier
+    draft_arch: ModelArchConfig | None = None  # speculative decoding's draft model, if any
 
 
 def build_runner(config: EngineConfig) -> tuple[ModelRunner, RunnerInfo]:
@@ -179,6 +185,7 @@ def build_runner(config: EngineConfig) -> tuple[ModelRunner, RunnerInfo]:
     resolved = resolve_model(config)
     ckpt = _load_weights(resolved)
     runner, host_tier = make_runner(resolved, ckpt)
+    _compare_weights(runner, resolved.memory)
     if config.runner.warmup:
         _warm_up(runner, resolved.plan.compile_workers)
     if host_tier is not None and config.cache.preemption_mode == "auto":
@@ -224,8 +231,9 @@ def resolve_model(config: EngineConfig) -> ResolvedModel:
     quantization = resolve_quantization(
         model_config.quantization, declared_quantization(config_source), model_config.model
     )
+    draft_arch = _draft_arch(config, arch)
     memory = _checked_memory_plan(
-        config, arch, plan, mesh.devices.flat[0], max_model_len, quantization
+        config, arch, plan, mesh.devices.flat[0], max_model_len, quantization, draft_arch
     )
     block_bytes = get_model(arch).kv_cache_bytes_per_block(
         config.cache.block_size, plan.kv_cache_dtype
@@ -244,7 +252,43 @@ def resolve_model(config: EngineConfig) -> ResolvedModel:
         memory=memory,
         sharding=plan_sharding(get_model(arch, quantization=quantization), mesh),
         num_host_blocks=host_kv_blocks(config.cache.kv_offloading_size, block_bytes),
+        draft_arch=draft_arch,
     )
+
+
+def _draft_arch(config: EngineConfig, arch: ModelArchConfig) -> ModelArchConfig | None:
+    """The draft model's architecture (its config.json only) when speculative decoding uses
+    one, checked against the target before any weight is read.
+
+    Raises:
+        ValueError: a draft whose vocabulary is not the target's (both named). (Tensor
+            parallelism with a draft model is refused by EngineConfig.)
+    """
+    spec = config.speculative
+    if spec is None or spec.method != "draft_model":
+        return None
+    source = resolve_model_source(spec.model, files=CONFIG_FILES)
+    draft = load_arch(source)
+    if draft.vocab_size != arch.vocab_size:
+        raise ValueError(
+            f"speculative_config['model']={spec.model!r} has vocab_size={draft.vocab_size}, the "
+            f"target {config.model.model!r} has {arch.vocab_size}: a draft model must share "
+            "the target's vocabulary"
+        )
+    return draft
+
+
+def _load_draft(resolved: ResolvedModel) -> DraftSpec | None:
+    """The draft model, loaded in the plan's dtype on the target's (one-device) mesh."""
+    if resolved.draft_arch is None:
+        return None
+    spec, plan = resolved.config.speculative, resolved.plan
+    model = get_model(resolved.draft_arch, dtype=plan.dtype, attention=plan.attention,
+                      max_model_len=resolved.config.model.max_model_len)  # fmt: skip
+    sharding = plan_sharding(model, resolved.sharding.mesh)
+    ckpt = load_checkpoint(spec.model, dtype=plan.dtype, param_sharding=sharding.param_sharding)
+    logger.info("speculative decoding: draft model %s (%s)", spec.model, model)
+    return DraftSpec(model, ckpt.params, spec.num_speculative_tokens)
 
 
 def _hub_arguments(config: EngineConfig) -> dict[str, Any]:
@@ -262,7 +306,6 @@ def _load_weights(resolved: ResolvedModel) -> LoadedCheckpoint:
         quantization=model_config.quantization,
         **_hub_arguments(resolved.config),
     )
-    _compare_weights(ckpt, resolved.memory)
     if model_config.tokenizer is not None:
         ckpt = replace_tokenizer(ckpt, model_config.tokenizer)
     return ckpt
@@ -294,6 +337,7 @@ def make_runner(
         plan=plan,
         kv_scales=kv_scales_for(plan.kv_cache_dtype, ckpt.path, ckpt.arch.num_layers),
         kv_offload=offload,
+        draft=_load_draft(resolved),
     )
     host_tier = None if offload is None else HostTier(resolved.num_host_blocks, offload.block_bytes)
     return runner, host_tier

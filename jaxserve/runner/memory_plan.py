@@ -235,6 +235,7 @@ def plan_memory(
     memory_utilization: float,
     num_kv_blocks: int | None = None,
     quantization: str | None = None,
+    draft_arch: ModelArchConfig | None = None,
 ) -> MemoryPlan:
     """The MemoryPlan of `arch` in `dtype` (already resolved: not "auto") on devices of
     `device_memory_bytes` each. Reads no weights and allocates nothing.
@@ -242,6 +243,8 @@ def plan_memory(
     Args:
         num_kv_blocks: an explicit pool size (null block included), or None to size it.
         quantization: None, "int8" or "fp8" (resolved: the checkpoint's own or the requested).
+        draft_arch: speculative decoding's draft model, whose weights (in `dtype`) and KV pages
+            (in `dtype`, one block for each of the target's) count with the target's.
 
     Raises:
         TypeError / ValueError: a bad argument (named, with its value and limit).
@@ -260,6 +263,12 @@ def plan_memory(
     )
     model = get_model(arch, dtype=dtype, quantization=quantization)
     per_device, total = weights_bytes(model, tensor_parallel_size)
+    kv_per_token = kv_bytes_per_token(model, tensor_parallel_size, kv_cache_dtype)
+    if draft_arch is not None:
+        draft = get_model(draft_arch, dtype=dtype)
+        draft_device, draft_total = weights_bytes(draft, tensor_parallel_size)
+        per_device, total = per_device + draft_device, total + draft_total
+        kv_per_token += kv_bytes_per_token(draft, tensor_parallel_size, dtype)
     # An explicit pool overrides memory_utilization (CacheConfig): it must fit in the device.
     budget = (
         device_memory_bytes
@@ -278,7 +287,7 @@ def plan_memory(
         num_params=model.num_params(),
         weights_bytes=per_device,
         weights_bytes_total=total,
-        kv_bytes_per_token=kv_bytes_per_token(model, tensor_parallel_size, kv_cache_dtype),
+        kv_bytes_per_token=kv_per_token,
         kv_cache_sharded=model.kv_cache_partition_spec(tensor_parallel_size)[0] == TP_AXIS,
         kv_scales_bytes=kv_scales_bytes(arch, kv_cache_dtype),
         workspace_bytes=workspace_bytes(
@@ -304,6 +313,7 @@ def memory_plan_for(
     max_model_len: int,
     device_memory_bytes: int,
     quantization: str | None = None,
+    draft_arch: ModelArchConfig | None = None,
 ) -> MemoryPlan:
     """The MemoryPlan of this engine configuration (tensor parallelism, block size, step
     budget, memory share, explicit pool) for `arch` in the resolved dtypes: what build_runner
@@ -322,6 +332,7 @@ def memory_plan_for(
         memory_utilization=cache.memory_utilization,
         num_kv_blocks=cache.num_kv_blocks,
         quantization=quantization,
+        draft_arch=draft_arch,
     )
 
 

@@ -39,6 +39,7 @@ from jaxserve.core.sched.output import SchedulerOutput
 from jaxserve.models import CausalLM
 from jaxserve.outputs import ModelRunnerOutput
 from jaxserve.runner.buckets import BucketSpec
+from jaxserve.runner.draft_model import DraftModel, DraftSpec
 from jaxserve.runner.input_batch import InputBatch, PreparedBatch
 from jaxserve.runner.kv_cache import allocate_kv_caches
 from jaxserve.runner.kv_offload import KVOffloader
@@ -79,6 +80,7 @@ class ModelRunner:
             (runner/kv_scales.py), sent with every step's AttentionMetadata; None otherwise.
         kv_offload: the host KV tier's data side (kv_offload.py), for pages of this runner's
             shape and dtype, when kv_offloading_size > 0; None otherwise.
+        draft: speculative decoding's draft model (draft_model.py), or None.
     """
 
     def __init__(
@@ -96,6 +98,7 @@ class ModelRunner:
         plan: ExecutionPlan,
         kv_scales: np.ndarray | None = None,
         kv_offload: KVOffloader | None = None,
+        draft: DraftSpec | None = None,
     ) -> None:
         self.model = model
         self.kv_scales = kv_scales
@@ -130,7 +133,20 @@ class ModelRunner:
             ),
         )
         self.kv_caches = self._allocate_kv_caches()
+        self.draft = None if draft is None else self._make_draft(draft)
         self._init_jitted()
+
+    def _make_draft(self, draft: DraftSpec) -> DraftModel:
+        rows = sorted({self.buckets.padded_rows(t) for t in self.buckets.token_buckets})
+        return DraftModel(
+            draft.model,
+            draft.params,
+            num_kv_blocks=self.num_kv_blocks,
+            block_size=self.block_size,
+            num_speculative_tokens=draft.num_speculative_tokens,
+            input_batch=self.input_batch,
+            row_buckets=tuple(rows),
+        )
 
     def _init_jitted(self) -> None:
         """The jitted step and block copy (step.py), each counted by its StepCompiles.
@@ -139,7 +155,10 @@ class ModelRunner:
         so dropping the last LLM frees its device memory at once, without waiting for the
         cyclic garbage collector."""
         self.compiles = compiles = StepCompiles("the engine step")
-        self.jitted_step = step = jit_step(self.model, self.plan.sampler_draw, self.sharding)
+        draft_model = None if self.draft is None else self.draft.model
+        self.jitted_step = step = jit_step(
+            self.model, self.plan.sampler_draw, self.sharding, draft_model
+        )
         self._step = lambda *args: compiles(step, args, STEP_ARGS)
         self.copy_compiles = copies = StepCompiles("the copy-on-write block copy")
         self.jitted_copy = copy = jit_copy(self.sharding, self.model.arch.num_layers)
@@ -163,6 +182,12 @@ class ModelRunner:
             self.plan.kv_cache_dtype,
             None if self.sharding is None else self.sharding.kv_sharding,
         )
+
+    @property
+    def spec_proposer(self) -> DraftModel | None:
+        """The draft model, which proposes speculative drafts (the Proposer protocol); None
+        without one (n-gram drafts are proposed on the host)."""
+        return self.draft
 
     def padded_tokens(self, num_tokens: int) -> int:
         """The token bucket (T) a step of ``num_tokens`` scheduled tokens runs in."""
@@ -191,7 +216,8 @@ class ModelRunner:
     def all_compiles(self) -> list[StepCompiles]:
         """The counters of every jitted function the runner calls."""
         offload = [self.kv_offload.compiles] if self.kv_offload is not None else []
-        return [self.compiles, self.copy_compiles, *offload]
+        draft = [self.draft.compiles] if self.draft is not None else []
+        return [self.compiles, self.copy_compiles, *offload, *draft]
 
     def reset(self) -> bool:
         """Forget every request: the recovery of an engine step that raised part-way.
@@ -205,6 +231,12 @@ class ModelRunner:
             scheduler must drop its prefix cache.
         """
         self._init_host_state()
+        draft = self.draft
+        if draft is not None:
+            draft.set_input_batch(self.input_batch)
+            if not _all_ready(draft.kv_caches):  # only guesses live there: nothing to tell
+                draft.kv_caches = None
+                draft.kv_caches = draft.allocate_kv_caches()
         if _all_ready(self.kv_caches):
             return False
         self.kv_caches = None  # release the dead buffers before allocating new ones
@@ -275,6 +307,8 @@ class ModelRunner:
     def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Copy-on-write: KV pages src[i] -> dst[i], in place (a padded count: copy_sizes)."""
         self.kv_caches = self._copy(self.kv_caches, src, dst)
+        if self.draft is not None:
+            self.draft.copy_blocks(self._copy, src, dst)
 
     def run_prepared(
         self,
@@ -293,7 +327,7 @@ class ModelRunner:
         if prompt_targets is None:
             prompt_targets = np.full(batch.input_ids.shape, -1, np.int32)
         start = time.perf_counter()
-        self.kv_caches, out, plp, num_emitted = self._step(
+        self.kv_caches, out, plp, num_emitted, draft_kv = self._step(
             self.params,
             self.kv_caches,
             batch.input_ids,
@@ -302,12 +336,20 @@ class ModelRunner:
             batch.draft_ids,
             sampling_md,
             prompt_targets,
+            *self.draft_args(),
         )
+        if self.draft is not None:
+            self.draft.kv_caches = draft_kv
         if trace is not None:
             dispatch_s = time.perf_counter() - start
             jax.block_until_ready(out.token_ids)
             trace.record_device(dispatch_s, time.perf_counter() - start)
         return out, plp, num_emitted
+
+    def draft_args(self) -> tuple[Any, Any]:
+        """The step's (draft_params, draft_kv_caches): the draft model's, or (None, None)."""
+        draft = self.draft
+        return (None, None) if draft is None else (draft.params, draft.kv_caches)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         ib = self.input_batch

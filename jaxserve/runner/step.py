@@ -10,6 +10,7 @@ them, here: in STEP_ARGS, ``_step_fn`` and ``_step_shardings``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -34,17 +35,24 @@ STEP_ARGS = (  # the step's positional arguments, named for compilation explanat
     "draft_ids",
     "sampling_metadata",
     "prompt_targets",
+    "draft_params",
+    "draft_kv_caches",
 )
 COPY_ARGS = ("kv_caches", "src", "dst")
 
 
-def jit_step(model: CausalLM, draw: str, sharding: ShardingPlan | None) -> Any:
+def jit_step(
+    model: CausalLM, draw: str, sharding: ShardingPlan | None, draft: CausalLM | None = None
+) -> Any:
     """The jitted step of ``model`` with the sampler's ``draw``: called with STEP_ARGS, it
-    returns (kv_caches, sampler output, prompt logprobs, tokens emitted per logits segment);
-    the KV pages are donated."""
+    returns (kv_caches, sampler output, prompt logprobs, tokens emitted per logits segment,
+    draft_kv_caches); the KV pages are donated. With a ``draft`` model (speculative decoding's
+    "draft_model"), the step also runs the draft over the same batch, writing its KV pages
+    (draft_model.py); without one, draft_params and draft_kv_caches are None."""
+    draft_traces = None if draft is None else _SharedTraces(draft)
     return jax.jit(
-        functools.partial(_step_fn, _SharedTraces(model), draw),
-        donate_argnames=("kv_caches",),
+        functools.partial(_step_fn, _SharedTraces(model), draw, draft_traces),
+        donate_argnames=("kv_caches", "draft_kv_caches"),
         **_step_shardings(sharding, model.arch.num_layers),
     )
 
@@ -81,6 +89,7 @@ class _SharedTraces:
 def _step_fn(
     model: CausalLM | _SharedTraces,
     draw: str,
+    draft: CausalLM | _SharedTraces | None,
     params: Any,
     kv_caches: list[tuple[jax.Array, jax.Array]],
     input_ids: jax.Array,  # i32[T]
@@ -89,6 +98,8 @@ def _step_fn(
     draft_ids: jax.Array,  # i32[R] draft each logits row verifies, -1: none (rejection_sampler)
     sampling_md: SamplingMetadata,
     prompt_targets: jax.Array,  # i32[T] next prompt token per row (prompt logprobs), else -1
+    draft_params: Any = None,  # the draft model's, with a draft; else None
+    draft_kv_caches: Any = None,  # its KV pages (donated), with a draft; else None
 ):
     """The jitted step: forward, logits at the R sampling rows, sample, the speculative drafts'
     verification (how many tokens each segment of rows keeps; 1 per request without drafts),
@@ -104,7 +115,10 @@ def _step_fn(
         lambda: prompt_logprobs(model.compute_logits(params, hidden), prompt_targets, num=num),
         lambda: no_logprobs(prompt_targets.shape[0], num),
     )
-    return kv_caches, out, plp, num_emitted
+    if draft is not None:  # the draft computes what the target did: its KV stays current
+        draft_md = dataclasses.replace(md, rope_cos=None, rope_sin=None, kv_scales=None)
+        draft_kv_caches, _ = draft.forward(draft_params, draft_kv_caches, input_ids, draft_md)
+    return kv_caches, out, plp, num_emitted, draft_kv_caches
 
 
 def attention_metadata(
@@ -144,10 +158,11 @@ def _step_shardings(plan: ShardingPlan | None, num_layers: int) -> dict[str, Any
     kv, rep = plan.kv_shardings(num_layers), plan.replicated
     return dict(
         # params, kv_caches, input_ids, md, logits_indices, draft_ids, sampling_md,
-        # prompt_targets
-        in_shardings=(plan.param_shardings(), kv, rep, rep, rep, rep, rep, rep),
-        # kv_caches, sampler output, prompt logprobs, tokens emitted per segment
-        out_shardings=(kv, rep, rep, rep),
+        # prompt_targets, draft_params, draft_kv_caches (None: a draft model is refused
+        # under tensor parallelism)
+        in_shardings=(plan.param_shardings(), kv, rep, rep, rep, rep, rep, rep, None, None),
+        # kv_caches, sampler output, prompt logprobs, tokens emitted per segment, draft KV
+        out_shardings=(kv, rep, rep, rep, None),
     )
 
 

@@ -3,7 +3,8 @@
 The step is compiled for every (T, R, B) bucket in both of its variants (a batch without
 penalties or bans, and one with them at the one width every accepted request fits:
 SamplingInputs.variant_widths), the copy-on-write block copy (n > 1) for every size of the
-runner's copy_sizes, and the host KV tier's copies when there is one. Every other sampling
+runner's copy_sizes, the host KV tier's copies when there is one, and a draft model's proposal
+at every row bucket (with its pages' block copies) when speculative decoding has one. Every other sampling
 feature (greedy or sampled rows, seeds, logprobs, prompt logprobs, min_tokens) runs in these
 same compiled steps.
 
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
+from jaxserve.runner.draft_model import PROPOSE_ARGS
 from jaxserve.runner.input_batch import PreparedBatch
 from jaxserve.runner.sampling_metadata import SamplingMetadata
 from jaxserve.runner.step import COPY_ARGS, STEP_ARGS, attention_metadata
@@ -70,6 +72,32 @@ def compilations(runner: ModelRunner, shapes: list[Shape]) -> list[Compilation]:
     ]
     if runner.kv_offload is not None:
         jobs += runner.kv_offload.compilations(runner.kv_caches)
+    if runner.draft is not None:
+        jobs += _draft_compilations(runner)
+    return jobs
+
+
+def _draft_compilations(runner: ModelRunner) -> list[Compilation]:
+    """The draft model's proposal at every row bucket, and its pages' block copies."""
+    draft = runner.draft
+    jobs = [
+        Compilation(
+            draft.compiles,
+            draft.jitted_propose,
+            (draft.params, draft.kv_caches, *draft.padded_inputs(rows)),
+            PROPOSE_ARGS,
+        )
+        for rows in draft.row_buckets
+    ]
+    jobs += [
+        Compilation(
+            runner.copy_compiles,
+            runner.jitted_copy,
+            (draft.kv_caches, *(np.zeros(n, np.int32),) * 2),
+            COPY_ARGS,
+        )
+        for n in runner.copy_sizes
+    ]
     return jobs
 
 
@@ -121,4 +149,5 @@ def padding_step_inputs(
         batch.draft_ids,
         neutral_sampling(padded_rows, runner.vocab_size, widths),
         np.full(padded_tokens, -1, np.int32),  # no prompt-logprob targets
+        *runner.draft_args(),
     )

@@ -210,8 +210,9 @@ def make_request(
 
 
 def check_invariants(sched: Scheduler, lookahead: int = 0) -> None:
-    """docs/architecture.md, checked on the live structures. ``lookahead``: speculative
-    drafts per request (k); a table may keep the slots of rejected drafts, at most k."""
+    """docs/architecture.md, checked on the live structures. ``lookahead``: the slots a table
+    may hold past its computed tokens (speculative decoding: k for rejected drafts, plus the
+    scheduler's lookahead slots)."""
     kv = sched.kv_cache_manager
     pool = kv.block_pool
     holders = [0] * pool.num_blocks

@@ -44,7 +44,7 @@ _op = st.one_of(
 
 class _Harness:
     def __init__(
-        self, sched: Scheduler, runner: FakeRunner, spec_k: int = 0, rng=None
+        self, sched: Scheduler, runner: FakeRunner, spec_k: int = 0, rng=None, slack: int = 0
     ) -> None:
         self.sched = sched
         self.runner = runner
@@ -53,12 +53,13 @@ class _Harness:
         self.aborted: set[str] = set()
         self.spec_k = spec_k
         self.rng = rng
+        self.slack = slack  # slots a table may hold past its computed tokens
 
     def step(self) -> None:
         so = self.sched.schedule()
         for out in self.sched.update_from_output(so, self.runner.execute(so)):
             merge_output(self.results, out)
-        check_invariants(self.sched, lookahead=self.spec_k)
+        check_invariants(self.sched, lookahead=self.slack)
         if self.spec_k:
             self.sched.set_spec_tokens(self._drafts())
 
@@ -83,7 +84,7 @@ class _Harness:
             self.sched.add_request(req, parent_req_id=parent)
         except ValueError:
             assert req.request_id not in self.sched.requests
-            check_invariants(self.sched, lookahead=self.spec_k)
+            check_invariants(self.sched, lookahead=self.slack)
             return
         self.reqs[req.request_id] = req
 
@@ -102,6 +103,7 @@ class _Harness:
     host_blocks=st.integers(0, 10),
     mode=st.sampled_from(["recompute", "swap", "auto"]),
     spec_k=st.sampled_from([0, 0, 1, 3]),
+    lookahead=st.sampled_from([0, 2]),
     rng=st.randoms(use_true_random=False),
 )
 def test_random_workloads_keep_invariants_and_outputs(
@@ -117,6 +119,7 @@ def test_random_workloads_keep_invariants_and_outputs(
     host_blocks,
     mode,
     spec_k,
+    lookahead,
     rng,
 ) -> None:
     # "auto" with unit rates swaps a victim when it would copy fewer blocks than it has
@@ -141,10 +144,11 @@ def test_random_workloads_keep_invariants_and_outputs(
         num_blocks,
         host,
         num_speculative_tokens=spec_k,
+        num_lookahead_tokens=lookahead,
     )
     sched.observe_step(1, 1.0)
     runner = FakeRunner(num_blocks, block_size, sched.kv_cache_manager.block_pool)
-    h = _Harness(sched, runner, spec_k, rng)
+    h = _Harness(sched, runner, spec_k, rng, slack=spec_k + lookahead)
     pending = list(specs)
     # Unused "add" ops leave requests pending; they all arrive before the final drain.
     for i, op in enumerate(ops + [("add", 0)] * len(specs)):
@@ -175,7 +179,7 @@ def test_random_workloads_keep_invariants_and_outputs(
             rid = list(h.reqs)[op[1] % len(h.reqs)]
             if sched.abort_requests(rid):
                 h.aborted.add(rid)
-            check_invariants(sched, lookahead=spec_k)
+            check_invariants(sched, lookahead=h.slack)
         elif op[0] == "step":
             for _ in range(op[1]):
                 h.step()

@@ -29,7 +29,7 @@ from jaxserve.core.sched.output import SchedulerOutput
 from jaxserve.core.sched.output_processor import finished_output, process_step
 from jaxserve.core.sched.pending_prefixes import PendingPrefixes
 from jaxserve.core.sched.policy import make_policy
-from jaxserve.core.sched.spec_tokens import SpecDecodeStats, take_drafts
+from jaxserve.core.sched.spec_tokens import SpecDecodeStats, lookahead_slots, take_drafts
 from jaxserve.core.sched.starting_point import starting_point
 from jaxserve.core.sched.stats import SchedulerStats, carry_kv_counters
 from jaxserve.core.sched.step_batch import StepBatch
@@ -51,6 +51,8 @@ class Scheduler:
             cache_config.kv_offloading_size > 0.
         num_speculative_tokens: k of speculative decoding (0: off): requests may carry up to
             k drafts (Request.spec_token_ids), verified in their next step (spec_tokens.py).
+        num_lookahead_tokens: KV slots reserved past a request's known tokens whenever its
+            chunk reaches them, for a draft model to write its proposals' KV into (0: none).
 
     Requests live in ``requests`` from add_request until they finish; a request is in exactly
     one of ``waiting`` (WAITING or PREEMPTED) and ``running`` (RUNNING, sorted by policy key).
@@ -63,6 +65,7 @@ class Scheduler:
         num_kv_blocks: int,
         host_tier: HostTier | None = None,
         num_speculative_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
     ) -> None:
         self.host = HostKVTier(cache_config, host_tier)
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
@@ -81,6 +84,7 @@ class Scheduler:
         self._num_added = 0  # arrival_index of the next request
         self.stats = SchedulerStats()
         self.spec_stats = SpecDecodeStats(num_speculative_tokens) if num_speculative_tokens else None
+        self.num_lookahead_tokens = num_lookahead_tokens
 
     # ----------------------------------------------------------------------------- requests
 
@@ -126,12 +130,9 @@ class Scheduler:
     def finish_requests(
         self, req_ids: str | Iterable[str], finished_status: RequestStatus
     ) -> list[EngineCoreOutput]:
-        """End requests wherever they are (waiting, running, preempted) and free their blocks.
-
-        Used for aborts and by the engine for stop strings. Unknown or finished ids are ignored.
-        Returns one EngineCoreOutput (no new tokens, the status's finish_reason) per request
-        ended here.
-        """
+        """End requests wherever they are (waiting, running, preempted) and free their blocks
+        (aborts, and the engine's stop strings); unknown or finished ids are ignored. Returns
+        one EngineCoreOutput (no new tokens, the status's finish_reason) per request ended."""
         if not finished_status.is_finished:
             raise ValueError(f"finished_status must be a finished status, got {finished_status}")
         if isinstance(req_ids, str):
@@ -221,13 +222,8 @@ class Scheduler:
     def _schedule_running(self, step: StepBatch) -> None:
         """Give each running request its next tokens (a decode: 1, plus the speculative drafts
         that fit; a chunked prefill: the rest, up to the budget), preempting from the back of
-        ``running`` when the pool is full.
-
-        A running request never writes into a shared block (prefix hits share only full blocks;
-        a fork child copies its shared partial block in its first step), so when its table
-        already covers the new tokens there is nothing to allocate: the decode fast path skips
-        ``allocate_slots`` altogether.
-        """
+        ``running`` when the pool is full. A running request never writes into a shared block,
+        so a table that covers the new tokens needs no ``allocate_slots`` (the decode path)."""
         running = self.running
         tables = self.kv_cache_manager.req_to_blocks
         bs = self.block_size
@@ -246,29 +242,28 @@ class Scheduler:
                 room = spare_rows - step.num_draft_tokens
                 drafts = take_drafts(req, min(budget - num_new, room))
             table = tables[req.request_id]
-            if num_computed + num_new + len(drafts) <= len(table) * bs:
+            end = num_computed + num_new + len(drafts)
+            lookahead = lookahead_slots(req, num_computed + num_new, end, self.num_lookahead_tokens)
+            if end + lookahead <= len(table) * bs:
                 new_ids = []
             else:
-                new_blocks, drafts = self._allocate(req, num_new, drafts, step)
+                new_blocks, drafts = self._allocate(req, num_new, drafts, lookahead, step)
                 if new_blocks is None:  # req itself was the victim
                     break
                 new_ids = [b.block_id for b in new_blocks]
             step.add_cached(req, new_ids, num_new, drafts, len(table))
 
     def _allocate(
-        self, req: Request, num_new: int, drafts: list[int], step: StepBatch
+        self, req: Request, num_new: int, drafts: list[int], lookahead: int, step: StepBatch
     ) -> tuple[list[KVCacheBlock] | None, list[int]]:
-        """Blocks for ``num_new`` tokens and the drafts; when the pool is short, the drafts are
-        dropped first, then lower-ranked requests preempted. Returns (the new blocks, or None
-        when ``req`` itself was preempted; the drafts kept)."""
+        """Blocks for ``num_new`` tokens, the drafts and the lookahead slots; when the pool is
+        short, the drafts and lookahead are dropped first, then lower-ranked requests
+        preempted. Returns (the new blocks, or None when ``req`` itself was preempted; the
+        drafts kept)."""
         allocate = self.kv_cache_manager.allocate_slots
-        new_blocks = allocate(req, num_new + len(drafts))
-        if new_blocks is None and drafts:
-            drafts = []
-            table = self.kv_cache_manager.req_to_blocks[req.request_id]
-            if req.num_computed_tokens + num_new <= len(table) * self.block_size:
-                return [], drafts
-            new_blocks = allocate(req, num_new)
+        new_blocks = allocate(req, num_new + len(drafts) + lookahead)
+        if new_blocks is None and (drafts or lookahead):
+            drafts, new_blocks = [], allocate(req, num_new)  # [] when the table covers it
         if new_blocks is None:
             new_blocks = self._preempt_until_fits(req, num_new, step)
         return new_blocks, drafts
@@ -332,7 +327,13 @@ class Scheduler:
                 skipped.append(waiting.pop())
                 continue
             num_new = min(len(req.all_token_ids) - num_borrowed_tokens, step.budget)
-            new_blocks = kv.allocate_slots(req, num_new, borrowed or None, num_borrowed_tokens)
+            end = num_borrowed_tokens + num_new
+            lookahead = lookahead_slots(req, end, end, self.num_lookahead_tokens)
+            new_blocks = kv.allocate_slots(
+                req, num_new + lookahead, borrowed or None, num_borrowed_tokens
+            )
+            if new_blocks is None and lookahead:  # the lookahead is only an optimisation
+                new_blocks = kv.allocate_slots(req, num_new, borrowed or None, num_borrowed_tokens)
             if new_blocks is None:
                 start.retract(req, kv, self.block_size)
                 break

@@ -26,6 +26,16 @@ def take_drafts(req: Request, room: int) -> list[int]:
     return drafts[:room] if room > 0 else []
 
 
+def lookahead_slots(req: Request, chunk_end: int, end: int, num_lookahead: int) -> int:
+    """KV slots to reserve past ``end`` (the step's last scheduled position + 1, drafts
+    included) for a draft model's next proposal: ``num_lookahead`` when the request's chunk
+    (ending at ``chunk_end``, drafts excluded) reaches its known tokens, so that it proposes
+    after this step; never past its length limit; 0 otherwise."""
+    if not num_lookahead or chunk_end < len(req.all_token_ids):
+        return 0
+    return max(0, min(num_lookahead, req.max_num_tokens - end))
+
+
 def computed_counts(
     num_scheduled: dict[str, int],
     spec_tokens: dict[str, list[int]],
