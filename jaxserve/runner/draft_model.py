@@ -53,6 +53,8 @@ class DraftModel:
         num_speculative_tokens: k, the drafts proposed per request.
         input_batch: the target runner's rows (block tables, tokens); read, never written.
         row_buckets: the padded row counts a proposal may run at (the runner's R buckets).
+        placement: where its pages and the proposal's inputs and outputs live (the target's
+            one-device mesh, replicated), or None: the default device.
     """
 
     def __init__(
@@ -65,6 +67,7 @@ class DraftModel:
         num_speculative_tokens: int,
         input_batch: InputBatch,
         row_buckets: tuple[int, ...],
+        placement: Any = None,
     ) -> None:
         self.model = model
         self.params = params
@@ -73,10 +76,18 @@ class DraftModel:
         self.k = num_speculative_tokens
         self.input_batch = input_batch
         self.row_buckets = row_buckets
+        self.placement = placement
         self.kv_caches = self.allocate_kv_caches()
         self.compiles = compiles = StepCompiles("the draft model's proposal")
+        # Explicit placements: the pages keep one sharding through the step and the proposal,
+        # so neither sees a new argument sharding (a recompilation) after warm-up.
+        shardings = {}
+        if placement is not None:
+            shardings = dict(in_shardings=(placement,) * 6, out_shardings=(placement,) * 2)
         self.jitted_propose = propose = jax.jit(
-            functools.partial(_propose_fn, model, self.k), donate_argnames=("kv_caches",)
+            functools.partial(_propose_fn, model, self.k),
+            donate_argnames=("kv_caches",),
+            **shardings,
         )
         self._propose = lambda *args: compiles(propose, args, PROPOSE_ARGS)
 
@@ -86,6 +97,7 @@ class DraftModel:
             model.arch.num_layers,
             model.kv_cache_shape(self.num_kv_blocks, self.block_size),
             model.dtype,
+            self.placement,
         )
 
     def set_input_batch(self, input_batch: InputBatch) -> None:

@@ -146,6 +146,7 @@ class ModelRunner:
             num_speculative_tokens=draft.num_speculative_tokens,
             input_batch=self.input_batch,
             row_buckets=tuple(rows),
+            placement=None if self.sharding is None else self.sharding.replicated,
         )
 
     def _init_jitted(self) -> None:

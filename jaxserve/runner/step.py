@@ -158,11 +158,11 @@ def _step_shardings(plan: ShardingPlan | None, num_layers: int) -> dict[str, Any
     kv, rep = plan.kv_shardings(num_layers), plan.replicated
     return dict(
         # params, kv_caches, input_ids, md, logits_indices, draft_ids, sampling_md,
-        # prompt_targets, draft_params, draft_kv_caches (None: a draft model is refused
-        # under tensor parallelism)
-        in_shardings=(plan.param_shardings(), kv, rep, rep, rep, rep, rep, rep, None, None),
+        # prompt_targets, draft_params, draft_kv_caches (a draft model is on one device:
+        # tensor parallelism with one is refused)
+        in_shardings=(plan.param_shardings(), kv, rep, rep, rep, rep, rep, rep, rep, rep),
         # kv_caches, sampler output, prompt logprobs, tokens emitted per segment, draft KV
-        out_shardings=(kv, rep, rep, rep, None),
+        out_shardings=(kv, rep, rep, rep, rep),
     )
 
 

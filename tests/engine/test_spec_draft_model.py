@@ -1,0 +1,112 @@
+"""Speculative decoding with a draft model: the target itself as its draft (every draft right:
+acceptance 1, k + 1 tokens a step) and a different, smaller model (drafts often wrong), both
+token for token the engine without speculation, greedy and seeded, under chunking, preemption
+and shared prefixes; nothing compiles after warm-up; bad drafts refused before loading."""
+
+from __future__ import annotations
+
+import pytest
+from engine_utils import assert_nothing_held, random_prompts
+
+from jaxserve import LLM, LLMEngine, SamplingParams
+from jaxserve.checkpoints_tools.testing import write_tiny_hf_checkpoint
+
+K = 3
+STRESS = dict(
+    block_size=4, num_kv_blocks=16, max_num_seqs=6, max_num_batched_tokens=16,
+    max_model_len=96, warmup=False, dtype="float32",
+)  # fmt: skip
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=20, ignore_eos=True)
+_SHARED = [21, 22, 23, 24, 25, 26, 27, 28]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """(target, a smaller draft of the same vocabulary, a draft of another vocabulary)."""
+    root = tmp_path_factory.mktemp("draft")
+    target = write_tiny_hf_checkpoint(root / "target", "llama", num_hidden_layers=2)
+    draft = write_tiny_hf_checkpoint(root / "draft", "llama", seed=1, num_hidden_layers=1,
+                                     with_tokenizer=False)  # fmt: skip
+    other = write_tiny_hf_checkpoint(root / "other", "llama", vocab_size=300,
+                                     with_tokenizer=False)  # fmt: skip
+    return str(target), str(draft), str(other)
+
+
+def _prompts() -> list[list[int]]:
+    randoms = [[t % 512 for t in p] for p in random_prompts(3, seed=5, lo=6, hi=20)]
+    return randoms + [_SHARED + [1, 2], _SHARED + [3], [7, 8] * 6]
+
+
+def _run(llm: LLM, params) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params, use_tqdm=False)
+    assert_nothing_held(llm.engine)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _draft_config(model: str) -> dict:
+    return {"method": "draft_model", "model": model, "num_speculative_tokens": K,
+            "policy": "always"}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    plain = LLM(models[0], **STRESS)
+    return {"greedy": _run(plain, GREEDY), "seeded": _run(plain, SEEDED)}
+
+
+def test_the_target_as_its_own_draft_is_always_right(models, reference):
+    # With room in the pool every draft is right: k + 1 tokens a step wherever the budget and
+    # the length limits allow k drafts.
+    roomy = LLM(models[0], speculative_config=_draft_config(models[0]),
+                **{**STRESS, "num_kv_blocks": 40})  # fmt: skip
+    assert _run(roomy, GREEDY) == reference["greedy"]
+    stats = roomy.get_stats()
+    assert stats["spec_decode_num_draft_tokens"] > 0
+    assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"]
+    # A tight pool preempts, and drops lookahead slots (some drafts then miss): same tokens.
+    tight = LLM(models[0], speculative_config=_draft_config(models[0]), **STRESS)
+    assert _run(tight, GREEDY) == reference["greedy"]
+    assert _run(tight, SEEDED) == reference["seeded"]
+    stats = tight.get_stats()
+    assert stats["num_preemptions"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_a_smaller_draft_changes_no_token(models, reference):
+    llm = LLM(models[0], speculative_config=_draft_config(models[1]), **STRESS)
+    assert _run(llm, GREEDY) == reference["greedy"]
+    assert _run(llm, SEEDED) == reference["seeded"]
+    stats = llm.get_stats()
+    assert 0 < stats["spec_decode_num_draft_tokens"]
+    assert stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+
+
+@pytest.mark.slow
+def test_nothing_compiles_after_warmup_with_a_draft_model(models):
+    engine = LLMEngine(
+        models[0], num_kv_blocks=48, block_size=8, max_num_seqs=4, max_num_batched_tokens=32,
+        max_model_len=64, speculative_config=_draft_config(models[0]),
+    )  # fmt: skip
+    before = engine.get_stats()
+    compiled = before["num_compilations"] + before["num_compilation_cache_hits"]
+    for i, prompt in enumerate([[5, 6, 7] * 5, [9, 8] * 9, [3, 4, 5, 6, 7, 8]]):
+        params = SamplingParams(temperature=0.7 * (i % 2), seed=i, max_tokens=20, n=1 + (i == 2),
+                                ignore_eos=True)  # fmt: skip
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    stats = engine.get_stats()
+    assert stats["spec_decode_num_accepted_tokens"] > 0
+    assert stats["recompilations"] == []
+    assert stats["num_compilations"] + stats["num_compilation_cache_hits"] == compiled
+
+
+def test_a_draft_of_another_vocabulary_is_refused_before_loading(models):
+    with pytest.raises(ValueError, match=r"vocab_size=300.*has 512|vocab_size"):
+        LLM(models[0], speculative_config=_draft_config(models[2]), **STRESS)
+
+
+def test_a_draft_model_under_tensor_parallelism_is_refused():
+    config = _draft_config("tiny-random-llama")
+    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
+        LLM("tiny-random-llama", tensor_parallel_size=2, speculative_config=config)
