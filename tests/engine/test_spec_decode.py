@@ -173,7 +173,7 @@ def test_nothing_compiles_after_warmup_with_speculation():
     "value, error, match",
     [
         ({"method": "eagle3", "num_speculative_tokens": 2}, ValueError, "not implemented"),
-        ({"method": "medusa2"}, ValueError, r"must be one of \['ngram'\]"),
+        ({"method": "medusa2"}, ValueError, r"must be one of \['ngram', 'draft_model'\]"),
         ({"method": "ngram", "num_speculative_tokens": 0}, ValueError, "num_speculative_tokens"),
         ({"method": "ngram", "num_speculative_tokens": 33}, ValueError, r"\[1, 32\], got 33"),
         ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, ValueError,
@@ -181,6 +181,8 @@ def test_nothing_compiles_after_warmup_with_speculation():
         ({"method": "ngram", "num_speculative_tokens": 2, "k": 3}, ValueError, "unknown keys"),
         ({"num_speculative_tokens": 2}, ValueError, "needs a 'method'"),
         ({"method": "ngram", "num_speculative_tokens": "4"}, TypeError, "must be an int"),
+        ({"method": "draft_model"}, ValueError, r"\['model'\] must name the draft model"),
+        ({"method": "ngram", "model": "x"}, ValueError, "is for method 'draft_model'"),
         ("ngram", TypeError, "must be a dict"),
     ],
 )  # fmt: skip
