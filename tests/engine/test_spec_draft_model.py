@@ -50,20 +50,29 @@ def _draft_config(model: str) -> dict:
 
 
 @pytest.fixture(scope="module")
+def roomy(models) -> LLM:
+    """The target as its own draft, with room in the pool (the fault tests reuse it: each
+    leaves it serving)."""
+    return LLM(models[0], speculative_config=_draft_config(models[0]),
+               **{**STRESS, "num_kv_blocks": 40})  # fmt: skip
+
+
+@pytest.fixture(scope="module")
 def reference(models):
     plain = LLM(models[0], **STRESS)
     return {"greedy": _run(plain, GREEDY), "seeded": _run(plain, SEEDED)}
 
 
-def test_the_target_as_its_own_draft_is_always_right(models, reference):
+def test_the_target_as_its_own_draft_is_always_right(models, roomy, reference):
     # With room in the pool every draft is right: k + 1 tokens a step wherever the budget and
     # the length limits allow k drafts.
-    roomy = LLM(models[0], speculative_config=_draft_config(models[0]),
-                **{**STRESS, "num_kv_blocks": 40})  # fmt: skip
+    before = roomy.get_stats()
     assert _run(roomy, GREEDY) == reference["greedy"]
-    stats = roomy.get_stats()
-    assert stats["spec_decode_num_draft_tokens"] > 0
-    assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"]
+    drafts, accepted = (
+        roomy.get_stats()[key] - before[key]
+        for key in ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+    )
+    assert accepted == drafts > 0
     # A tight pool preempts, and drops lookahead slots (some drafts then miss): same tokens.
     tight = LLM(models[0], speculative_config=_draft_config(models[0]), **STRESS)
     assert _run(tight, GREEDY) == reference["greedy"]
@@ -110,3 +119,42 @@ def test_a_draft_model_under_tensor_parallelism_is_refused():
     config = _draft_config("tiny-random-llama")
     with pytest.raises(ValueError, match="tensor_parallel_size=2"):
         LLM("tiny-random-llama", tensor_parallel_size=2, speculative_config=config)
+
+
+# Where a fault can land in a speculating step: (owner, attribute, after the real call?).
+_FAULTS = {
+    "the jitted step, after it ran": ("runner", "_step", True),
+    "the draft's proposal": ("draft", "_propose", False),
+    "the draft's proposal, after it ran": ("draft", "_propose", True),
+    "the scheduler update (rollback)": ("scheduler", "update_from_output", False),
+    "setting the drafts": ("scheduler", "set_spec_tokens", False),
+}
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("injected"), KeyboardInterrupt()], ids=repr)
+@pytest.mark.parametrize("where", list(_FAULTS))
+def test_a_fault_mid_speculation_aborts_and_the_engine_serves_on(roomy, reference, where, exc,
+                                                                 monkeypatch):  # fmt: skip
+    llm, engine = roomy, roomy.engine
+    owners = {"runner": engine.runner, "draft": engine.runner.draft, "scheduler": engine.scheduler}
+    owner_name, attr, after = _FAULTS[where]
+    owner = owners[owner_name]
+    real, calls = getattr(owner, attr), []
+
+    def faulty(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3 and not after:
+            raise exc
+        result = real(*args, **kwargs)
+        if len(calls) == 3:
+            raise exc
+        return result
+
+    monkeypatch.setattr(owner, attr, faulty)
+    with pytest.raises(type(exc)):
+        _run(llm, GREEDY)
+    monkeypatch.undo()
+    assert not engine.has_unfinished_requests() and engine.runner.is_idle
+    assert_nothing_held(engine)
+    assert _run(llm, GREEDY) == reference["greedy"]
+    assert engine.get_stats()["spec_decode_num_accepted_tokens"] > 0
