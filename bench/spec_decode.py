@@ -11,6 +11,13 @@ its slowest request, whatever the others gained):
     ngram-auto   n-gram drafts, the cost-model policy (stops where speculating would lose)
     oracle       drafts that are always right (the plain run's own tokens): the mechanism's
                  ceiling, what n-gram reaches on outputs that quote their inputs
+    draft=target the draft_model method with the target as its own draft: acceptance 1, and
+                 each draft token costs a draft step of the target's size (no speed-up: the
+                 method's overheads, measured)
+    draft-small  a one-layer draft (random weights, so it rarely agrees with the target)
+
+Also the cost of a verification step: the oracle's steps of 1 + k tokens against the plain
+engine's one-token decode steps at batch 1 (device time, from the step tracer).
 
 Workloads: "repetitive" (prompts made of a span repeated, the case prompt lookup is for) and
 "sharegpt" (bench/_datasets.py's lognormal lengths). A random-weight checkpoint never quotes its
@@ -28,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -112,6 +120,30 @@ def _measure(engines, args, batch, vocab, max_len, max_tokens, params, ngram) ->
     return rows
 
 
+def _verification_cost(folder, engine_kw, vocab, max_len) -> dict:
+    """Median device time of the oracle's 1 + k token steps over the plain engine's one-token
+    decode steps, one request at a time (the step tracer)."""
+    prompt = _prompts("sharegpt", 1, vocab, max_len, seed=99)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    kw = {**engine_kw, "max_num_seqs": 1}
+    times = {}
+    for name, spec in (("plain", None), ("spec", {"method": "ngram", "num_speculative_tokens": K,
+                                                  "policy": "always"})):  # fmt: skip
+        llm = LLM(str(folder), speculative_config=spec, **kw)
+        _, reference, _ = _run(llm, [prompt], params)  # also warms the buckets
+        if spec is not None:
+            llm.engine.core.spec = SpecDecoder(
+                SpeculativeConfig(**spec), proposer=_Oracle({tuple(prompt): reference[0]})
+            )
+        traces = []
+        llm.engine.core.set_step_tracer(traces.append)
+        _run(llm, [prompt], params)
+        want = 1 if spec is None else 1 + K
+        times[name] = float(np.median([t.device_s for t in traces if t.num_tokens == want]))
+    return {"plain_ms": 1e3 * times["plain"], "spec_ms": 1e3 * times["spec"],
+            "ratio": times["spec"] / times["plain"]}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="default")
@@ -130,8 +162,15 @@ def main(argv: list[str] | None = None) -> dict:
     max_tokens = min(args.max_tokens, max_len // 2 - 1)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     ngram = {"method": "ngram", "num_speculative_tokens": K}
-    specs = {"plain": None, "ngram": {**ngram, "policy": "always"}, "ngram-auto": ngram,
-             "oracle": {**ngram, "policy": "always"}}  # fmt: skip
+    draft = replace(preset, model_name=preset.model_name + "-draft",
+                    model={**preset.model, "num_hidden_layers": 1})  # fmt: skip
+    draft_folder = ensure_checkpoint(draft, CACHE)
+    always = {**ngram, "policy": "always"}
+    specs = {
+        "plain": None, "ngram": always, "ngram-auto": ngram, "oracle": always,
+        "draft=target": {**always, "method": "draft_model", "model": str(folder)},
+        "draft-small": {**always, "method": "draft_model", "model": str(draft_folder)},
+    }  # fmt: skip
     vocab = preset.model["vocab_size"]
     rows = []
     for batch in batch_sizes:
@@ -141,13 +180,17 @@ def main(argv: list[str] | None = None) -> dict:
         }
         rows += _measure(engines, args, batch, vocab, max_len, max_tokens, params, ngram)
         del engines
-    report = {"preset": args.preset, "k": K, "max_tokens": max_tokens, "rows": rows}
+    report = {"preset": args.preset, "k": K, "max_tokens": max_tokens, "rows": rows,
+              "verification_cost": _verification_cost(folder, engine_kw, vocab, max_len)}  # fmt: skip
     print(f"{'workload':<11}{'batch':>6} {'engine':<11}{'tok/s':>9}{'x plain':>9}"
           f"{'steps':>7}{'drafts':>8}{'accept':>8}")  # fmt: skip
     for r in rows:
         acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
         print(f"{r['workload']:<11}{r['batch']:>6} {r['engine']:<11}{r['output_tok_s']:>9.1f}"
               f"{r['ratio']:>9.2f}{r['steps']:>7}{r['draft_tokens']:>8}{acc:>8}")  # fmt: skip
+    cost = report["verification_cost"]
+    print(f"\nbatch 1: a verification step of {1 + K} tokens takes {cost['ratio']:.2f}x a "
+          f"one-token decode step ({cost['spec_ms']:.2f} vs {cost['plain_ms']:.2f} ms, device)")
     suffix = "" if args.preset == "default" else f"_{args.preset}"
     out = Path(args.output) if args.output else RESULTS / f"spec_decode{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
