@@ -103,7 +103,7 @@ def _measure(engines, args, batch, vocab, max_len, max_tokens, params, ngram) ->
         _, reference, _ = _run(engines["plain"], prompts, params)
         engines["oracle"].engine.core.spec = SpecDecoder(
             SpeculativeConfig(**ngram, policy="always"),
-            proposer=_Oracle({tuple(q): r for q, r in zip(prompts, reference)}),
+            proposer=_Oracle({tuple(q): r for q, r in zip(prompts, reference, strict=True)}),
         )
         base = None
         for name, llm in engines.items():
@@ -180,8 +180,9 @@ def main(argv: list[str] | None = None) -> dict:
         }
         rows += _measure(engines, args, batch, vocab, max_len, max_tokens, params, ngram)
         del engines
+    cost = _verification_cost(folder, engine_kw, vocab, max_len)
     report = {"preset": args.preset, "k": K, "max_tokens": max_tokens, "rows": rows,
-              "verification_cost": _verification_cost(folder, engine_kw, vocab, max_len)}  # fmt: skip
+              "verification_cost": cost}  # fmt: skip
     print(f"{'workload':<11}{'batch':>6} {'engine':<11}{'tok/s':>9}{'x plain':>9}"
           f"{'steps':>7}{'drafts':>8}{'accept':>8}")  # fmt: skip
     for r in rows:
@@ -189,8 +190,10 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{r['workload']:<11}{r['batch']:>6} {r['engine']:<11}{r['output_tok_s']:>9.1f}"
               f"{r['ratio']:>9.2f}{r['steps']:>7}{r['draft_tokens']:>8}{acc:>8}")  # fmt: skip
     cost = report["verification_cost"]
-    print(f"\nbatch 1: a verification step of {1 + K} tokens takes {cost['ratio']:.2f}x a "
-          f"one-token decode step ({cost['spec_ms']:.2f} vs {cost['plain_ms']:.2f} ms, device)")
+    print(
+        f"\nbatch 1: a verification step of {1 + K} tokens takes {cost['ratio']:.2f}x a "
+        f"one-token decode step ({cost['spec_ms']:.2f} vs {cost['plain_ms']:.2f} ms, device)"
+    )
     suffix = "" if args.preset == "default" else f"_{args.preset}"
     out = Path(args.output) if args.output else RESULTS / f"spec_decode{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

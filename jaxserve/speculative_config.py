@@ -101,9 +101,7 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config: unknown keys {unknown}; known: {known}")
         if "method" not in value:
-            raise ValueError(
-                f"speculative_config needs a 'method', one of {list(SPEC_METHODS)}"
-            )
+            raise ValueError(f"speculative_config needs a 'method', one of {list(SPEC_METHODS)}")
         return cls(**value)
 
 

@@ -133,7 +133,7 @@ class EngineMetrics:
             self._mirrored_last[key] = value
         per_pos = stats.get("spec_decode_num_accepted_tokens_per_pos", [])
         last = self._accepted_per_pos_last + [0] * (len(per_pos) - len(self._accepted_per_pos_last))
-        for pos, (value, before) in enumerate(zip(per_pos, last)):
+        for pos, (value, before) in enumerate(zip(per_pos, last, strict=True)):
             if value > before:
                 self._accepted_per_pos.labels(self.model_name, str(pos)).inc(value - before)
         self._accepted_per_pos_last = list(per_pos)

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+
 def logits_rows(
     ends: np.ndarray, num_drafts: np.ndarray, input_ids: np.ndarray, padded_rows: int
 ) -> tuple[np.ndarray, np.ndarray]:

@@ -4,14 +4,14 @@ The step is compiled for every (T, R, B) bucket in both of its variants (a batch
 penalties or bans, and one with them at the one width every accepted request fits:
 SamplingInputs.variant_widths), the copy-on-write block copy (n > 1) for every size of the
 runner's copy_sizes, the host KV tier's copies when there is one, and a draft model's proposal
-at every row bucket (with its pages' block copies) when speculative decoding has one. Every other sampling
-feature (greedy or sampled rows, seeds, logprobs, prompt logprobs, min_tokens) runs in these
-same compiled steps.
+at every row bucket (with its pages' block copies) when speculative decoding has one. Every
+other sampling feature (greedy or sampled rows, seeds, logprobs, prompt logprobs, min_tokens)
+runs in these same compiled steps.
 
-Each is lowered and compiled ahead of time, ``workers`` at a time (threads: XLA compiles
-without the GIL), for the arguments of an all-padding batch. jax keeps the executables, and the
-engine's calls with the same shapes run them without tracing again
-(tests/runner/test_warmup.py). Then each runs once (``run_once``).
+Each is lowered and compiled ahead of time, ``workers`` at a time (threads: XLA compiles without
+the GIL), for the arguments of an all-padding batch. jax keeps the executables, and the engine's
+calls with the same shapes run them without tracing again (tests/runner/test_warmup.py). Then
+each runs once (``run_once``).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Property test: random add / fork / abort / step sequences with random budgets, pools, block
-sizes, host KV tiers, preemption modes and speculative drafts (right or wrong at random). After every step the block accounting of both tiers
-holds (docs/architecture.md); at the end everything is free, and every request produced exactly
-what the fake model gives it alone (the fake model reads its KV back through the block tables,
-so a block restored from the host with the wrong contents changes the output)."""
+sizes, host KV tiers, preemption modes and speculative drafts (right or wrong at random). After
+every step the block accounting of both tiers holds (docs/architecture.md); at the end
+everything is free, and every request produced exactly what the fake model gives it alone (the
+fake model reads its KV back through the block tables, so a block restored from the host with
+the wrong contents changes the output)."""
 
 from __future__ import annotations
 

@@ -83,7 +83,7 @@ def test_oracle_drafts_change_steps_not_tokens(plain, wrong):
     prompts = _prompts()
     reference = _tokens(plain, prompts, GREEDY)
     llm = LLM("tiny-random-llama", speculative_config=NGRAM, **STRESS)
-    oracle = _Oracle({tuple(p): r for p, r in zip(prompts, reference)}, wrong)
+    oracle = _Oracle({tuple(p): r for p, r in zip(prompts, reference, strict=True)}, wrong)
     llm.engine.core.spec = SpecDecoder(SpeculativeConfig(**NGRAM), proposer=oracle)
     assert _tokens(llm, prompts, GREEDY) == reference
     stats = llm.get_stats()
@@ -132,10 +132,10 @@ def test_logprobs_are_the_targets(plain, spec):
     params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=True)
     ours = spec.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     base = plain.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for a, b in zip(ours, base):
+    for a, b in zip(ours, base, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert len(a.outputs[0].logprobs) == len(b.outputs[0].logprobs) == 12
-        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
             assert la.keys() == lb.keys()
             for t in la:
                 assert la[t].logprob == pytest.approx(lb[t].logprob, abs=1e-4)
@@ -159,8 +159,13 @@ def test_nothing_compiles_after_warmup_with_speculation():
     before = engine.get_stats()
     compiled = before["num_compilations"] + before["num_compilation_cache_hits"]
     for i, prompt in enumerate([[5, 6, 7] * 5, [9, 8] * 9, [3, 4, 5, 6, 7, 8]]):
-        engine.add_request(str(i), {"prompt_token_ids": prompt}, SamplingParams(
-            temperature=0.0 if i % 2 else 0.7, seed=i, max_tokens=20, ignore_eos=True))
+        engine.add_request(
+            str(i),
+            {"prompt_token_ids": prompt},
+            SamplingParams(
+                temperature=0.0 if i % 2 else 0.7, seed=i, max_tokens=20, ignore_eos=True
+            ),
+        )
     while engine.has_unfinished_requests():
         engine.step()
     stats = engine.get_stats()

@@ -190,6 +190,7 @@ def test_speculative_decoding_does_not_change_a_batch_job(tmp_path):
             assert ca.get("text", ca.get("message")) == cb.get("text", cb.get("message")), key
             assert ca.get("logprobs") == cb.get("logprobs") or key == "ids", key
             assert ca["finish_reason"] == cb["finish_reason"], key
-    lp_a, lp_b = plain["ids"]["choices"][0]["logprobs"], spec_bodies["ids"]["choices"][0]["logprobs"]
+    lp_a = plain["ids"]["choices"][0]["logprobs"]
+    lp_b = spec_bodies["ids"]["choices"][0]["logprobs"]
     assert lp_a["tokens"] == lp_b["tokens"]
     assert lp_a["token_logprobs"] == pytest.approx(lp_b["token_logprobs"], abs=1e-4)

@@ -16,7 +16,7 @@ def _reference(sampled, drafts):
     out, start = [], 0
     for i, d in enumerate(drafts):
         if d < 0:
-            seg = list(zip(sampled[start : i + 1], drafts[start : i + 1]))
+            seg = list(zip(sampled[start : i + 1], drafts[start : i + 1], strict=True))
             n = 0
             for s, dd in seg:
                 n += 1

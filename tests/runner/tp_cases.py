@@ -209,8 +209,8 @@ def run_spec(work: pathlib.Path, parity: dict[str, Any]) -> dict[str, Any]:
     config = {"method": "ngram", "num_speculative_tokens": 3, "policy": "always"}
     llm = LLM(str(work / "llama"), tensor_parallel_size=2, speculative_config=config, **ENGINE)
     greedy_prompts, seeded_prompts = _prompts(512), _prompts(512, seed=1)
-    reference = dict(zip(map(tuple, greedy_prompts), parity["llama"][1]["tokens"]))
-    reference.update(zip(map(tuple, seeded_prompts), parity["llama"][1]["seeded"]))
+    reference = dict(zip(map(tuple, greedy_prompts), parity["llama"][1]["tokens"], strict=True))
+    reference.update(zip(map(tuple, seeded_prompts), parity["llama"][1]["seeded"], strict=True))
     llm.engine.core.spec = SpecDecoder(SpeculativeConfig(**config), proposer=_Oracle(reference))
     out = {"tokens": _greedy(llm, greedy_prompts), "seeded": _seeded(llm)}
     stats = llm.get_stats()

@@ -47,7 +47,8 @@ def reference(llm_engine):
 def base_url(reference):
     engine = LLMEngine("tiny-random-llama", speculative_config=CONFIG, **SMALL)
     prompt_ids, tokens, _ = reference
-    engine.core.spec = SpecDecoder(SpeculativeConfig(**CONFIG), proposer=_Oracle(prompt_ids, tokens))
+    oracle = _Oracle(prompt_ids, tokens)
+    engine.core.spec = SpecDecoder(SpeculativeConfig(**CONFIG), proposer=oracle)
     async_engine = AsyncLLM.from_engine(engine, served_model_name=MODEL)
     with running_server(build_app(async_engine, served_model_name=MODEL)) as url:
         yield url

@@ -83,7 +83,8 @@ class Scheduler:
         self._finished_req_ids: set[str] = set()  # since the last schedule(); for the runner
         self._num_added = 0  # arrival_index of the next request
         self.stats = SchedulerStats()
-        self.spec_stats = SpecDecodeStats(num_speculative_tokens) if num_speculative_tokens else None
+        k = num_speculative_tokens
+        self.spec_stats = SpecDecodeStats(k) if k else None  # counters of verified drafts
         self.num_lookahead_tokens = num_lookahead_tokens
 
     # ----------------------------------------------------------------------------- requests
