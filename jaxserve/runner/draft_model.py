@@ -91,6 +91,30 @@ class DraftModel:
         )
         self._propose = lambda *args: compiles(propose, args, PROPOSE_ARGS)
 
+    @staticmethod
+    def step_args(draft: DraftModel | None) -> tuple[Any, Any]:
+        """The target step's (draft_params, draft_kv_caches): a draft's, or (None, None)."""
+        return (None, None) if draft is None else (draft.params, draft.kv_caches)
+
+    @classmethod
+    def create(
+        cls, spec: DraftSpec, input_batch: InputBatch, num_kv_blocks: int, block_size: int,
+        row_buckets: tuple[int, ...], placement: Any = None,
+    ) -> DraftModel:  # fmt: skip
+        """The DraftModel of a loaded draft (``spec``) for a runner's pool and rows."""
+        return cls(
+            spec.model, spec.params, num_kv_blocks=num_kv_blocks, block_size=block_size,
+            num_speculative_tokens=spec.num_speculative_tokens, input_batch=input_batch,
+            row_buckets=row_buckets, placement=placement,
+        )  # fmt: skip
+
+    def reset(self, input_batch: InputBatch, pages_ok: bool) -> None:
+        """After a failed step: the runner's new rows, and fresh pages unless ``pages_ok``."""
+        self.input_batch = input_batch
+        if not pages_ok:
+            self.kv_caches = None  # release the dead buffers before allocating new ones
+            self.kv_caches = self.allocate_kv_caches()
+
     def allocate_kv_caches(self) -> list[tuple[jax.Array, jax.Array]]:
         model = self.model
         return allocate_kv_caches(
@@ -99,10 +123,6 @@ class DraftModel:
             model.dtype,
             self.placement,
         )
-
-    def set_input_batch(self, input_batch: InputBatch) -> None:
-        """The runner's rows, after it rebuilt them (ModelRunner.reset)."""
-        self.input_batch = input_batch
 
     def propose(self, requests, k: int) -> dict[str, list[int]]:
         """Up to ``k`` greedy drafts for each given running decode (the Proposer protocol);

@@ -16,15 +16,11 @@ penalty and ban lists); warm-up can compile every (T, R, B) in both, and the cop
 copy at every padded size; `num_compilations` counts fresh compilations, and every one after
 warm-up is explained (step_compiles.py).
 
-Where the next features plug in. Speculative decoding: a request's scheduled tokens then
-include draft tokens, the step's logits are taken at every draft position (more than one
-logits row per request: PreparedBatch.logits_indices and sampling_rows), a rejection sampler
-beside ``sample`` in step.py's ``_step_fn`` accepts a prefix of them, and ``_collect`` hands
-back more than one token per request (ModelRunnerOutput.sampled_token_ids is already a list
-per request). Structured outputs: a per-row token mask (allowed-token bitmask) becomes one
-more step input in step.py (STEP_ARGS, ``_step_fn``, its sharding), built on the host here
-next to SamplingInputs.build and applied to the logits before sampling; warm-up compiles its
-padded shape like the other inputs.
+Speculative decoding: a request's drafts get a logits row each plus one (spec_rows.py), each
+sampled as its own output position; the step verifies them (rejection_sampler.py) and
+``_collect`` hands back the accepted drafts and one more token; a draft model (draft_model.py)
+runs inside the step and proposes after it (``spec_proposer``). Structured outputs will plug in
+as a per-row token mask: one more step input (step.py), built next to SamplingInputs.build.
 """
 
 from __future__ import annotations
@@ -49,7 +45,7 @@ from jaxserve.runner.prompt_logprobs import PromptLogprobs
 from jaxserve.runner.sampler import logprobs_width
 from jaxserve.runner.sampling_metadata import SamplingInputs, SamplingMetadata
 from jaxserve.runner.sharding import ShardingPlan
-from jaxserve.runner.spec_rows import emitted_runs, logits_row_owners
+from jaxserve.runner.spec_rows import emitted_runs, logits_row_owners, write_drafts
 from jaxserve.runner.step import (
     COPY_ARGS,
     STEP_ARGS,
@@ -133,21 +129,13 @@ class ModelRunner:
             ),
         )
         self.kv_caches = self._allocate_kv_caches()
-        self.draft = None if draft is None else self._make_draft(draft)
+        self.draft = None
+        if draft is not None:
+            rows = tuple(sorted({self.buckets.padded_rows(t) for t in self.buckets.token_buckets}))
+            placement = None if sharding is None else sharding.replicated
+            self.draft = DraftModel.create(draft, self.input_batch, num_kv_blocks, block_size,
+                                           rows, placement)  # fmt: skip
         self._init_jitted()
-
-    def _make_draft(self, draft: DraftSpec) -> DraftModel:
-        rows = sorted({self.buckets.padded_rows(t) for t in self.buckets.token_buckets})
-        return DraftModel(
-            draft.model,
-            draft.params,
-            num_kv_blocks=self.num_kv_blocks,
-            block_size=self.block_size,
-            num_speculative_tokens=draft.num_speculative_tokens,
-            input_batch=self.input_batch,
-            row_buckets=tuple(rows),
-            placement=None if self.sharding is None else self.sharding.replicated,
-        )
 
     def _init_jitted(self) -> None:
         """The jitted step and block copy (step.py), each counted by its StepCompiles.
@@ -232,12 +220,8 @@ class ModelRunner:
             scheduler must drop its prefix cache.
         """
         self._init_host_state()
-        draft = self.draft
-        if draft is not None:
-            draft.set_input_batch(self.input_batch)
-            if not _all_ready(draft.kv_caches):  # only guesses live there: nothing to tell
-                draft.kv_caches = None
-                draft.kv_caches = draft.allocate_kv_caches()
+        if self.draft is not None:  # only guesses live in its pages: nothing to report
+            self.draft.reset(self.input_batch, pages_ok=_all_ready(self.draft.kv_caches))
         if _all_ready(self.kv_caches):
             return False
         self.kv_caches = None  # release the dead buffers before allocating new ones
@@ -280,7 +264,7 @@ class ModelRunner:
         padded_tokens = self.buckets.padded_tokens(int(num_scheduled.sum()))
         padded_rows = self.buckets.padded_rows(padded_tokens)
         ib = self.input_batch
-        num_drafts = self._set_drafts(req_ids, so.scheduled_spec_decode_tokens)
+        num_drafts = write_drafts(ib, req_ids, so.scheduled_spec_decode_tokens)
         batch = ib.prepare(
             req_ids, num_scheduled, padded_tokens, padded_rows, self.buckets.padded_width,
             num_drafts,
@@ -295,15 +279,6 @@ class ModelRunner:
             trace.record_batch(batch, sampling_md.temperature, time.perf_counter() - start)
         out, plp, num_emitted = self.run_prepared(batch, sampling_md, targets, trace)
         return self._collect(batch, out, plp, num_emitted)
-
-    def _set_drafts(self, req_ids: list[str], drafts: dict[str, list[int]]) -> np.ndarray | None:
-        """Write this step's speculative drafts into the batch rows; i32[num_reqs] drafts per
-        request in batch order, or None when no request has any."""
-        if not drafts:
-            return None
-        for req_id, draft_ids in drafts.items():
-            self.input_batch.set_drafts(req_id, draft_ids)
-        return np.fromiter((len(drafts.get(r, ())) for r in req_ids), np.int32, len(req_ids))
 
     def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Copy-on-write: KV pages src[i] -> dst[i], in place (a padded count: copy_sizes)."""
@@ -337,7 +312,7 @@ class ModelRunner:
             batch.draft_ids,
             sampling_md,
             prompt_targets,
-            *self.draft_args(),
+            *DraftModel.step_args(self.draft),
         )
         if self.draft is not None:
             self.draft.kv_caches = draft_kv
@@ -346,11 +321,6 @@ class ModelRunner:
             jax.block_until_ready(out.token_ids)
             trace.record_device(dispatch_s, time.perf_counter() - start)
         return out, plp, num_emitted
-
-    def draft_args(self) -> tuple[Any, Any]:
-        """The step's (draft_params, draft_kv_caches): the draft model's, or (None, None)."""
-        draft = self.draft
-        return (None, None) if draft is None else (draft.params, draft.kv_caches)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         ib = self.input_batch

@@ -11,9 +11,12 @@ chunk; every other request owns one row, as without speculation:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:  # input_batch imports this module
+    from jaxserve.runner.input_batch import InputBatch
 
 
 def logits_rows(
@@ -66,3 +69,15 @@ def logits_row_owners(slots: np.ndarray, num_drafts: np.ndarray) -> tuple[np.nda
     per_req = num_drafts + 1
     offsets = np.arange(per_req.sum()) - np.repeat(np.cumsum(per_req) - per_req, per_req)
     return np.repeat(slots, per_req), offsets.astype(np.int32)
+
+
+def write_drafts(
+    input_batch: InputBatch, req_ids: list[str], drafts: dict[str, list[int]]
+) -> np.ndarray | None:
+    """Write a step's speculative drafts into the batch rows (after each request's known
+    tokens); i32[num_reqs] drafts per request in batch order, or None when none has any."""
+    if not drafts:
+        return None
+    for req_id, draft_ids in drafts.items():
+        input_batch.set_drafts(req_id, draft_ids)
+    return np.fromiter((len(drafts.get(r, ())) for r in req_ids), np.int32, len(req_ids))

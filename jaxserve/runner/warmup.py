@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from jaxserve.runner.draft_model import PROPOSE_ARGS
+from jaxserve.runner.draft_model import PROPOSE_ARGS, DraftModel
 from jaxserve.runner.input_batch import PreparedBatch
 from jaxserve.runner.sampling_metadata import SamplingMetadata
 from jaxserve.runner.step import COPY_ARGS, STEP_ARGS, attention_metadata
@@ -149,5 +149,5 @@ def padding_step_inputs(
         batch.draft_ids,
         neutral_sampling(padded_rows, runner.vocab_size, widths),
         np.full(padded_tokens, -1, np.int32),  # no prompt-logprob targets
-        *runner.draft_args(),
+        *DraftModel.step_args(runner.draft),
     )
