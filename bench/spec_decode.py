@@ -2,9 +2,9 @@
 
 Engines (one checkpoint, one process, the same greedy requests with ignore_eos and a fixed
 max_tokens, so every engine generates the same tokens, which the script checks). "Batch" B is
-max_num_seqs; each run serves 4 * B requests, so that a request that finishes early (it accepted
-more drafts) hands its slot to the next one, as in serving (a closed batch of B would wait for
-its slowest request, whatever the others gained):
+the concurrency: each run serves 4 * B requests, B at a time, a new one added as soon as one
+finishes, as in serving (a closed batch of B would wait for its slowest request, whatever the
+others gained). One engine per method serves every B (max_num_seqs = the largest):
 
     plain        no speculation
     ngram        n-gram drafts, policy "always" (speculates at every batch size)
@@ -79,45 +79,54 @@ def _prompts(workload: str, n: int, vocab: int, max_len: int, seed: int) -> list
     return [rng.integers(3, vocab, size=int(m)).tolist() for m in lengths]
 
 
-def _run(llm: LLM, prompts, params) -> tuple[float, list[list[int]], dict]:
-    before = llm.get_stats()
+def _run(llm: LLM, prompts, params, concurrency: int) -> tuple[float, list[list[int]], dict]:
+    """Serve ``prompts`` with at most ``concurrency`` in flight; (seconds, tokens, stats)."""
+    engine, before = llm.engine, llm.get_stats()
+    tokens: dict[int, list[int]] = {}
+    pending = list(enumerate(prompts))
     start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    while pending or engine.has_unfinished_requests():
+        while pending and len(engine.scheduler.requests) < concurrency:
+            i, prompt = pending.pop(0)
+            engine.add_request(f"b{i}", {"prompt_token_ids": prompt}, params)
+        for out in engine.step(finished_only=True):
+            tokens[int(out.request_id[1:])] = out.outputs[0].token_ids
     seconds = time.perf_counter() - start
     after = llm.get_stats()
     delta = {
         key: after.get(key, 0) - before.get(key, 0)
         for key in ("num_steps", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
     }
-    return seconds, [o.outputs[0].token_ids for o in outs], delta
+    return seconds, [tokens[i] for i in range(len(prompts))], delta
 
 
-def _measure(engines, args, batch, vocab, max_len, max_tokens, params, ngram) -> list[dict]:
-    """Every engine on every workload at one batch size; one row each."""
+def _measure(plain, name, llm, workloads, batch, params) -> list[dict]:
+    """One method against the plain engine at one concurrency, each workload run by the two
+    back to back (a ratio of neighbours: the machine's drift cancels)."""
     rows = []
-    for workload in args.workloads.split(","):
-        prompts = _prompts(workload, batch * args.requests_per_slot, vocab, max_len, seed=batch)
-        for llm in engines.values():  # warm every bucket this batch touches
-            llm.generate([{"prompt_token_ids": q} for q in prompts[:batch]],
-                         SamplingParams(max_tokens=2), use_tqdm=False)  # fmt: skip
-        _, reference, _ = _run(engines["plain"], prompts, params)
-        engines["oracle"].engine.core.spec = SpecDecoder(
-            SpeculativeConfig(**ngram, policy="always"),
-            proposer=_Oracle({tuple(q): r for q, r in zip(prompts, reference, strict=True)}),
-        )
-        base = None
-        for name, llm in engines.items():
-            seconds, tokens, delta = _run(llm, prompts, params)
-            assert tokens == reference, f"{name} changed a greedy token"
-            tok_s = len(prompts) * max_tokens / seconds
-            base = base or tok_s
-            drafts = delta["spec_decode_num_draft_tokens"]
-            rows.append(dict(
-                workload=workload, batch=batch, engine=name, output_tok_s=tok_s,
-                ratio=tok_s / base, steps=delta["num_steps"], draft_tokens=drafts,
-                acceptance=delta["spec_decode_num_accepted_tokens"] / drafts if drafts else None,
-            ))  # fmt: skip
+    for workload, prompts in workloads.items():
+        base_s, reference, _ = _run(plain, prompts, params, batch)
+        if name == "oracle":
+            oracle = _Oracle({tuple(q): r for q, r in zip(prompts, reference, strict=True)})
+            config = SpeculativeConfig(method="ngram", num_speculative_tokens=K, policy="always")
+            llm.engine.core.spec = SpecDecoder(config, proposer=oracle)
+        seconds, tokens, delta = _run(llm, prompts, params, batch)
+        assert tokens == reference, f"{name} changed a greedy token"
+        tok_s = len(prompts) * params.max_tokens / seconds
+        drafts = delta["spec_decode_num_draft_tokens"]
+        rows.append(dict(
+            workload=workload, batch=batch, engine=name, output_tok_s=tok_s,
+            ratio=base_s / seconds, steps=delta["num_steps"], draft_tokens=drafts,
+            acceptance=delta["spec_decode_num_accepted_tokens"] / drafts if drafts else None,
+        ))  # fmt: skip
+        _print_row(rows[-1])
     return rows
+
+
+def _print_row(r: dict) -> None:
+    acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
+    head = f"{r['workload']:<11}{r['batch']:>6} {r['engine']:<13}{r['output_tok_s']:>9.1f}"
+    print(f"{head}{r['ratio']:>9.2f}{r['steps']:>7}{r['draft_tokens']:>8}{acc:>8}", flush=True)
 
 
 def _verification_cost(folder, engine_kw, vocab, max_len) -> dict:
@@ -130,14 +139,14 @@ def _verification_cost(folder, engine_kw, vocab, max_len) -> dict:
     for name, spec in (("plain", None), ("spec", {"method": "ngram", "num_speculative_tokens": K,
                                                   "policy": "always"})):  # fmt: skip
         llm = LLM(str(folder), speculative_config=spec, **kw)
-        _, reference, _ = _run(llm, [prompt], params)  # also warms the buckets
+        _, reference, _ = _run(llm, [prompt], params, 1)  # also warms the buckets
         if spec is not None:
             llm.engine.core.spec = SpecDecoder(
                 SpeculativeConfig(**spec), proposer=_Oracle({tuple(prompt): reference[0]})
             )
         traces = []
         llm.engine.core.set_step_tracer(traces.append)
-        _run(llm, [prompt], params)
+        _run(llm, [prompt], params, 1)
         want = 1 if spec is None else 1 + K
         times[name] = float(np.median([t.device_s for t in traces if t.num_tokens == want]))
     return {"plain_ms": 1e3 * times["plain"], "spec_ms": 1e3 * times["spec"],
@@ -151,6 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--workloads", default="repetitive,sharegpt")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--requests-per-slot", type=int, default=4)
+    p.add_argument("--methods", help="comma list of the engines to run (default: all)")
     p.add_argument("--output")
     args = p.parse_args(argv)
     preset = PRESETS[args.preset]
@@ -167,28 +177,28 @@ def main(argv: list[str] | None = None) -> dict:
     draft_folder = ensure_checkpoint(draft, CACHE)
     always = {**ngram, "policy": "always"}
     specs = {
-        "plain": None, "ngram": always, "ngram-auto": ngram, "oracle": always,
+        "ngram": always, "ngram-auto": ngram, "oracle": always,
         "draft=target": {**always, "method": "draft_model", "model": str(folder)},
         "draft-small": {**always, "method": "draft_model", "model": str(draft_folder)},
     }  # fmt: skip
     vocab = preset.model["vocab_size"]
-    rows = []
-    for batch in batch_sizes:
-        engines = {
-            name: LLM(str(folder), speculative_config=spec, **{**engine_kw, "max_num_seqs": batch})
-            for name, spec in specs.items()
-        }
-        rows += _measure(engines, args, batch, vocab, max_len, max_tokens, params, ngram)
-        del engines
+    print(f"{'workload':<11}{'batch':>6} {'engine':<13}{'tok/s':>9}{'x plain':>9}"
+          f"{'steps':>7}{'drafts':>8}{'accept':>8}", flush=True)  # fmt: skip
+    plain, rows = LLM(str(folder), **engine_kw), []
+    if args.methods:
+        specs = {name: specs[name] for name in args.methods.split(",")}
+    for name, spec in specs.items():  # one method's engine at a time (memory maps)
+        llm = LLM(str(folder), speculative_config=spec, **engine_kw)
+        for batch in batch_sizes:
+            n = batch * args.requests_per_slot
+            workloads = {w: _prompts(w, n, vocab, max_len, seed=batch)
+                         for w in args.workloads.split(",")}  # fmt: skip
+            rows += _measure(plain, name, llm, workloads, batch, params)
+        del llm
+    del plain
     cost = _verification_cost(folder, engine_kw, vocab, max_len)
     report = {"preset": args.preset, "k": K, "max_tokens": max_tokens, "rows": rows,
               "verification_cost": cost}  # fmt: skip
-    print(f"{'workload':<11}{'batch':>6} {'engine':<11}{'tok/s':>9}{'x plain':>9}"
-          f"{'steps':>7}{'drafts':>8}{'accept':>8}")  # fmt: skip
-    for r in rows:
-        acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
-        print(f"{r['workload']:<11}{r['batch']:>6} {r['engine']:<11}{r['output_tok_s']:>9.1f}"
-              f"{r['ratio']:>9.2f}{r['steps']:>7}{r['draft_tokens']:>8}{acc:>8}")  # fmt: skip
     cost = report["verification_cost"]
     print(
         f"\nbatch 1: a verification step of {1 + K} tokens takes {cost['ratio']:.2f}x a "

@@ -32,8 +32,9 @@ class Runner(Protocol):
 
     def reset(self) -> bool: ...
 
-    def padded_tokens(self, num_tokens: int) -> int:
-        """The token bucket a step of ``num_tokens`` tokens runs in."""
+    @property
+    def max_num_sampling_rows(self) -> int:
+        """Logits rows one step can sample (requests plus speculative drafts)."""
         ...
 
     @property
@@ -70,11 +71,9 @@ class EngineCore:
         # Speculative decoding: proposes each step's drafts (None: off).
         self.spec = None
         if config.speculative is not None:
-            self.spec = SpecDecoder(
-                config.speculative,
-                proposer=runner.spec_proposer,  # a draft model's, or None: the config's own
-                padded_tokens=runner.padded_tokens,
-            )
+            # The runner's own proposer (a draft model), or None: the config's.
+            self.spec = SpecDecoder(config.speculative, proposer=runner.spec_proposer)
+        self._proposal_s = 0.0  # host time of the last proposal (the policy counts it)
         # Called with each step's StepTrace while set (set_step_tracer); None: off.
         self.step_tracer: Callable[[StepTrace], None] | None = None
 
@@ -85,6 +84,7 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         if self.step_tracer is not None:
             return self._traced_step(self.step_tracer)
+        step_start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         start = time.perf_counter()
         runner_output = self.runner.execute_model(scheduler_output)
@@ -94,18 +94,19 @@ class EngineCore:
         self.scheduler.observe_step(scheduler_output.total_num_scheduled_tokens, seconds)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         if self.spec is not None:
-            self._speculate(scheduler_output, seconds)
+            self._speculate(outputs, step_start)
         return outputs
 
-    def _speculate(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
-        """Feed the step to the speculation policy and propose the next step's drafts."""
+    def _speculate(self, outputs: list[EngineCoreOutput], step_start: float) -> None:
+        """Feed the step to the speculation policy (tokens emitted, wall time from scheduling
+        to this point, plus the previous proposal's time), then propose the next step's
+        drafts (the policy decides whether)."""
         spec, sched = self.spec, self.scheduler
-        spec.observe_step(scheduler_output.total_num_scheduled_tokens, seconds)
-        verified = scheduler_output.scheduled_spec_decode_tokens
-        if verified:
-            stats = sched.spec_stats
-            spec.observe_verification(*stats.take_step_counts())
+        now = time.perf_counter()
+        spec.observe_step(sum(len(o.new_token_ids) for o in outputs),
+                          now - step_start + self._proposal_s)  # fmt: skip
         sched.set_spec_tokens(spec.propose(sched.running))
+        self._proposal_s = time.perf_counter() - now
 
     def _traced_step(self, tracer: Callable[[StepTrace], None]) -> list[EngineCoreOutput]:
         """``step``, timed phase by phase; the runner fills in its part of the trace."""
@@ -118,7 +119,7 @@ class EngineCore:
         self.scheduler.observe_step(scheduler_output.total_num_scheduled_tokens, t2 - t1)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         if self.spec is not None:
-            self._speculate(scheduler_output, t2 - t1)
+            self._speculate(outputs, t0)
         trace.record_phases(t1 - t0, t2 - t1, time.perf_counter() - t2)
         tracer(trace)
         return outputs
@@ -200,6 +201,7 @@ class EngineCore:
             num_lookahead_tokens=spec.num_speculative_tokens
             if spec is not None and spec.method == "draft_model"
             else 0,
+            max_num_sampling_rows=self.runner.max_num_sampling_rows,
         )
 
     # ---- introspection ----------------------------------------------------------------------

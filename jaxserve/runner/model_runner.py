@@ -173,14 +173,14 @@ class ModelRunner:
         )
 
     @property
+    def max_num_sampling_rows(self) -> int:
+        return self.buckets.max_rows  # the largest row bucket: requests plus drafts
+
+    @property
     def spec_proposer(self) -> DraftModel | None:
         """The draft model, which proposes speculative drafts (the Proposer protocol); None
         without one (n-gram drafts are proposed on the host)."""
         return self.draft
-
-    def padded_tokens(self, num_tokens: int) -> int:
-        """The token bucket (T) a step of ``num_tokens`` scheduled tokens runs in."""
-        return self.buckets.padded_tokens(num_tokens)
 
     @property
     def is_idle(self) -> bool:

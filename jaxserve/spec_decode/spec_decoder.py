@@ -10,7 +10,7 @@ token per step, while the others speculate.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Protocol
 
 from jaxserve.request import Request
@@ -42,20 +42,18 @@ class SpecDecoder:
         config: the validated speculative_config.
         proposer: what proposes the drafts (``propose(requests, k) -> {req_id: drafts}``);
             default: the one config.method names.
-        padded_tokens: the runner's token bucket of n tokens (the policy's cost keys).
     """
 
     def __init__(
         self,
         config: SpeculativeConfig,
         proposer: Proposer | None = None,
-        padded_tokens: Callable[[int], int] | None = None,
     ) -> None:
         self.config = config
         self.proposer = proposer or NgramProposer(
             config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
         )
-        self.policy = SpecPolicy(config, padded_tokens)
+        self.policy = SpecPolicy(config)
 
     def propose(self, running: Iterable[Request]) -> dict[str, list[int]]:
         """The next step's drafts by request id (requests without a proposal left out)."""
@@ -69,15 +67,8 @@ class SpecDecoder:
                 if r.num_computed_tokens == len(r.all_token_ids) - 1
                 and can_speculate(r.sampling_params)
             ]
-        drafts = self.proposer.propose(eligible, k)
-        if eligible:
-            self.policy.observe_drafts(len(eligible), sum(map(len, drafts.values())))
-        return drafts
+        return self.proposer.propose(eligible, k)
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """A step's scheduled tokens and wall time (the policy's cost line)."""
-        self.policy.observe_step(num_tokens, seconds)
-
-    def observe_verification(self, num_draft_tokens: int, num_accepted: int) -> None:
-        """Drafts verified in a step and how many the target accepted."""
-        self.policy.observe_acceptance(num_draft_tokens, num_accepted)
+    def observe_step(self, num_emitted: int, seconds: float) -> None:
+        """A step's output tokens and wall time (the policy's measured throughput)."""
+        self.policy.observe_step(num_emitted, seconds)

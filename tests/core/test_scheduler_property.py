@@ -58,6 +58,10 @@ class _Harness:
 
     def step(self) -> None:
         so = self.sched.schedule()
+        num_rows = len(so.num_scheduled_tokens) + sum(
+            map(len, so.scheduled_spec_decode_tokens.values())
+        )
+        assert num_rows <= self.sched.max_num_sampling_rows, "more logits rows than the runner has"
         for out in self.sched.update_from_output(so, self.runner.execute(so)):
             merge_output(self.results, out)
         check_invariants(self.sched, lookahead=self.slack)
@@ -105,6 +109,7 @@ class _Harness:
     mode=st.sampled_from(["recompute", "swap", "auto"]),
     spec_k=st.sampled_from([0, 0, 1, 3]),
     lookahead=st.sampled_from([0, 2]),
+    rows_extra=st.sampled_from([0, 3]),
     rng=st.randoms(use_true_random=False),
 )
 def test_random_workloads_keep_invariants_and_outputs(
@@ -121,6 +126,7 @@ def test_random_workloads_keep_invariants_and_outputs(
     mode,
     spec_k,
     lookahead,
+    rows_extra,
     rng,
 ) -> None:
     # "auto" with unit rates swaps a victim when it would copy fewer blocks than it has
@@ -146,6 +152,7 @@ def test_random_workloads_keep_invariants_and_outputs(
         host,
         num_speculative_tokens=spec_k,
         num_lookahead_tokens=lookahead,
+        max_num_sampling_rows=max_seqs + rows_extra,
     )
     sched.observe_step(1, 1.0)
     runner = FakeRunner(num_blocks, block_size, sched.kv_cache_manager.block_pool)

@@ -194,3 +194,16 @@ def test_nothing_compiles_after_warmup_with_speculation():
 def test_bad_speculative_configs_are_refused_before_loading(value, error, match):
     with pytest.raises(error, match=match):
         LLM("/nonexistent/checkpoint", speculative_config=value)
+
+
+def test_one_sequence_at_a_time_still_speculates(plain):
+    """max_num_seqs=1 (latency-bound serving) leaves no spare request rows: the drafts use the
+    runner's row bucket, which is at least 8."""
+    prompts = _prompts()[:2]
+    reference = _tokens(plain, prompts, GREEDY)
+    llm = LLM("tiny-random-llama", speculative_config=NGRAM, **{**STRESS, "max_num_seqs": 1})
+    oracle = _Oracle({tuple(p): r for p, r in zip(prompts, reference, strict=True)})
+    llm.engine.core.spec = SpecDecoder(SpeculativeConfig(**NGRAM), proposer=oracle)
+    assert _tokens(llm, prompts, GREEDY) == reference
+    stats = llm.get_stats()
+    assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"] > 0

@@ -49,10 +49,12 @@ class Scheduler:
         num_kv_blocks: size of the device KV pool in blocks, including the null block 0.
         host_tier: the runner's host KV tier, or None; required (with num_blocks > 0) when
             cache_config.kv_offloading_size > 0.
-        num_speculative_tokens: k of speculative decoding (0: off): requests may carry up to
-            k drafts (Request.spec_token_ids), verified in their next step (spec_tokens.py).
-        num_lookahead_tokens: KV slots reserved past a request's known tokens whenever its
-            chunk reaches them, for a draft model to write its proposals' KV into (0: none).
+        num_speculative_tokens: k of speculative decoding (0: off): up to k drafts a request
+            (Request.spec_token_ids), verified in its next step (spec_tokens.py).
+        num_lookahead_tokens: KV slots reserved past the known tokens of a request whose chunk
+            reaches them, for a draft model's proposals (0: none).
+        max_num_sampling_rows: logits rows a step may sample, one per request and per draft
+            (the runner's row cap; default, and at least, max_num_seqs).
 
     Requests live in ``requests`` from add_request until they finish; a request is in exactly
     one of ``waiting`` (WAITING or PREEMPTED) and ``running`` (RUNNING, sorted by policy key).
@@ -66,6 +68,7 @@ class Scheduler:
         host_tier: HostTier | None = None,
         num_speculative_tokens: int = 0,
         num_lookahead_tokens: int = 0,
+        max_num_sampling_rows: int | None = None,
     ) -> None:
         self.host = HostKVTier(cache_config, host_tier)
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
@@ -86,6 +89,7 @@ class Scheduler:
         k = num_speculative_tokens
         self.spec_stats = SpecDecodeStats(k) if k else None  # counters of verified drafts
         self.num_lookahead_tokens = num_lookahead_tokens
+        self.max_num_sampling_rows = max(max_num_sampling_rows or 0, self.max_num_seqs)
 
     # ----------------------------------------------------------------------------- requests
 
@@ -114,8 +118,7 @@ class Scheduler:
         self.waiting.add(request)
 
     def set_spec_tokens(self, drafts: dict[str, list[int]]) -> None:
-        """Speculative drafts for running requests, verified in the next schedule() as far as
-        budget, sampling rows, length limits and free blocks allow (spec_tokens.py)."""
+        """Drafts for running requests, verified next step as far as they fit (spec_tokens)."""
         for req_id, draft_ids in drafts.items():
             req = self.requests.get(req_id)
             if req is not None and req.status is _RUNNING:
@@ -194,8 +197,7 @@ class Scheduler:
         return stats
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """The engine's measurement of a step (tokens computed, wall time), for "auto"
-        preemption (preemption.py)."""
+        """A step's tokens and wall time, for "auto" preemption (preemption.py)."""
         self.host.preemption.observe_step(num_tokens, seconds)
 
     def reset_prefix_cache(self) -> bool:
@@ -221,15 +223,13 @@ class Scheduler:
         return self._build_output(step)
 
     def _schedule_running(self, step: StepBatch) -> None:
-        """Give each running request its next tokens (a decode: 1, plus the speculative drafts
-        that fit; a chunked prefill: the rest, up to the budget), preempting from the back of
-        ``running`` when the pool is full. A running request never writes into a shared block,
-        so a table that covers the new tokens needs no ``allocate_slots`` (the decode path)."""
+        """Each running request's next tokens (a decode: 1 and the drafts that fit; a prefill:
+        the rest, up to the budget), preempting from the back of ``running`` when the pool is
+        full. A table that covers the new tokens needs no ``allocate_slots`` (decodes)."""
         running = self.running
         tables = self.kv_cache_manager.req_to_blocks
         bs = self.block_size
-        # Sampling rows a step has beyond one per running request, for drafts.
-        spare_rows = self.max_num_seqs - len(running)
+        spare_rows = self.max_num_sampling_rows - len(running)  # rows for drafts
         # Preemption pops from the end of ``running`` only (never before ``req``), which a list
         # iterator tolerates: it just stops earlier.
         for req in running:
@@ -311,7 +311,7 @@ class Scheduler:
         waiting = self.waiting
         skipped: list[Request] = []
         pending = PendingPrefixes(kv, self.running, self.block_size)
-        max_running = self.max_num_seqs - step.num_draft_tokens  # drafts take sampling rows
+        max_running = min(self.max_num_seqs, self.max_num_sampling_rows - step.num_draft_tokens)
         while len(waiting) and step.budget > 0 and len(self.running) < max_running:
             req = waiting.peek()
             if kv.is_swapped(req.request_id):

@@ -63,19 +63,11 @@ class SpecDecodeStats:
         self.num_accepted_tokens = 0  # drafts accepted
         # [k]: drafts accepted at position i (0-based) of their run
         self.num_accepted_tokens_per_pos = [0] * num_speculative_tokens
-        self._step_counts = [0, 0]  # (drafts verified, accepted) since take_step_counts
-
-    def take_step_counts(self) -> tuple[int, int]:
-        """(drafts verified, drafts accepted) since the previous call: one step's worth."""
-        counts, self._step_counts = self._step_counts, [0, 0]
-        return counts[0], counts[1]
 
     def record(self, num_draft_tokens: int, num_accepted: int) -> None:
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted
-        self._step_counts[0] += num_draft_tokens
-        self._step_counts[1] += num_accepted
         per_pos = self.num_accepted_tokens_per_pos
         for i in range(min(num_accepted, len(per_pos))):
             per_pos[i] += 1
