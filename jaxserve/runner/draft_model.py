@@ -29,6 +29,8 @@ from jax import lax
 from jaxserve.models import AttentionMetadata, CausalLM
 from jaxserve.runner.input_batch import InputBatch
 from jaxserve.runner.kv_cache import allocate_kv_caches
+from jaxserve.runner.sharding import ShardingPlan
+from jaxserve.runner.step import COPY_ARGS, jit_copy
 from jaxserve.runner.step_compiles import StepCompiles
 
 PROPOSE_ARGS = ("params", "kv_caches", "tokens", "positions", "block_tables", "num_blocks")
@@ -53,8 +55,9 @@ class DraftModel:
         num_speculative_tokens: k, the drafts proposed per request.
         input_batch: the target runner's rows (block tables, tokens); read, never written.
         row_buckets: the padded row counts a proposal may run at (the runner's R buckets).
-        placement: where its pages and the proposal's inputs and outputs live (the target's
-            one-device mesh, replicated), or None: the default device.
+        sharding: the target's ShardingPlan (its one-device mesh: a draft model is refused
+            under tensor parallelism), or None: the default device. The pages, the proposal's
+            inputs and outputs and the block copy are placed on it explicitly.
     """
 
     def __init__(
@@ -67,7 +70,7 @@ class DraftModel:
         num_speculative_tokens: int,
         input_batch: InputBatch,
         row_buckets: tuple[int, ...],
-        placement: Any = None,
+        sharding: ShardingPlan | None = None,
     ) -> None:
         self.model = model
         self.params = params
@@ -76,7 +79,7 @@ class DraftModel:
         self.k = num_speculative_tokens
         self.input_batch = input_batch
         self.row_buckets = row_buckets
-        self.placement = placement
+        self.placement = placement = None if sharding is None else sharding.replicated
         self.kv_caches = self.allocate_kv_caches()
         self.compiles = compiles = StepCompiles("the draft model's proposal")
         # Explicit placements: the pages keep one sharding through the step and the proposal,
@@ -90,6 +93,10 @@ class DraftModel:
             **shardings,
         )
         self._propose = lambda *args: compiles(propose, args, PROPOSE_ARGS)
+        # Its own block copy: the pages have the draft's layers, not the target's.
+        self.copy_compiles = copies = StepCompiles("the draft model's block copy")
+        self.jitted_copy = copy = jit_copy(sharding, model.arch.num_layers)
+        self._copy = lambda *args: copies(copy, args, COPY_ARGS)
 
     @staticmethod
     def step_args(draft: DraftModel | None) -> tuple[Any, Any]:
@@ -99,13 +106,13 @@ class DraftModel:
     @classmethod
     def create(
         cls, spec: DraftSpec, input_batch: InputBatch, num_kv_blocks: int, block_size: int,
-        row_buckets: tuple[int, ...], placement: Any = None,
+        row_buckets: tuple[int, ...], sharding: ShardingPlan | None = None,
     ) -> DraftModel:  # fmt: skip
         """The DraftModel of a loaded draft (``spec``) for a runner's pool and rows."""
         return cls(
             spec.model, spec.params, num_kv_blocks=num_kv_blocks, block_size=block_size,
             num_speculative_tokens=spec.num_speculative_tokens, input_batch=input_batch,
-            row_buckets=row_buckets, placement=placement,
+            row_buckets=row_buckets, sharding=sharding,
         )  # fmt: skip
 
     def reset(self, input_batch: InputBatch, pages_ok: bool) -> None:
@@ -162,9 +169,9 @@ class DraftModel:
         tables[:n] = np.where(live, ib.block_table[slots], 0)
         return tokens, positions, tables, num_blocks
 
-    def copy_blocks(self, copy_fn, src: np.ndarray, dst: np.ndarray) -> None:
-        """Copy-on-write of the draft's pages, as the target's (``copy_fn``: its jitted copy)."""
-        self.kv_caches = copy_fn(self.kv_caches, src, dst)
+    def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Copy-on-write of the draft's pages, as the target's (the same block pairs)."""
+        self.kv_caches = self._copy(self.kv_caches, src, dst)
 
 
 def _propose_fn(

@@ -132,9 +132,8 @@ class ModelRunner:
         self.draft = None
         if draft is not None:
             rows = tuple(sorted({self.buckets.padded_rows(t) for t in self.buckets.token_buckets}))
-            placement = None if sharding is None else sharding.replicated
             self.draft = DraftModel.create(draft, self.input_batch, num_kv_blocks, block_size,
-                                           rows, placement)  # fmt: skip
+                                           rows, sharding)  # fmt: skip
         self._init_jitted()
 
     def _init_jitted(self) -> None:
@@ -205,7 +204,7 @@ class ModelRunner:
     def all_compiles(self) -> list[StepCompiles]:
         """The counters of every jitted function the runner calls."""
         offload = [self.kv_offload.compiles] if self.kv_offload is not None else []
-        draft = [self.draft.compiles] if self.draft is not None else []
+        draft = [self.draft.compiles, self.draft.copy_compiles] if self.draft is not None else []
         return [self.compiles, self.copy_compiles, *offload, *draft]
 
     def reset(self) -> bool:
@@ -284,7 +283,7 @@ class ModelRunner:
         """Copy-on-write: KV pages src[i] -> dst[i], in place (a padded count: copy_sizes)."""
         self.kv_caches = self._copy(self.kv_caches, src, dst)
         if self.draft is not None:
-            self.draft.copy_blocks(self._copy, src, dst)
+            self.draft.copy_blocks(src, dst)
 
     def run_prepared(
         self,

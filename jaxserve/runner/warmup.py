@@ -91,8 +91,8 @@ def _draft_compilations(runner: ModelRunner) -> list[Compilation]:
     ]
     jobs += [
         Compilation(
-            runner.copy_compiles,
-            runner.jitted_copy,
+            draft.copy_compiles,
+            draft.jitted_copy,
             (draft.kv_caches, *(np.zeros(n, np.int32),) * 2),
             COPY_ARGS,
         )
