@@ -13,7 +13,7 @@ two), each a ratio of exponentially decayed sums of tokens emitted and step seco
 the device step, the update and the proposal).
 
 In a bucket it has not measured both ways, it tries the missing way; afterwards it takes the
-faster, and every PROBE_EVERY-th step the other one, so both stay measured as the text, the
+faster, and every PROBE_EVERY-th (32nd) step the other one, so both stay measured as the text, the
 batch and the acceptance rate change. vLLM's disable_by_batch_size applies on top; "always"
 speculates at every batch size.
 """
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from jaxserve.speculative_config import SpeculativeConfig
 
-PROBE_EVERY = 16  # steps between probes of the mode the policy did not choose
+PROBE_EVERY = 32  # steps between probes of the mode the policy did not choose
 _DECAY = 0.95  # weight of the past in the decayed sums
 
 
