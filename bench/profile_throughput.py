@@ -261,7 +261,7 @@ def step_microbench(engine, shape: ModelShape, limits: dict, cases, reps: int) -
             times = []
             for _ in range(reps + 1):
                 t0 = time.perf_counter()
-                out, _ = runner.run_prepared(batch, smd)
+                out, _, _ = runner.run_prepared(batch, smd)
                 jax.block_until_ready(out.token_ids)
                 times.append(time.perf_counter() - t0)
             row[f"{label}_ms"] = float(np.median(times[1:])) * 1e3
