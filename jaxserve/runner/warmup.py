@@ -61,15 +61,8 @@ def compilations(runner: ModelRunner, shapes: list[Shape]) -> list[Compilation]:
         for t, r, b in shapes
         for widths in runner.sampling.variant_widths
     ]
-    jobs += [
-        Compilation(
-            runner.copy_compiles,
-            runner.jitted_copy,
-            (runner.kv_caches, *(np.zeros(n, np.int32),) * 2),
-            COPY_ARGS,
-        )
-        for n in runner.copy_sizes
-    ]
+    jobs += _copy_compilations(runner.copy_compiles, runner.jitted_copy, runner.kv_caches,
+                               runner.copy_sizes)  # fmt: skip
     if runner.kv_offload is not None:
         jobs += runner.kv_offload.compilations(runner.kv_caches)
     if runner.draft is not None:
@@ -89,16 +82,15 @@ def _draft_compilations(runner: ModelRunner) -> list[Compilation]:
         )
         for rows in draft.row_buckets
     ]
-    jobs += [
-        Compilation(
-            draft.copy_compiles,
-            draft.jitted_copy,
-            (draft.kv_caches, *(np.zeros(n, np.int32),) * 2),
-            COPY_ARGS,
-        )
-        for n in runner.copy_sizes
-    ]
-    return jobs
+    copies = _copy_compilations(draft.copy_compiles, draft.jitted_copy, draft.kv_caches,
+                                runner.copy_sizes)  # fmt: skip
+    return jobs + copies
+
+
+def _copy_compilations(compiles, copy_fn, kv_caches, sizes) -> list[Compilation]:
+    """A block copy over ``kv_caches`` (the target's or a draft's pages) at every padded size."""
+    zeros = lambda n: (np.zeros(n, np.int32),) * 2  # noqa: E731
+    return [Compilation(compiles, copy_fn, (kv_caches, *zeros(n)), COPY_ARGS) for n in sizes]
 
 
 def run_once(runner: ModelRunner, shapes: list[Shape]) -> None:
