@@ -45,12 +45,16 @@ def pytest_configure(config: pytest.Config) -> None:
     if platform == "cpu":
         # The tests compile far more than they run (tiny models, a few steps per engine), and
         # LLVM's optimization is a large part of an XLA:CPU compilation: level 0 took about a
-        # third off the CPU time of the engine-building tests measured (two of them). It
-        # changes code generation, not what is computed; subprocesses inherit it. A value
-        # already set wins.
+        # third off the CPU time of the engine-building tests measured (two of them). XLA:CPU's
+        # MLIR fusion emitters take about half of what is left: the classic emitters halved the
+        # CPU time of an engine's step compilations again (fp8 llama engine of
+        # test_fp8_kv_parity: 9.1 -> 4.4 s, same tokens). Both change code generation, not
+        # what is computed; subprocesses inherit them. A value already set wins.
         flags = os.environ.get("XLA_FLAGS", "")
-        if "--xla_backend_optimization_level" not in flags:
-            os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()
+        for flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"):
+            if flag.split("=")[0] not in flags:
+                flags = f"{flags} {flag}".strip()
+        os.environ["XLA_FLAGS"] = flags
     # jaxlib 0.10.2 miscompiles some fused CPU computations (jax-ml/jax#39103): the engine
     # applies the workaround when it is built, but a test may run jax before building one.
     from jaxserve.runner.xla_flags import apply_cpu_workarounds
