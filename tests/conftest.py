@@ -78,13 +78,66 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # Tests of an xdist_group run on one worker, one after another (--dist loadgroup): start
-    # them first, so that the longest serial stretch of the suite never becomes its tail.
-    items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)
+    _group_module_fixture_users(items)
+    # The order in which --dist loadgroup hands out its work units (pyproject's addopts turn
+    # xdist's own reordering, by number of tests, off): the marked xdist_groups first, largest
+    # first (tensor parallelism's subprocess: the longest serial stretch of the suite must
+    # never be its tail), then the modules grouped above, then the slow tests, then the rest,
+    # each in collection order. A worker takes its next unit when it runs out, so the short
+    # tests at the end even out the two workers' finishing times.
+    sizes: dict[str, int] = {}
+    for item in items:
+        if (group := _group_of(item)) is not None:
+            sizes[group] = sizes.get(group, 0) + 1
+
+    def rank(item: pytest.Item) -> tuple[int, int]:
+        group = _group_of(item)
+        if group is not None:
+            return (0 if not group.startswith(_MODULE_GROUP) else 1, -sizes[group])
+        return (2 if item.get_closest_marker("slow") else 3, 0)
+
+    items.sort(key=rank)
     if config.getoption("--platform") == "gpu":
         return
     skip = pytest.mark.skip(reason="needs a GPU: run with --platform gpu")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+_MODULE_GROUP = "module:"
+_SHARED_SCOPES = ("package", "module", "class")
+
+
+def _group_of(item: pytest.Item) -> str | None:
+    mark = item.get_closest_marker("xdist_group")
+    if mark is None:
+        return None
+    return str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+
+
+def _group_module_fixture_users(items: list[pytest.Item]) -> None:
+    """Put the tests that share a module- (or class-) scoped fixture instance in one
+    xdist_group per module, unless marked with a group of their own: --dist loadgroup hands out
+    single tests otherwise, and each of the two workers that got some of them would build the
+    fixture (an engine, a server, a Ray cluster, a transformers reference) again."""
+    users: dict[tuple, list[pytest.Item]] = {}
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
+        info = getattr(item, "_fixtureinfo", None)
+        indices = getattr(getattr(item, "callspec", None), "indices", {})
+        for name, defs in info.name2fixturedefs.items() if info else ():
+            if defs and defs[-1].scope in _SHARED_SCOPES:
+                users.setdefault((item.path, name, indices.get(name)), []).append(item)
+    grouped: set[int] = set()
+    for shared in users.values():
+        if len(shared) < 2:
+            continue
+        for item in shared:
+            if id(item) not in grouped:
+                grouped.add(id(item))
+                module = item.nodeid.split("::")[0]
+                item.add_marker(pytest.mark.xdist_group(f"{_MODULE_GROUP}{module}"))
