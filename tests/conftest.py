@@ -119,8 +119,9 @@ def _group_of(item: pytest.Item) -> str | None:
 
 
 def _group_module_fixture_users(items: list[pytest.Item]) -> None:
-    """Put the tests that share a module- (or class-) scoped fixture instance in one
-    xdist_group per module, unless marked with a group of their own: --dist loadgroup hands out
+    """Put the tests that share a fixture instance wider than a test (module- or class-scoped,
+    or session-scoped in a tests/ conftest) in one xdist_group per module, or per conftest for
+    a session-scoped one, unless marked with a group of their own: --dist loadgroup hands out
     single tests otherwise, and each of the two workers that got some of them would build the
     fixture (an engine, a server, a Ray cluster, a transformers reference) again."""
     users: dict[tuple, list[pytest.Item]] = {}
@@ -130,14 +131,32 @@ def _group_module_fixture_users(items: list[pytest.Item]) -> None:
         info = getattr(item, "_fixtureinfo", None)
         indices = getattr(getattr(item, "callspec", None), "indices", {})
         for name, defs in info.name2fixturedefs.items() if info else ():
-            if defs and defs[-1].scope in _SHARED_SCOPES:
-                users.setdefault((item.path, name, indices.get(name)), []).append(item)
-    grouped: set[int] = set()
-    for shared in users.values():
-        if len(shared) < 2:
-            continue
-        for item in shared:
-            if id(item) not in grouped:
-                grouped.add(id(item))
-                module = item.nodeid.split("::")[0]
-                item.add_marker(pytest.mark.xdist_group(f"{_MODULE_GROUP}{module}"))
+            fixture = defs[-1] if defs else None
+            if fixture is None:
+                continue
+            if fixture.scope in _SHARED_SCOPES:
+                key = ("module", _module_of(item), name, indices.get(name))
+            elif fixture.scope == "session" and fixture.baseid:  # not one of pytest's own
+                key = ("session", fixture.baseid, name, indices.get(name))
+            else:
+                continue
+            users.setdefault(key, []).append(item)
+    shared = [(key, group) for key, group in users.items() if len(group) > 1]
+    # A module whose tests share a session-scoped fixture joins that fixture's group whole.
+    group_of: dict[str, str] = {}
+    for (scope, where, *_), group in shared:
+        if scope == "session":
+            for item in group:
+                group_of[_module_of(item)] = f"{_MODULE_GROUP}{where}"
+    marked: set[int] = set()
+    for _, group in shared:
+        for item in group:
+            if id(item) not in marked:
+                marked.add(id(item))
+                module = _module_of(item)
+                name = group_of.setdefault(module, f"{_MODULE_GROUP}{module}")
+                item.add_marker(pytest.mark.xdist_group(name))
+
+
+def _module_of(item: pytest.Item) -> str:
+    return item.nodeid.split("::")[0]
