@@ -249,8 +249,8 @@ def step_microbench(engine, shape: ModelShape, limits: dict, cases, reps: int) -
     rows = []
     for t, ctx in cases:
         # The machine's matmul rate right now: on a shared machine the load drifts, so each
-        # case is compared with a matmul timed just before it.
-        local_peak = machine_limits(copy_mib=1, reps=2)["matmul_flops_per_s"]
+        # case is compared with a matmul (of the run's machine-limits size) timed just before it.
+        local_peak = machine_limits(limits["matmul_n"], copy_mib=1, reps=2)["matmul_flops_per_s"]
         batch = synthetic_batch(runner, t, ctx)
         r, width = batch.block_tables.shape
         md = SamplingMetadata.neutral(r, runner.vocab_size)
@@ -361,6 +361,7 @@ def profile_run(
     skip_until_all_decode: bool = False,
     profile_host: bool = False,
     finished_only: bool = True,
+    matmul_n: int = 2048,
 ) -> dict:
     """Offline run of `requests` with every step instrumented (optionally a window only)."""
     from jaxserve import SamplingParams
@@ -379,7 +380,7 @@ def profile_run(
             if rec["rows"] == n and rec["decode_rows"] == n:
                 break
         probe.records.clear()
-    local_peak = machine_limits(copy_mib=1, reps=2)["matmul_flops_per_s"]
+    local_peak = machine_limits(matmul_n, copy_mib=1, reps=2)["matmul_flops_per_s"]
     prof = cProfile.Profile() if profile_host else None
     t0 = time.perf_counter()
     steps = 0
@@ -552,6 +553,7 @@ def main(argv: list[str] | None = None) -> dict:
             name="profile-sharegpt",
             shape=shape,
             finished_only=not args.every_step_outputs,
+            matmul_n=limits["matmul_n"],
         )
         report["sharegpt"] = s
         print_summary(f"sharegpt ({n} requests, offline)", s)
@@ -575,6 +577,7 @@ def main(argv: list[str] | None = None) -> dict:
             skip_until_all_decode=True,
             profile_host=True,
             finished_only=not args.every_step_outputs,
+            matmul_n=limits["matmul_n"],
         )
         report["decode"] = s
         print_summary(f"decode at {c} running requests", s)

@@ -60,6 +60,9 @@ def _check(kernel, shape: cases.Shape, kind: str, options: dict) -> None:
 
 
 _GRID = cases.grid_cases()
+# One xdist worker for the module: rpa_cases.compiled keeps each kernel's compilation for the
+# cases after it (the batch kinds of a shape share one), which a second worker would redo.
+pytestmark = pytest.mark.xdist_group("rpa_kernels")
 
 
 def _tiered(names) -> list:

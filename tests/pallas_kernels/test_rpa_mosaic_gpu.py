@@ -548,6 +548,18 @@ def _brute_force_plan(kv_lens, cu_q_lens, num_seqs, *, block_q, block_kv, page_s
     return tiles
 
 
+# The helpers jitted, as the kernel runs them: one compilation per case instead of one per jnp
+# op and shape (each random layout has its own shapes).
+_jit_plan_tiles = jax.jit(
+    mg._plan_tiles,
+    static_argnames=("num_tokens", "block_q", "block_kv", "page_size", "width", "sliding_window"),
+)
+_jit_gather_query_tiles = jax.jit(
+    mg._gather_query_tiles, static_argnames=("num_kv_heads", "block_q")
+)
+_jit_output_rows = jax.jit(mg._output_rows, static_argnames=("num_tokens", "group", "block_q"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("window", [None, 37])
@@ -555,7 +567,7 @@ def test_plan_tiles_matches_brute_force(seed: int, window) -> None:
     rng = np.random.default_rng(seed)
     num_slots, width, page_size, block_q, block_kv = 6, 8, 16, 8, 64
     kv_lens, cu_q_lens, num_seqs, num_tokens = _random_layout(rng, num_slots, width, page_size)
-    plan = mg._plan_tiles(
+    plan = _jit_plan_tiles(
         jnp.asarray(kv_lens),
         jnp.asarray(cu_q_lens),
         jnp.asarray(num_seqs),
@@ -598,7 +610,7 @@ def test_query_tiles_and_output_rows_round_trip(seed: int, group: int, block_q: 
     rng = np.random.default_rng(seed)
     num_kv_heads, head_dim = 2, 4
     kv_lens, cu_q_lens, num_seqs, num_tokens = _random_layout(rng, 5, 8, 16)
-    plan = mg._plan_tiles(
+    plan = _jit_plan_tiles(
         jnp.asarray(kv_lens),
         jnp.asarray(cu_q_lens),
         jnp.asarray(num_seqs),
@@ -610,10 +622,10 @@ def test_query_tiles_and_output_rows_round_trip(seed: int, group: int, block_q: 
         sliding_window=None,
     )
     q = jnp.asarray(rng.standard_normal((num_tokens, num_kv_heads * group, head_dim)) + 5.0)
-    tiles = mg._gather_query_tiles(q, plan, num_kv_heads=num_kv_heads, block_q=block_q)
+    tiles = _jit_gather_query_tiles(q, plan, num_kv_heads=num_kv_heads, block_q=block_q)
     rows_per_tile = mg.stored_rows(block_q, group)
     assert tiles.shape == (num_kv_heads, plan.meta.shape[0] * rows_per_tile + 64 - rows_per_tile, 4)
-    rows, valid = mg._output_rows(
+    rows, valid = _jit_output_rows(
         jnp.asarray(cu_q_lens),
         jnp.asarray(num_seqs),
         plan,
