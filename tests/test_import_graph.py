@@ -88,13 +88,15 @@ def test_dependency_direction(folder: str) -> None:
 # Inside jaxserve/, from the bottom up: what each layer may not import (docs/architecture.md,
 # section 2); "cli" is the package jaxserve/cli/. Imports inside functions count too.
 HOST_DATA = ("config", "speculative_config", "sampling_params", "request", "outputs")
-_ABOVE_CORE = {"engine", "runner", "entrypoints", "jobs", "ray", "cli"}
+_ABOVE_CORE = {"engine", "runner", "aot", "entrypoints", "jobs", "ray", "cli"}
 FORBIDDEN = {
     "core": _ABOVE_CORE,
     "runner": _ABOVE_CORE - {"runner"},
     # the proposers and their policy: host side, below the engine that calls them
     "spec_decode": _ABOVE_CORE,
-    "engine": {"entrypoints", "jobs", "ray", "cli"},
+    "engine": {"aot", "entrypoints", "jobs", "ray", "cli"},
+    # ahead-of-time compilation: the runner's own path for a target, below the CLI
+    "aot": {"engine", "entrypoints", "jobs", "ray", "cli"},
     "entrypoints": {"jobs", "ray", "cli"},
     "jobs": {"ray", "cli"},
     # the host data modules: nothing of jaxserve but each other (and the package itself)

@@ -23,7 +23,6 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 
 from jaxserve.checkpoints_tools import LoadedCheckpoint, TokenizerInfo, load_checkpoint
@@ -43,9 +42,10 @@ from jaxserve.core.host_block_pool import HostTier
 from jaxserve.models import CausalLM, ModelArchConfig, get_model
 from jaxserve.runner.compile_cache import enable_compilation_cache
 from jaxserve.runner.draft_model import DraftSpec
-from jaxserve.runner.kv_cache import device_memory_bytes
+from jaxserve.runner.kv_cache import KVAllocator, allocate_kv_caches
 from jaxserve.runner.kv_offload import KVOffloader, host_kv_blocks
 from jaxserve.runner.kv_scales import kv_scales_for
+from jaxserve.runner.machine import Machine
 from jaxserve.runner.memory_plan import MemoryPlan, memory_plan_for, resolve_max_model_len
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.plan import ExecutionPlan, make_plan
@@ -93,21 +93,21 @@ def _checked_memory_plan(
     config: EngineConfig,
     arch: ModelArchConfig,
     plan: ExecutionPlan,
-    device: jax.Device,
+    machine: Machine,
     max_model_len: int,
     quantization: str | None,
     draft_arch: ModelArchConfig | None = None,
 ) -> MemoryPlan | None:
-    """The memory plan on `device`, checked: raises before any weight is read when the model
-    cannot fit. None when the pool size is explicit and the device reports no memory limit
-    (nothing to check against; logged).
+    """The memory plan on one device of `machine`, checked: raises before any weight is read
+    when the model cannot fit. None when the pool size is explicit and the device reports no
+    memory limit (nothing to check against; logged).
 
     Raises:
         ValueError: the model does not fit (the numbers named).
         RuntimeError: the device reports no memory limit and num_kv_blocks is not given.
     """
     try:
-        memory_bytes = device_memory_bytes(device, config.cache.cpu_memory_bytes)
+        memory_bytes = machine.device_memory(config.cache.cpu_memory_bytes)
     except RuntimeError as e:
         if config.cache.num_kv_blocks is None:
             raise
@@ -205,22 +205,28 @@ def build_runner(config: EngineConfig) -> tuple[ModelRunner, RunnerInfo]:
     return runner, info
 
 
-def resolve_model(config: EngineConfig) -> ResolvedModel:
+def resolve_model(config: EngineConfig, machine: Machine | None = None) -> ResolvedModel:
     """The plan, the checked memory plan, the shardings and the host tier's size of
     ``config``'s model, from its architecture alone (of a Hub model, config.json is all that
     is fetched so far): a model that cannot fit fails before any weight is fetched or read,
     and every weight is then loaded once, in the plan's dtype, into its own sharding.
 
+    Args:
+        machine: what to plan for (machine.py); None: the first tensor_parallel_size devices
+            of this process.
+
     Raises:
         as build_runner, but nothing about the weights themselves.
     """
-    mesh = make_mesh(config.runner.tensor_parallel_size)
+    if machine is None:
+        machine = Machine.of_mesh(make_mesh(config.runner.tensor_parallel_size))
+    mesh = machine.mesh
     model_config = config.model
     config_source = resolve_model_source(
         model_config.model, files=CONFIG_FILES, **_hub_arguments(config)
     )
     arch = load_arch(config_source)
-    plan = make_plan(config, mesh, arch, declared_dtype(config_source))
+    plan = make_plan(config, machine, arch, declared_dtype(config_source))
     logger.info("execution plan: %s", plan.summary())
     for reason in plan.attention_refused:
         logger.info("attention: passed over %s", reason)
@@ -233,7 +239,7 @@ def resolve_model(config: EngineConfig) -> ResolvedModel:
     )
     draft_arch = _draft_arch(config, arch)
     memory = _checked_memory_plan(
-        config, arch, plan, mesh.devices.flat[0], max_model_len, quantization, draft_arch
+        config, arch, plan, machine, max_model_len, quantization, draft_arch
     )
     block_bytes = get_model(arch).kv_cache_bytes_per_block(
         config.cache.block_size, plan.kv_cache_dtype
@@ -312,9 +318,14 @@ def _load_weights(resolved: ResolvedModel) -> LoadedCheckpoint:
 
 
 def make_runner(
-    resolved: ResolvedModel, ckpt: LoadedCheckpoint
+    resolved: ResolvedModel, ckpt: LoadedCheckpoint, kv_allocator: KVAllocator = allocate_kv_caches
 ) -> tuple[ModelRunner, HostTier | None]:
-    """The ModelRunner of a loaded checkpoint, with its host KV tier when it has one."""
+    """The ModelRunner of a loaded checkpoint, with its host KV tier when it has one.
+
+    Args:
+        kv_allocator: makes the KV pages (ModelRunner's; jaxserve/aot passes
+            kv_cache.abstract_kv_caches, with abstract params, to compile for another chip).
+    """
     config, plan = resolved.config, resolved.plan
     model = get_model(
         ckpt.arch,
@@ -338,6 +349,7 @@ def make_runner(
         kv_scales=kv_scales_for(plan.kv_cache_dtype, ckpt.path, ckpt.arch.num_layers),
         kv_offload=offload,
         draft=_load_draft(resolved),
+        kv_allocator=kv_allocator,
     )
     host_tier = None if offload is None else HostTier(resolved.num_host_blocks, offload.block_bytes)
     return runner, host_tier

@@ -7,8 +7,15 @@ allocates the pages.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+
+# (num_layers, page_shape, dtype, sharding) -> [(K pages, V pages)] per layer: how a runner
+# gets its pages (allocate_kv_caches, or abstract_kv_caches to compile for another chip).
+KVAllocator = Callable[..., list[tuple[Any, Any]]]
 
 
 def device_memory_bytes(device: jax.Device, cpu_memory_bytes: int) -> int:
@@ -44,3 +51,12 @@ def allocate_kv_caches(
 
     make = jax.jit(zeros, out_shardings=sharding) if sharding is not None else jax.jit(zeros)
     return [(make(), make()) for _ in range(num_layers)]
+
+
+def abstract_kv_caches(
+    num_layers: int, page_shape: tuple[int, ...], dtype, sharding=None
+) -> list[tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]]:
+    """allocate_kv_caches' pages as jax.ShapeDtypeStructs (with their sharding): nothing is
+    allocated, for compiling the step ahead of time for devices that are not attached."""
+    page = jax.ShapeDtypeStruct(page_shape, jnp.dtype(dtype), sharding=sharding)
+    return [(page, page) for _ in range(num_layers)]

@@ -37,7 +37,7 @@ from jaxserve.outputs import ModelRunnerOutput
 from jaxserve.runner.buckets import BucketSpec
 from jaxserve.runner.draft_model import DraftModel, DraftSpec
 from jaxserve.runner.input_batch import InputBatch, PreparedBatch
-from jaxserve.runner.kv_cache import allocate_kv_caches
+from jaxserve.runner.kv_cache import KVAllocator, allocate_kv_caches
 from jaxserve.runner.kv_offload import KVOffloader
 from jaxserve.runner.map_budget import max_step_shapes
 from jaxserve.runner.plan import ExecutionPlan
@@ -77,6 +77,8 @@ class ModelRunner:
         kv_offload: the host KV tier's data side (kv_offload.py), for pages of this runner's
             shape and dtype, when kv_offloading_size > 0; None otherwise.
         draft: speculative decoding's draft model (draft_model.py), or None.
+        kv_allocator: makes the KV pages; jaxserve/aot passes kv_cache.abstract_kv_caches
+            (and abstract params): that runner's steps compile (warmup.compilations), not run.
     """
 
     def __init__(
@@ -95,8 +97,10 @@ class ModelRunner:
         kv_scales: np.ndarray | None = None,
         kv_offload: KVOffloader | None = None,
         draft: DraftSpec | None = None,
+        kv_allocator: KVAllocator = allocate_kv_caches,
     ) -> None:
         self.model = model
+        self._kv_allocator = kv_allocator
         self.kv_scales = kv_scales
         self.kv_offload = kv_offload
         self.params = params
@@ -164,7 +168,7 @@ class ModelRunner:
 
     def _allocate_kv_caches(self) -> list[tuple[jax.Array, jax.Array]]:
         model = self.model
-        return allocate_kv_caches(
+        return self._kv_allocator(
             model.arch.num_layers,
             model.kv_cache_shape(self.num_kv_blocks, self.block_size),
             self.plan.kv_cache_dtype,

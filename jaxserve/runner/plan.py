@@ -39,7 +39,6 @@ from jaxserve.pallas_kernels.ragged_paged_attention import (
     Target,
     auto_order,
     cpu_rows,
-    device_facts,
     ragged_paged_attention_reference,
     select_attention,
 )
@@ -47,6 +46,7 @@ from jaxserve.pallas_kernels.ragged_paged_attention.kv_quant import is_fp8, quan
 from jaxserve.pallas_kernels.ragged_paged_attention.testing import random_batch
 from jaxserve.pallas_kernels.sampling import cpu_draw
 from jaxserve.runner import map_budget
+from jaxserve.runner.machine import Machine
 
 logger = logging.getLogger("jaxserve")
 
@@ -71,6 +71,9 @@ class ExecutionPlan:
     mid_token_buckets: bool  # token buckets at 3 * 2^k too (buckets.py)
     single_token_bucket: bool  # a T=1 bucket below the smallest power of two
     compile_workers: int = 1  # warm-up compilations at once (ModelRunner.warmup)
+    # The attention kernel was self-checked against the reference on the device (False: the
+    # plan is for a chip that is not attached, e.g. an ahead-of-time target; Machine.attached).
+    attention_checked: bool = True
     # Compiled executables the engine may hold (the CPU's memory-map budget: map_budget.py);
     # None: no budget (GPU, TPU).
     max_executables: int | None = None
@@ -105,11 +108,13 @@ def resolve_dtype(requested: str, declared: str | None, platform: str) -> str:
 
 def make_plan(
     config: EngineConfig,
-    mesh: jax.sharding.Mesh,
+    mesh: jax.sharding.Mesh | Machine,
     arch: ModelArchConfig,
     declared_dtype: str | None,
 ) -> ExecutionPlan:
-    """Decide everything for this engine on this mesh.
+    """Decide everything for this engine on this mesh (of this process's devices) or machine
+    (machine.py: also a chip that is not attached, from its facts alone; its kernel is then
+    not self-checked, since nothing can run it here).
 
     Args:
         declared_dtype: the dtype the checkpoint declares (its config), or None.
@@ -118,7 +123,8 @@ def make_plan(
         ValueError: an attention_backend that cannot run here (the message lists those that
             can); with strict_kernels, a kernel that fails its self-check.
     """
-    facts = device_facts(mesh.devices.flat[0])
+    machine = mesh if isinstance(mesh, Machine) else Machine.of_mesh(mesh)
+    mesh, facts = machine.mesh, machine.chip
     platform = facts["platform"]
     dtype = resolve_dtype(config.model.dtype, declared_dtype, platform)
     kv_cache_dtype = kv_cache_storage_dtype(config.cache.kv_cache_dtype, dtype)
@@ -137,7 +143,10 @@ def make_plan(
         **facts,
     )
     attention, refused = select_attention(config.runner.attention_backend, target)
-    attention, refused = _checked(attention, refused, target, config)
+    if machine.attached:
+        attention, refused = _checked(attention, refused, target, config)
+    else:
+        logger.info("attention %s not self-checked: no %s attached", attention.name, target.where)
     if platform == "cpu" and attention.kernel != "cpu":
         _warn_unbuilt(cpu_rows.unavailable_reason(), "attention", attention.name)
     if tp > 1:
@@ -157,6 +166,7 @@ def make_plan(
         mid_token_buckets=on_cpu,
         single_token_bucket=on_cpu,
         compile_workers=1 if on_cpu else max(1, min(4, os.cpu_count() or 1)),
+        attention_checked=machine.attached,
         max_executables=map_budget.max_executables() if on_cpu else None,
     )
 

@@ -1,0 +1,143 @@
+"""Compile each of warm-up's compilations for the target, and keep what the compiler says.
+
+The jobs are warmup.compilations(runner, shapes): the engine's own jitted step for every
+(T, R, B) bucket in both sampler variants, and the block copy at every padded size, with the
+arguments warm-up gives them (abstract params and KV pages here). Each is lowered and compiled
+for the target's compile-only devices, one at a time; a failure is recorded (the compiler's
+message) and the next job goes on.
+
+Lowering runs under the mesh's abstract mesh (jax.sharding.use_abstract_mesh): Pallas TPU's
+lowering asks "which TPU is this" (tpu_info.get_device_kind: the abstract mesh's device, else
+jax's default device), and here the default device is the CPU. On the chip itself the default
+device answers the same question, so the HLO is the one the engine compiles there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import jax
+
+from jaxserve.runner.step import COPY_ARGS, STEP_ARGS
+from jaxserve.runner.step_compiles import Compilation
+
+# memory_analysis() fields kept (bytes per device).
+MEMORY_FIELDS = (
+    "argument_size_in_bytes",
+    "output_size_in_bytes",
+    "alias_size_in_bytes",
+    "temp_size_in_bytes",
+    "generated_code_size_in_bytes",
+)
+_MAX_ERROR_CHARS = 2000
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketResult:
+    """One compilation's outcome.
+
+    kind: "step" or "copy". tokens, rows, width: the step's (T, R, B); sampling_lists: the
+    sampler variant's (penalty, ban) list widths, (0, 0) without lists. copies: the block
+    copy's padded size. memory: MEMORY_FIELDS (bytes per device). flops, bytes_accessed: the
+    compiler's cost analysis (per device; a Pallas kernel without a cost estimate counts 0).
+    xla_seconds: the compiler's own time estimate ("optimal_seconds"), where it gives one.
+    """
+
+    kind: str
+    ok: bool
+    error: str | None = None
+    tokens: int | None = None
+    rows: int | None = None
+    width: int | None = None
+    sampling_lists: tuple[int, int] | None = None
+    copies: int | None = None
+    lower_s: float = 0.0
+    compile_s: float = 0.0
+    memory: dict[str, int] = dataclasses.field(default_factory=dict)
+    flops: float | None = None
+    bytes_accessed: float | None = None
+    xla_seconds: float | None = None
+
+    @property
+    def label(self) -> str:
+        if self.kind == "copy":
+            return f"copy n={self.copies}"
+        lists = "" if self.sampling_lists == (0, 0) else f" lists={self.sampling_lists}"
+        return f"step T={self.tokens} R={self.rows} B={self.width}{lists}"
+
+    @property
+    def peak_bytes(self) -> int | None:
+        """Live bytes per device while it runs: arguments + outputs - aliased + temporaries."""
+        m = self.memory
+        if not m:
+            return None
+        return (
+            m["argument_size_in_bytes"]
+            + m["output_size_in_bytes"]
+            - m["alias_size_in_bytes"]
+            + m["temp_size_in_bytes"]
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["label"], out["peak_bytes"] = self.label, self.peak_bytes
+        return out
+
+
+def describe_job(job: Compilation) -> dict[str, Any]:
+    """What a warm-up compilation is, from its arguments: the step's (T, R, B) and sampler
+    lists, or the block copy's size."""
+    args = dict(zip(job.names, job.args, strict=True))
+    if tuple(job.names) == COPY_ARGS:
+        return dict(kind="copy", copies=int(args["src"].shape[0]))
+    if tuple(job.names) != STEP_ARGS:
+        raise ValueError(f"not a step or block copy compilation: {job.names}")
+    md, sampling = args["attention_metadata"], args["sampling_metadata"]
+    return dict(
+        kind="step",
+        tokens=int(args["input_ids"].shape[0]),
+        rows=int(args["logits_indices"].shape[0]),
+        width=int(md.block_tables.shape[1]),
+        sampling_lists=(
+            int(sampling.penalty_token_ids.shape[1]),
+            int(sampling.banned_token_ids.shape[1]),
+        ),
+    )
+
+
+def compile_job(job: Compilation, mesh: jax.sharding.Mesh) -> BucketResult:
+    """Lower and compile one job for ``mesh``'s devices; a failure is a result, not raised."""
+    facts = describe_job(job)
+    start = time.perf_counter()
+    try:
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            lowered = job.fn.lower(*job.args)
+        lowered_at = time.perf_counter()
+        compiled = lowered.compile()
+    except Exception as e:  # the compiler's message is the result
+        message = f"{type(e).__name__}: {e}"[:_MAX_ERROR_CHARS]
+        return BucketResult(ok=False, error=message, compile_s=time.perf_counter() - start,
+                            **facts)  # fmt: skip
+    done = time.perf_counter()
+    memory = compiled.memory_analysis()
+    cost = _cost(compiled)
+    return BucketResult(
+        ok=True,
+        lower_s=lowered_at - start,
+        compile_s=done - lowered_at,
+        memory={name: int(getattr(memory, name)) for name in MEMORY_FIELDS},
+        flops=cost.get("flops"),
+        bytes_accessed=cost.get("bytes accessed"),
+        xla_seconds=cost.get("optimal_seconds"),
+        **facts,
+    )
+
+
+def _cost(compiled: Any) -> dict[str, float]:
+    """cost_analysis() as one dict (older jax gave a list of one per program)."""
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else {}
+    return {k: float(v) for k, v in (cost or {}).items() if "{" not in k}

@@ -1,0 +1,87 @@
+"""Compile-only devices of a named target: jax can compile for them, on a machine without one.
+
+TPU: libtpu (``pip install "jax[tpu]"``, the version of the installed jax) describes any
+topology without a chip: ``jax.experimental.topologies.get_topology_desc(platform="tpu",
+topology_name="v6e:2x2", chips_per_host_bounds=[2, 2, 1])`` gives its devices, over which a
+``Mesh`` compiles ``jax.jit(...).lower(...).compile()`` with XLA:TPU and Mosaic. The target's
+one host holds all its chips (v5litepod-8 and v6e-8 are single hosts of 2x4 chips).
+
+GPU: a deviceless CUDA compile needs jax's CUDA plugin and the CUDA libraries (``pip install
+"jax[cuda12]"``) and a GpuTargetConfig of the chip; it is not wired up here yet, so GPU targets
+are refused with what is missing (the plan and the memory arithmetic of a GPU target still work
+without it: targets.chip_facts).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+
+from jaxserve.aot.targets import AcceleratorTarget
+
+
+class CompilerMissing(RuntimeError):
+    """The compiler for a target is not installed (or not supported) here; the message says
+    what to install."""
+
+
+def install_hint(platform: str) -> str:
+    """What to install for ``platform``'s compiler: the jaxserve extra and the jax extra under
+    it, pinned to the installed jax."""
+    extra = {"tpu": "tpu", "gpu": "cuda12"}[platform]
+    try:
+        version = importlib.metadata.version("jax")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - jax is a dependency
+        version = None
+    pinned = f'"jax[{extra}]=={version}"' if version else f'"jax[{extra}]"'
+    return f'pip install "jaxserve[{extra}]" (that is, pip install {pinned})'
+
+
+def compiler_missing(target: AcceleratorTarget) -> str | None:
+    """Why this process cannot compile for ``target`` (with what to install), or None."""
+    if target.platform == "tpu":
+        if importlib.util.find_spec("libtpu") is None:
+            return (
+                f"compiling for {target.name} needs the TPU compiler (libtpu), which is not "
+                f"installed: {install_hint('tpu')}"
+            )
+        return None
+    if importlib.util.find_spec("jax_cuda12_plugin") is None:
+        return (
+            f"compiling for {target.name} needs the CUDA compiler (jax's CUDA 12 plugin and the "
+            f"CUDA libraries, ~5 GB), which is not installed: {install_hint('gpu')}"
+        )
+    return (
+        f"compiling for {target.name} without the GPU (a deviceless CUDA compile from a "
+        "GpuTargetConfig) is not supported by jaxserve yet; run `jaxserve compile` on a "
+        "machine with that GPU, or compile for a TPU target"
+    )
+
+
+def compile_devices(target: AcceleratorTarget, num_devices: int) -> list:
+    """The first ``num_devices`` compile-only devices of ``target``.
+
+    Raises:
+        CompilerMissing: the target's compiler is not installed (what to install named).
+        ValueError: more devices than the target has.
+    """
+    if not 1 <= num_devices <= target.num_chips:
+        raise ValueError(
+            f"--tensor-parallel-size must be between 1 and the {target.num_chips} chips of "
+            f"{target.name}, got {num_devices}"
+        )
+    reason = compiler_missing(target)
+    if reason is not None:
+        raise CompilerMissing(reason)
+    # Off a Cloud TPU VM, libtpu would otherwise ask the GCE metadata server which TPU this
+    # host is (and wait for it); a compile-only topology is named, not discovered.
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    from jax.experimental import topologies
+
+    topology = topologies.get_topology_desc(
+        platform="tpu",
+        topology_name=target.topology_name,
+        chips_per_host_bounds=list(target.chips_per_host_bounds),
+    )
+    return list(topology.devices)[:num_devices]
