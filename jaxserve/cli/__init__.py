@@ -3,6 +3,7 @@
     generate   offline batch generation (generate.py; the job: jobs/generate.py)
     convert    a Hugging Face checkpoint to an Orbax one (convert.py)
     plan       will a model fit, from config.json alone (plan.py)
+    compile    every engine step compiled for a GPU / TPU that is not here (compile.py)
     serve      the OpenAI-compatible HTTP server (serve.py)
     run-batch  a job in OpenAI's batch format (run_batch.py; jobs/run_batch.py)
     score      continuation log-probabilities (score.py; jobs/score_job.py)
@@ -36,6 +37,7 @@ SUBCOMMANDS: list[AddParser] = [
     lazy_subcommand("jaxserve.cli.generate"),
     lazy_subcommand("jaxserve.cli.convert"),
     lazy_subcommand("jaxserve.cli.plan"),
+    lazy_subcommand("jaxserve.cli.compile"),
     lazy_subcommand("jaxserve.cli.serve"),
     lazy_subcommand("jaxserve.cli.run_batch"),
     lazy_subcommand("jaxserve.cli.score"),

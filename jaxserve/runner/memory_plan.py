@@ -51,6 +51,10 @@ from jaxserve.runner.memory_sizes import (
 GIB = 1 << 30
 
 
+class DoesNotFit(ValueError):
+    """The model does not fit in the device's memory (MemoryPlan.check)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
     """Where one device's memory goes for one model and engine configuration (all bytes are
@@ -169,7 +173,7 @@ class MemoryPlan:
         """Raise when the model does not fit (before anything is loaded).
 
         Raises:
-            ValueError: naming the model, the numbers, and what to change.
+            DoesNotFit (a ValueError): naming the model, the numbers, and what to change.
         """
         reason = self.shortfall()
         if reason is None:
@@ -180,7 +184,7 @@ class MemoryPlan:
             else "lower max_model_len, max_num_batched_tokens or max_num_seqs, raise "
             "memory_utilization"
         )
-        raise ValueError(
+        raise DoesNotFit(
             f"model {model!r} does not fit in device memory (per device, dtype {self.dtype}, "
             f"quantization={self.quantization!r}, tensor_parallel_size="
             f"{self.tensor_parallel_size}): {reason}; {remedy}, use more devices "

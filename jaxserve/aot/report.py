@@ -1,0 +1,133 @@
+"""The report of an ahead-of-time compilation: per bucket, totals against the memory plan and
+the target, predicted throughput; as a JSON-ready dict and as a table.
+
+Memory, per device (memory_analysis of each compiled step): a step's live bytes are its
+arguments (weights, KV pages, the batch) + outputs - the bytes aliased (the donated KV pages
+come back in place) + temporaries. The largest over the steps is set against the memory
+plan's weights + KV pool + workspace reserve (+ KV scales) and against the target's memory.
+The KV pages alias when every step's aliased bytes cover the pool (donation works).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxserve.aot.compiler import BucketResult
+from jaxserve.aot.roofline import StepEstimate, StepModel, estimate
+from jaxserve.aot.targets import AcceleratorTarget
+from jaxserve.runner.memory_plan import MemoryPlan
+
+GIB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileReport:
+    """Everything ``jaxserve compile`` found (``as_dict`` is its JSON)."""
+
+    model: str
+    target: AcceleratorTarget
+    plan: dict[str, Any]  # ExecutionPlan.as_dict()
+    memory: MemoryPlan
+    buckets: list[BucketResult]
+    step_model: StepModel
+    decode_context: int  # tokens of context the decode prediction assumes
+
+    @property
+    def steps(self) -> list[BucketResult]:
+        return [b for b in self.buckets if b.kind == "step"]
+
+    @property
+    def failed(self) -> list[BucketResult]:
+        return [b for b in self.buckets if not b.ok]
+
+    @property
+    def planned_bytes(self) -> int:
+        """The memory plan's bytes per device: weights + KV pool + workspace + KV scales."""
+        m = self.memory
+        pool = m.num_kv_blocks * m.kv_bytes_per_block
+        return m.weights_bytes + pool + m.workspace_bytes + m.kv_scales_bytes
+
+    @property
+    def compiled_peak_bytes(self) -> int | None:
+        peaks = [b.peak_bytes for b in self.buckets if b.ok and b.peak_bytes is not None]
+        return max(peaks) if peaks else None
+
+    @property
+    def kv_aliased(self) -> bool:
+        """Every compiled step and copy gives its KV pages back in place (alias >= pool)."""
+        pool = self.memory.num_kv_blocks * self.memory.kv_bytes_per_block
+        ok = [b for b in self.buckets if b.ok]
+        return bool(ok) and all(b.memory["alias_size_in_bytes"] >= pool for b in ok)
+
+    @property
+    def fits(self) -> bool:
+        peak = self.compiled_peak_bytes
+        return peak is not None and peak <= self.target.memory_bytes
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed and self.fits and self.kv_aliased
+
+    def decode_estimate(self) -> StepEstimate | None:
+        """The largest decode batch (a T = R step) whose sequences' context fits the pool."""
+        context = self.decode_context
+        most = min(self.memory.max_num_seqs, self.memory.max_kv_tokens // max(context, 1))
+        decodes = [b for b in self.steps if b.ok and b.tokens == b.rows and b.tokens <= most]
+        plain = [b for b in decodes if b.sampling_lists == (0, 0)]
+        if not plain:
+            return None
+        bucket = max(plain, key=lambda b: b.tokens)
+        return estimate(bucket, self.step_model, self.target, "decode", context)
+
+    def prefill_estimate(self) -> StepEstimate | None:
+        """The largest token bucket as one prefill chunk."""
+        plain = [b for b in self.steps if b.ok and b.sampling_lists == (0, 0)]
+        if not plain:
+            return None
+        bucket = max(plain, key=lambda b: b.tokens)
+        return estimate(bucket, self.step_model, self.target, "prefill")
+
+    def totals(self) -> dict[str, Any]:
+        peak = self.compiled_peak_bytes
+        temps = [b.memory["temp_size_in_bytes"] for b in self.buckets if b.ok]
+        planned = self.planned_bytes
+        return {
+            "num_compilations": len(self.buckets),
+            "num_failed": len(self.failed),
+            "compile_seconds": sum(b.lower_s + b.compile_s for b in self.buckets),
+            "compiled_peak_bytes": peak,
+            "max_temp_bytes": max(temps) if temps else None,
+            "planned_bytes": planned,
+            "planned_workspace_bytes": self.memory.workspace_bytes,
+            "compiled_over_planned": None if peak is None else peak / planned,
+            "target_memory_bytes": self.target.memory_bytes,
+            "fits": self.fits,
+            "kv_aliased": self.kv_aliased,
+            "ok": self.ok,
+        }
+
+    def as_dict(self) -> dict[str, Any]:
+        decode, prefill = self.decode_estimate(), self.prefill_estimate()
+        return {
+            "model": self.model,
+            "target": self.target.as_dict(),
+            "plan": self.plan,
+            "memory_plan": self.memory.as_dict(),
+            "step_model": dataclasses.asdict(self.step_model),
+            "buckets": [self._bucket_dict(b) for b in self.buckets],
+            "totals": self.totals(),
+            "decode_context": self.decode_context,
+            "predicted": {
+                "decode": None if decode is None else decode.as_dict(),
+                "prefill": None if prefill is None else prefill.as_dict(),
+            },
+        }
+
+    def _bucket_dict(self, bucket: BucketResult) -> dict[str, Any]:
+        out = bucket.as_dict()
+        if bucket.kind == "step":
+            phase = "decode" if bucket.tokens == bucket.rows else "prefill"
+            est = estimate(bucket, self.step_model, self.target, phase, self.decode_context)
+            out["roofline"] = None if est is None else est.as_dict()
+        return out
