@@ -74,15 +74,15 @@ def build_abstract_engine(config: EngineConfig, target: AcceleratorTarget) -> Ab
         devices.CompilerMissing: the target's compiler is not installed.
     """
     _refuse_unsupported(config)
-    machine = target_machine(target, config.runner.tensor_parallel_size)
-    resolved = resolve_model(config, machine)
-    source = resolve_model_source(
+    source = resolve_model_source(  # a model that cannot be read fails before any compiler
         config.model.model,
         files=CONFIG_FILES,
         revision=config.model.revision,
         download_dir=config.model.download_dir,
     )
     arch = load_arch(source)
+    machine = target_machine(target, config.runner.tensor_parallel_size)
+    resolved = resolve_model(config, machine)
     ckpt = _abstract_checkpoint(resolved, arch, source)
     runner, _ = make_runner(resolved, ckpt, kv_allocator=abstract_kv_caches)
     return AbstractEngine(target=target, resolved=resolved, arch=arch, runner=runner)
