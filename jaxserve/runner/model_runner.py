@@ -64,21 +64,18 @@ class ModelRunner:
 
     Args:
         model: the CausalLM (static config; params passed separately).
-        params: its parameters, already on device.
+        params: its parameters, already on device (abstract with an abstract kv_allocator).
         num_kv_blocks: pages in the pool, null block 0 included.
         block_size, max_num_seqs, max_num_batched_tokens, max_model_len: as the engine config.
         eos_token_ids: for min_tokens bans.
         sharding: where params, KV pages and step inputs live (tensor parallelism; the
             params must already be placed by it), or None: the default device.
-        plan: the execution plan (buckets, RoPE rows on the host or not, the sampler's draw,
-            the KV pages' dtype).
+        plan: the execution plan (buckets, host RoPE rows, sampler draw, KV pages' dtype).
         kv_scales: host f32[L, 2] (k_scale, v_scale) per layer of an FP8 KV cache
             (runner/kv_scales.py), sent with every step's AttentionMetadata; None otherwise.
-        kv_offload: the host KV tier's data side (kv_offload.py), for pages of this runner's
-            shape and dtype, when kv_offloading_size > 0; None otherwise.
+        kv_offload: the host KV tier's data side (kv_offload.py) when there is one, else None.
         draft: speculative decoding's draft model (draft_model.py), or None.
-        kv_allocator: makes the KV pages; jaxserve/aot passes kv_cache.abstract_kv_caches
-            (and abstract params): that runner's steps compile (warmup.compilations), not run.
+        kv_allocator: makes the KV pages (kv_cache.abstract_kv_caches: compile, never run).
     """
 
     def __init__(
@@ -233,10 +230,9 @@ class ModelRunner:
 
     # ---- compilation ------------------------------------------------------------------------
     def warmup(self, shapes: list[tuple[int, int, int]] | None = None, workers: int = 1) -> int:
-        """Compile the step for every (T, R, B) bucket (default: all of them) in both sampler
-        variants, the block copies and the host tier's copies, ``workers`` at a time, then run
-        each once (warmup.py). Returns the number of compilations this caused (fresh or loaded
-        from the cache)."""
+        """Compile the step for every (T, R, B) bucket (default: all) in both sampler variants,
+        the block and host-tier copies, ``workers`` at a time, then run each once (warmup.py).
+        Returns the number of compilations this caused (fresh or from the cache)."""
         return warm_up(self, shapes or self.buckets.all_shapes(), workers)
 
     def measure_offload_bandwidth(self) -> tuple[float, float]:
