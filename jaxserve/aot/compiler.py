@@ -130,7 +130,7 @@ def compile_job(job: Compilation, mesh: jax.sharding.Mesh) -> BucketResult:
         memory={name: int(getattr(memory, name)) for name in MEMORY_FIELDS},
         flops=cost.get("flops"),
         bytes_accessed=cost.get("bytes accessed"),
-        xla_seconds=cost.get("optimal_seconds"),
+        xla_seconds=_non_negative(cost.get("optimal_seconds")),
         **facts,
     )
 
@@ -141,3 +141,8 @@ def _cost(compiled: Any) -> dict[str, float]:
     if isinstance(cost, (list, tuple)):
         cost = cost[0] if cost else {}
     return {k: float(v) for k, v in (cost or {}).items() if "{" not in k}
+
+
+def _non_negative(value: float | None) -> float | None:
+    """XLA:TPU's "optimal_seconds" is sometimes negative (no estimate): None then."""
+    return value if value is not None and value >= 0 else None
