@@ -6,10 +6,11 @@ topology_name="v6e:2x2", chips_per_host_bounds=[2, 2, 1])`` gives its devices, o
 ``Mesh`` compiles ``jax.jit(...).lower(...).compile()`` with XLA:TPU and Mosaic. The target's
 one host holds all its chips (v5litepod-8 and v6e-8 are single hosts of 2x4 chips).
 
-GPU: a deviceless CUDA compile needs jax's CUDA plugin and the CUDA libraries (``pip install
-"jax[cuda12]"``) and a GpuTargetConfig of the chip; it is not wired up here yet, so GPU targets
-are refused with what is missing (the plan and the memory arithmetic of a GPU target still work
-without it: targets.chip_facts).
+GPU: jax's CUDA plugin and the CUDA libraries (``pip install "jax[cuda12]"``) compile for a
+GPU described by a GpuTargetConfig (gpu_target_config.py): ``get_topology_desc(platform=
+"cuda", target_config=..., topology="1x1xN")`` gives N compile-only devices of it, on a machine
+without a GPU (CUDA_VISIBLE_DEVICES=-1 and JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 keep the plugin
+from looking for one: the CLI sets them).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import importlib.metadata
 import importlib.util
 import os
 
+from jaxserve.aot.gpu_target_config import gpu_target_config
 from jaxserve.aot.targets import AcceleratorTarget
 
 
@@ -52,11 +54,7 @@ def compiler_missing(target: AcceleratorTarget) -> str | None:
             f"compiling for {target.name} needs the CUDA compiler (jax's CUDA 12 plugin and the "
             f"CUDA libraries, ~5 GB), which is not installed: {install_hint('gpu')}"
         )
-    return (
-        f"compiling for {target.name} without the GPU (a deviceless CUDA compile from a "
-        "GpuTargetConfig) is not supported by jaxserve yet; run `jaxserve compile` on a "
-        "machine with that GPU, or compile for a TPU target"
-    )
+    return None
 
 
 def compile_devices(target: AcceleratorTarget, num_devices: int) -> list:
@@ -74,11 +72,18 @@ def compile_devices(target: AcceleratorTarget, num_devices: int) -> list:
     reason = compiler_missing(target)
     if reason is not None:
         raise CompilerMissing(reason)
+    from jax.experimental import topologies
+
+    if target.platform == "gpu":
+        topology = topologies.get_topology_desc(
+            platform="cuda",
+            target_config=gpu_target_config(target),
+            topology=f"1x1x{num_devices}",
+        )
+        return list(topology.devices)[:num_devices]
     # Off a Cloud TPU VM, libtpu would otherwise ask the GCE metadata server which TPU this
     # host is (and wait for it); a compile-only topology is named, not discovered.
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-    from jax.experimental import topologies
-
     topology = topologies.get_topology_desc(
         platform="tpu",
         topology_name=target.topology_name,

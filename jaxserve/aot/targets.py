@@ -12,13 +12,15 @@ Sources (peak figures are dense, without sparsity):
 - H100 / H200: NVIDIA H100 datasheet and H200 product page (nvidia.com/en-us/data-center/h100,
   /h200): BF16 Tensor Core 1,979 TFLOP/s with sparsity (989 dense), 3.35 / 4.8 TB/s; NVIDIA
   Hopper tuning guide (docs.nvidia.com/cuda/hopper-tuning-guide): 132 SMs on H100 SXM5, 228 KB
-  shared memory per SM of which 227 KB for one block, 64K 32-bit registers per SM.
+  shared memory per SM of which 227 KB for one block, 64K 32-bit registers, 2048 threads and
+  128 FP32 units per SM; 50 MB L2.
 - A100: NVIDIA A100 datasheet (nvidia.com/en-us/data-center/a100): BF16 312 TFLOP/s dense,
   2,039 GB/s (80GB SXM); Ampere tuning guide: 108 SMs, 164 KB shared memory per SM (163 KB
-  for one block).
+  for one block), 2048 threads and 64 FP32 units per SM; 40 MB L2.
 - L4: NVIDIA L4 datasheet (nvidia.com/en-us/data-center/l4): BF16 242 TFLOP/s with sparsity
   (121 dense), 24 GB GDDR6, 300 GB/s; Ada tuning guide: 100 KB shared memory per SM (99 KB
-  for one block); 58 SMs (the AD104 configuration of the L4).
+  for one block), 1536 threads and 128 FP32 units per SM; 58 SMs and 48 MB L2 (the AD104
+  configuration of the L4).
 - TPU v5e: cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16, 16 GB HBM2 at 819 GB/s per chip,
   1,600 Gbps ICI per chip; v5litepod-1 / -4 / -8 are one host of 1x1, 2x2, 2x4 chips.
 - TPU v6e: cloud.google.com/tpu/docs/v6e: 918 TFLOP/s bf16, 32 GB HBM at 1,640 GB/s per chip,
@@ -55,8 +57,9 @@ class AcceleratorTarget:
     peak_flops: dense bf16 FLOP/s of one chip.
     topology_name, chips_per_host_bounds: the TPU topology (jax.experimental.topologies)
         of the target's one host; None on GPU.
-    compute_capability, num_sms, shared_memory_per_block, registers_per_sm, clock_mhz: the
-        GPU's (CUDA); None on TPU.
+    compute_capability, num_sms, shared_memory_per_block (the opt-in maximum of one block),
+        shared_memory_per_sm, registers_per_sm, threads_per_sm, fp32_units_per_sm,
+        l2_cache_bytes, clock_mhz: the GPU's (CUDA; gpu_target_config.py); None on TPU.
     source: where the figures come from (the module docstring has the details).
     """
 
@@ -73,15 +76,46 @@ class AcceleratorTarget:
     compute_capability: str | None = None
     num_sms: int | None = None
     shared_memory_per_block: int | None = None
+    shared_memory_per_sm: int | None = None
     registers_per_sm: int | None = None
+    threads_per_sm: int | None = None
+    fp32_units_per_sm: int | None = None
+    l2_cache_bytes: int | None = None
     clock_mhz: int | None = None
 
     def as_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
 
 
-def _gpu(name: str, kind: str, memory: int, bandwidth: float, flops: float, cc: str,
-         sms: int, smem_kb: int, clock: int, source: str) -> AcceleratorTarget:  # fmt: skip
+@dataclasses.dataclass(frozen=True)
+class _SM:
+    """One streaming multiprocessor of a GPU generation (the tuning guides')."""
+
+    smem_kb: int  # shared memory per SM
+    smem_block_kb: int  # of which one block may opt in to
+    threads: int
+    fp32_units: int
+
+
+_HOPPER_SM = _SM(228, 227, 2048, 128)
+_A100_SM = _SM(164, 163, 2048, 64)
+_ADA_SM = _SM(100, 99, 1536, 128)
+
+
+def _gpu(
+    name: str,
+    kind: str,
+    memory: int,
+    bandwidth: float,
+    flops: float,
+    cc: str,
+    sms: int,
+    sm: _SM,
+    l2_mb: int,
+    clock: int,
+    source: str,
+) -> AcceleratorTarget:
+    """A GPU target from its datasheet figures."""
     return AcceleratorTarget(
         name=name,
         platform="gpu",
@@ -93,8 +127,12 @@ def _gpu(name: str, kind: str, memory: int, bandwidth: float, flops: float, cc: 
         source=source,
         compute_capability=cc,
         num_sms=sms,
-        shared_memory_per_block=smem_kb * 1024,
+        shared_memory_per_block=sm.smem_block_kb * 1024,
+        shared_memory_per_sm=sm.smem_kb * 1024,
         registers_per_sm=65536,
+        threads_per_sm=sm.threads,
+        fp32_units_per_sm=sm.fp32_units,
+        l2_cache_bytes=l2_mb << 20,
         clock_mhz=clock,
     )
 
@@ -123,6 +161,8 @@ _V6E = "cloud.google.com/tpu/docs/v6e"
 TARGETS: dict[str, AcceleratorTarget] = {
     t.name: t
     for t in (
+        # name, device kind, memory, bandwidth, dense bf16, compute capability, SMs, SM,
+        # L2 MiB, clock MHz, source
         _gpu(
             "h100",
             "NVIDIA H100 80GB HBM3",
@@ -131,10 +171,11 @@ TARGETS: dict[str, AcceleratorTarget] = {
             989 * TERA,
             "9.0",
             132,
-            227,
+            _HOPPER_SM,
+            50,
             1980,
             _NV + "h100",
-        ),  # fmt: skip
+        ),
         _gpu(
             "h200",
             "NVIDIA H200",
@@ -143,10 +184,11 @@ TARGETS: dict[str, AcceleratorTarget] = {
             989 * TERA,
             "9.0",
             132,
-            227,
+            _HOPPER_SM,
+            50,
             1980,
             _NV + "h200",
-        ),  # fmt: skip
+        ),
         _gpu(
             "a100-80g",
             "NVIDIA A100-SXM4-80GB",
@@ -155,11 +197,14 @@ TARGETS: dict[str, AcceleratorTarget] = {
             312 * TERA,
             "8.0",
             108,
-            163,
+            _A100_SM,
+            40,
             1410,
             _NV + "a100",
-        ),  # fmt: skip
-        _gpu("l4", "NVIDIA L4", 24 * GIB, 300e9, 121 * TERA, "8.9", 58, 99, 2040, _NV + "l4"),
+        ),
+        _gpu(
+            "l4", "NVIDIA L4", 24 * GIB, 300e9, 121 * TERA, "8.9", 58, _ADA_SM, 48, 2040, _NV + "l4"
+        ),
         *(_tpu("v5e", "TPU v5 lite", n, 16 * GIB, 819e9, 197 * TERA, _V5E) for n in (1, 4, 8)),
         *(_tpu("v6e", "TPU v6 lite", n, 32 * GIB, 1640e9, 918 * TERA, _V6E) for n in (1, 4, 8)),
     )
@@ -182,9 +227,12 @@ def chip_facts(target: AcceleratorTarget) -> dict[str, object]:
     """The execution plan's facts of the target's chip (ops.device_facts' keys): what the plan
     would read from the attached device there."""
     from jaxserve.pallas_kernels.ragged_paged_attention import gpu_generation
+    from jaxserve.pallas_kernels.ragged_paged_attention.ops import cuda_runtime_version
 
     facts: dict[str, object] = dict(platform=target.platform, device_kind=target.device_kind)
     if target.platform == "gpu":
         facts["gpu_generation"] = gpu_generation(target.compute_capability)
         facts["num_cores"] = target.num_sms
+        # ptxas is the installed CUDA's, wherever the GPU is: its known bugs apply
+        facts["cuda_runtime_version"] = cuda_runtime_version()
     return facts

@@ -121,10 +121,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _compile_only_process() -> None:
     """Nothing runs on a device here: when jax is not loaded yet, keep it to the CPU (so a
-    machine with a GPU or TPU attached is not claimed) and libtpu from querying the GCE
-    metadata server for the host's own TPU."""
+    machine with a GPU or TPU attached is not claimed) and the CUDA plugin from looking for a
+    GPU; keep libtpu from querying the GCE metadata server for the host's own TPU."""
     if "jax" not in sys.modules:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")
+        os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 
 

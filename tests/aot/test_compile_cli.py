@@ -37,18 +37,23 @@ def test_more_devices_than_the_target_has_exits_2(tmp_path, capsys) -> None:
     assert rc == 2 and "between 1 and the 4 chips of v5e-4, got 8" in err
 
 
-def test_a_gpu_target_without_its_compiler_says_what_to_install(tmp_path, capsys) -> None:
+def _without(monkeypatch, module: str) -> None:
+    """As if ``module`` were not installed (devices.compiler_missing looks it up)."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        devices.importlib.util, "find_spec", lambda n, *a: None if n == module else real(n, *a)
+    )
+
+
+def test_a_gpu_target_without_its_compiler_says_what_to_install(tmp_path, capsys, monkeypatch):
+    _without(monkeypatch, "jax_cuda12_plugin")
     rc, err = _compile(capsys, "--model", write_tiny_llama(tmp_path), "--target", "h100")
-    assert rc == 2 and "h100" in err
-    if importlib.util.find_spec("jax_cuda12_plugin") is None:
-        assert 'pip install "jaxserve[cuda12]"' in err
+    assert rc == 2 and "compiling for h100 needs the CUDA compiler" in err
+    assert 'pip install "jaxserve[cuda12]"' in err and "jax[cuda12]==" in err
 
 
 def test_a_tpu_target_without_libtpu_says_what_to_install(tmp_path, capsys, monkeypatch) -> None:
-    real = importlib.util.find_spec
-    monkeypatch.setattr(
-        devices.importlib.util, "find_spec", lambda n, *a: None if n == "libtpu" else real(n, *a)
-    )
+    _without(monkeypatch, "libtpu")
     assert "libtpu" in devices.compiler_missing(get_target("v6e-1"))
     rc, err = _compile(capsys, "--model", write_tiny_llama(tmp_path), "--target", "v6e-1")
     assert rc == 2

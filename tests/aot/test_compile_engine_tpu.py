@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from aot_compilers import require_compiler
 from tiny_config import write_tiny_llama
-from tpu_compile import require_tpu_compiler
 
 from jaxserve.cli import main
 
@@ -23,7 +23,7 @@ def _no_mds_query(monkeypatch) -> None:
 
 
 def _compile(tmp_path, capsys, target: str, *flags: str) -> tuple[int, dict | None, str]:
-    require_tpu_compiler(target)
+    require_compiler(target)
     model = write_tiny_llama(tmp_path / "model")
     out = tmp_path / "report.json"
     rc = main(

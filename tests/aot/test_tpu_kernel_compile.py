@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from aot_compilers import compile_only_devices, require_compiler
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from tpu_compile import require_tpu_compiler, tpu_devices
 
 from jaxserve.pallas_kernels.ragged_paged_attention import ragged_paged_attention_tpu
 
@@ -50,8 +50,8 @@ def _specs(mesh, num_tokens, n, k, h, page_size, dtype, kv_dtype=None, width=256
 
 
 def _compile(target_name, shapes, options, width=256):
-    require_tpu_compiler(target_name)
-    mesh = Mesh(np.array(tpu_devices(target_name, 1)), ("x",))
+    require_compiler(target_name)
+    mesh = Mesh(np.array(compile_only_devices(target_name, 1)), ("x",))
     fn = jax.jit(functools.partial(ragged_paged_attention_tpu, sm_scale=0.1, **options))
     # Mosaic's lowering reads the chip from the abstract mesh (the default device is the CPU).
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):

@@ -1,0 +1,79 @@
+"""The GPU attention kernels and a tiny engine compiled by the real XLA:GPU, Mosaic GPU and
+Triton compilers for GPUs that are not here (jax's CUDA plugin, deviceless, from each
+target's GpuTargetConfig): Mosaic GPU and Triton for an H100 (sm_90), Triton for an A100
+(sm_80). Skipped without the CUDA compiler (``pip install "jaxserve[cuda12]"``, ~5 GB)."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from aot_compilers import compile_only_devices, require_compiler
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from tiny_config import write_tiny_llama
+
+from jaxserve.aot.gpu_target_config import gpu_target_config
+from jaxserve.aot.targets import get_target
+from jaxserve.cli import main
+from jaxserve.pallas_kernels.ragged_paged_attention import ragged_paged_attention_gpu
+from jaxserve.pallas_kernels.ragged_paged_attention.kernels import mosaic_gpu_kernel
+
+# (T, N, K, H, P, dtype): Llama-3-8B-like decode and a 2048-token prefill chunk
+SHAPES = {
+    "decode": (64, 32, 8, 128, 16, jnp.bfloat16),
+    "prefill-2048": (2048, 32, 8, 128, 16, jnp.bfloat16),
+}
+
+
+def test_the_target_config_carries_the_table() -> None:
+    text = gpu_target_config(get_target("h100"))
+    assert "core_count: 132\n" in text and "major: 9\n    minor: 0" in text
+    assert 'device_description_str: "NVIDIA H100 80GB HBM3"' in text
+    with pytest.raises(ValueError, match="needs a GPU target"):
+        gpu_target_config(get_target("v6e-1"))
+
+
+def _specs(mesh, num_tokens, n, k, h, page_size, dtype):
+    rows, width, num_pages = 64, 256, 4096
+    sharding = NamedSharding(mesh, PartitionSpec())
+    spec = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)  # noqa: E731
+    pages = spec((k, num_pages, page_size, h), dtype)
+    i32 = functools.partial(spec, dt=jnp.int32)
+    q = spec((num_tokens, n, h), dtype)
+    return (q, pages, pages, i32((rows,)), i32((rows, width)), i32((rows + 1,)), i32((1,)))
+
+
+@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
+@pytest.mark.parametrize(
+    ("target_name", "kernel"), [("h100", "mosaic_gpu"), ("h100", "triton"), ("a100-80g", "triton")]
+)
+def test_gpu_kernels_compile_for_their_targets(target_name, kernel, shape) -> None:
+    require_compiler(target_name)
+    entry = mosaic_gpu_kernel() if kernel == "mosaic_gpu" else ragged_paged_attention_gpu
+    if entry is None:
+        pytest.skip("this jax has no Pallas Mosaic GPU backend")
+    mesh = Mesh(np.array(compile_only_devices(target_name, 1)), ("x",))
+    fn = jax.jit(functools.partial(entry, sm_scale=0.1))
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        lowered = fn.lower(*_specs(mesh, *SHAPES[shape]))
+    compiled = lowered.compile()
+    assert compiled.out_info.shape == (SHAPES[shape][0], 32, 128)
+
+
+@pytest.mark.parametrize("target_name", ["h100", "a100-80g"])
+def test_a_tiny_engine_compiles_for_a_gpu(tmp_path, capsys, target_name) -> None:
+    require_compiler(target_name)
+    out = tmp_path / "report.json"
+    engine = ["--max-num-seqs", "8", "--max-num-batched-tokens", "8", "--max-model-len", "256"]
+    rc = main(["compile", "--model", write_tiny_llama(tmp_path / "m"), "--target", target_name,
+               *engine, "--token-buckets", "8", "--json", str(out)])  # fmt: skip
+    assert rc == 0, capsys.readouterr()
+    report = json.loads(out.read_text())
+    assert report["plan"]["platform"] == "gpu" and report["plan"]["dtype"] == "bfloat16"
+    assert report["plan"]["attention"] in ("pallas_mosaic_gpu", "pallas_triton")
+    assert all(b["ok"] for b in report["buckets"]) and report["totals"]["kv_aliased"]
+    assert report["predicted"]["decode"]["tokens_per_s"] > 0
