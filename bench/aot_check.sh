@@ -6,7 +6,8 @@
 # Each run: compile status of every compilation, compile seconds, the compiled memory per
 # device against the memory plan and the chip, whether the donated KV pages alias, and the
 # roofline's predicted decode and prefill tok/s. Needs the TPU compiler: pip install
-# "jaxserve[tpu]" (libtpu). Engine settings: the defaults (max_num_seqs 256,
+# "jaxserve[tpu]" (libtpu); GPU targets (AOT_TARGETS="h200:1 a100-80g:1") need the CUDA one:
+# pip install "jaxserve[cuda12]" (~5 GB). Engine settings: the defaults (max_num_seqs 256,
 # max_num_batched_tokens 2048) with max_model_len 8192 (Llama-3.1's 131072 needs 16 GiB of KV
 # for one sequence: more than a v6e-1 has beside the weights).
 #
