@@ -19,7 +19,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 
-from jaxserve.aot.devices import compile_devices
+from jaxserve.aot.devices import compile_devices, planning_memory_bytes
 from jaxserve.aot.targets import AcceleratorTarget, chip_facts
 from jaxserve.checkpoints_tools import LoadedCheckpoint, TokenizerInfo
 from jaxserve.checkpoints_tools.hub import CONFIG_FILES
@@ -60,7 +60,7 @@ def target_machine(target: AcceleratorTarget, tensor_parallel_size: int) -> Mach
     return Machine(
         mesh=make_mesh(tensor_parallel_size, devices),
         chip=chip_facts(target),
-        memory_bytes=target.memory_bytes,
+        memory_bytes=planning_memory_bytes(target),
         attached=False,
     )
 

@@ -57,6 +57,22 @@ def compiler_missing(target: AcceleratorTarget) -> str | None:
     return None
 
 
+# jax's GPU allocator takes this share of a GPU's memory unless XLA_PYTHON_CLIENT_MEM_FRACTION
+# says otherwise; the engine plans with that limit (kv_cache.device_memory_bytes: bytes_limit).
+JAX_GPU_MEMORY_FRACTION = 0.75
+
+
+def planning_memory_bytes(target: AcceleratorTarget) -> int:
+    """The memory of one device the engine would plan with there: on a GPU the allocator's
+    limit (jax's default share of it, or XLA_PYTHON_CLIENT_MEM_FRACTION as set here, as it
+    would be set there); on a TPU the chip's HBM (its runtime keeps a little more back, which
+    no spec gives)."""
+    if target.platform != "gpu":
+        return target.memory_bytes
+    fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", JAX_GPU_MEMORY_FRACTION))
+    return int(target.memory_bytes * fraction)
+
+
 def compile_devices(target: AcceleratorTarget, num_devices: int) -> list:
     """The first ``num_devices`` compile-only devices of ``target``.
 

@@ -4,7 +4,8 @@ the target, predicted throughput; as a JSON-ready dict and as a table.
 Memory, per device (memory_analysis of each compiled step): a step's live bytes are its
 arguments (weights, KV pages, the batch) + outputs - the bytes aliased (the donated KV pages
 come back in place) + temporaries. The largest over the steps is set against the memory
-plan's weights + KV pool + workspace reserve (+ KV scales) and against the target's memory.
+plan's weights + KV pool + workspace reserve (+ KV scales) and against the device memory the
+plan was made with (a TPU's HBM; a GPU's allocator limit: devices.planning_memory_bytes).
 The KV pages alias when every step's aliased bytes cover the pool (donation works).
 """
 
@@ -63,7 +64,7 @@ class CompileReport:
     @property
     def fits(self) -> bool:
         peak = self.compiled_peak_bytes
-        return peak is not None and peak <= self.target.memory_bytes
+        return peak is not None and peak <= self.memory.device_memory_bytes
 
     @property
     def ok(self) -> bool:
@@ -101,7 +102,8 @@ class CompileReport:
             "planned_bytes": planned,
             "planned_workspace_bytes": self.memory.workspace_bytes,
             "compiled_over_planned": None if peak is None else peak / planned,
-            "target_memory_bytes": self.target.memory_bytes,
+            "device_memory_bytes": self.memory.device_memory_bytes,
+            "chip_memory_bytes": self.target.memory_bytes,
             "fits": self.fits,
             "kv_aliased": self.kv_aliased,
             "ok": self.ok,

@@ -69,7 +69,8 @@ def _total_lines(totals: dict[str, Any]) -> list[str]:
         + ("" if ratio is None else f" (compiled / planned {ratio:.3f})")
         + f"; largest temporaries {_size(totals['max_temp_bytes'])} vs workspace reserve "
         f"{_size(totals['planned_workspace_bytes'])}",
-        f"target memory per device {_size(totals['target_memory_bytes'])}",
+        f"device memory planned with {_size(totals['device_memory_bytes'])} (chip "
+        f"{_size(totals['chip_memory_bytes'])})",
         f"fits: {totals['fits']}; KV pages aliased (donated) in every compilation: "
         f"{totals['kv_aliased']}; verdict: {verdict}",
     ]

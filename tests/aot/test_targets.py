@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from jaxserve.aot.devices import planning_memory_bytes
 from jaxserve.aot.targets import GIB, TARGETS, chip_facts, get_target
 from jaxserve.config import EngineConfig
 from jaxserve.models import ModelArchConfig
@@ -111,3 +112,11 @@ def test_the_plan_of_a_target_comes_from_its_facts(name, attention, generation) 
 def test_fp8_kv_on_hopper_takes_triton() -> None:
     plan = _plan("h100", kv_cache_dtype="fp8")
     assert plan.attention.name == "pallas_triton" and plan.kv_cache_dtype == "float8_e4m3fn"
+
+
+def test_a_gpu_plans_with_the_allocators_share_a_tpu_with_its_hbm(monkeypatch) -> None:
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    assert planning_memory_bytes(get_target("h100")) == int(80 * GIB * 0.75)
+    assert planning_memory_bytes(get_target("v6e-1")) == 32 * GIB
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+    assert planning_memory_bytes(get_target("a100-80g")) == int(80 * GIB * 0.9)
