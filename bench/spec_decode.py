@@ -17,7 +17,9 @@ others gained). One engine per method serves every B (max_num_seqs = the largest
     draft-small  a one-layer draft (random weights, so it rarely agrees with the target)
 
 Also the cost of a verification step: the oracle's steps of 1 + k tokens against the plain
-engine's one-token decode steps at batch 1 (device time, from the step tracer).
+engine's one-token decode steps at batch 1 (device time, from the step tracer), and the
+proposer's host time as a share of each run's wall time ("propose%", get_stats()'s
+spec_decode_proposer_seconds; the oracle's is a dict lookup).
 
 Workloads: "repetitive" (prompts made of a span repeated, the case prompt lookup is for) and
 "sharegpt" (bench/_datasets.py's lognormal lengths). A random-weight checkpoint never quotes its
@@ -95,8 +97,9 @@ def _run(llm: LLM, prompts, params, concurrency: int) -> tuple[float, list[list[
     after = llm.get_stats()
     delta = {
         key: after.get(key, 0) - before.get(key, 0)
-        for key in ("num_steps", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
-    }
+        for key in ("num_steps", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+                    "spec_decode_proposer_seconds")
+    }  # fmt: skip
     return seconds, [tokens[i] for i in range(len(prompts))], delta
 
 
@@ -118,6 +121,7 @@ def _measure(plain, name, llm, workloads, batch, params) -> list[dict]:
             workload=workload, batch=batch, engine=name, output_tok_s=tok_s,
             ratio=base_s / seconds, steps=delta["num_steps"], draft_tokens=drafts,
             acceptance=delta["spec_decode_num_accepted_tokens"] / drafts if drafts else None,
+            proposer_share=delta["spec_decode_proposer_seconds"] / seconds,
         ))  # fmt: skip
         _print_row(rows[-1])
     return rows
@@ -126,7 +130,8 @@ def _measure(plain, name, llm, workloads, batch, params) -> list[dict]:
 def _print_row(r: dict) -> None:
     acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
     head = f"{r['workload']:<11}{r['batch']:>6} {r['engine']:<13}{r['output_tok_s']:>9.1f}"
-    print(f"{head}{r['ratio']:>9.2f}{r['steps']:>7}{r['draft_tokens']:>8}{acc:>8}", flush=True)
+    tail = f"{r['steps']:>7}{r['draft_tokens']:>8}{acc:>8}{100 * r['proposer_share']:>9.1f}"
+    print(f"{head}{r['ratio']:>9.2f}{tail}", flush=True)
 
 
 def _verification_cost(folder, engine_kw, vocab, max_len) -> dict:
@@ -183,7 +188,7 @@ def main(argv: list[str] | None = None) -> dict:
     }  # fmt: skip
     vocab = preset.model["vocab_size"]
     print(f"{'workload':<11}{'batch':>6} {'engine':<13}{'tok/s':>9}{'x plain':>9}"
-          f"{'steps':>7}{'drafts':>8}{'accept':>8}", flush=True)  # fmt: skip
+          f"{'steps':>7}{'drafts':>8}{'accept':>8}{'propose%':>9}", flush=True)  # fmt: skip
     plain, rows = LLM(str(folder), **engine_kw), []
     if args.methods:
         specs = {name: specs[name] for name in args.methods.split(",")}
