@@ -19,7 +19,8 @@ others gained). One engine per method serves every B (max_num_seqs = the largest
 Also the cost of a verification step: the oracle's steps of 1 + k tokens against the plain
 engine's one-token decode steps at batch 1 (device time, from the step tracer), and the
 proposer's host time as a share of each run's wall time ("propose%", get_stats()'s
-spec_decode_proposer_seconds; the oracle's is a dict lookup).
+spec_decode_proposer_seconds; the oracle's is a dict lookup). Last, a draft model's acceptance
+on random requests: sampled drafts (unseeded) against greedy ones (seeded).
 
 Workloads: "repetitive" (prompts made of a span repeated, the case prompt lookup is for) and
 "sharegpt" (bench/_datasets.py's lognormal lengths). A random-weight checkpoint never quotes its
@@ -158,6 +159,29 @@ def _verification_cost(folder, engine_kw, vocab, max_len) -> dict:
             "ratio": times["spec"] / times["plain"]}  # fmt: skip
 
 
+def _sampled_drafts(drafts: dict[str, str], folder, engine_kw, vocab, max_len) -> dict:
+    """Acceptance of a draft model's drafts for random requests (temperature 1): unseeded
+    ones get sampled drafts (the general-q rule), seeded ones greedy drafts (one-hot: accepted
+    with probability p(argmax)); 16 ShareGPT-like requests each, 32 tokens."""
+    prompts = _prompts("sharegpt", 16, vocab, max_len, seed=7)
+    out = {}
+    print(f"\n{'draft (temperature 1)':<24}{'sampled drafts':>16}{'greedy drafts':>15}")
+    for name, model in drafts.items():
+        spec = {"method": "draft_model", "model": model, "num_speculative_tokens": K,
+                "policy": "always"}  # fmt: skip
+        llm = LLM(str(folder), speculative_config=spec, **engine_kw)
+        row = {}
+        for mode, seed in (("sampled", None), ("greedy", 1)):
+            params = SamplingParams(temperature=1.0, seed=seed, max_tokens=32, ignore_eos=True)
+            _, _, delta = _run(llm, prompts, params, 16)
+            drafts_n = delta["spec_decode_num_draft_tokens"]
+            row[mode] = delta["spec_decode_num_accepted_tokens"] / drafts_n if drafts_n else None
+        del llm
+        out[name] = row
+        print(f"{name:<24}{row['sampled']:>16.2f}{row['greedy']:>15.2f}", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="default")
@@ -202,9 +226,10 @@ def main(argv: list[str] | None = None) -> dict:
         del llm
     del plain
     cost = _verification_cost(folder, engine_kw, vocab, max_len)
+    sampled = _sampled_drafts({"draft=target": str(folder), "draft-small": str(draft_folder)},
+                              folder, engine_kw, vocab, max_len)  # fmt: skip
     report = {"preset": args.preset, "k": K, "max_tokens": max_tokens, "rows": rows,
-              "verification_cost": cost}  # fmt: skip
-    cost = report["verification_cost"]
+              "verification_cost": cost, "sampled_drafts": sampled}  # fmt: skip
     print(
         f"\nbatch 1: a verification step of {1 + K} tokens takes {cost['ratio']:.2f}x a "
         f"one-token decode step ({cost['spec_ms']:.2f} vs {cost['plain_ms']:.2f} ms, device)"

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jaxserve.runner.draw import inverse_cdf_draw
 
@@ -64,6 +65,25 @@ class SampledDrafts:
     q_ids: jax.Array  # i32[R, Q]
     q_probs: jax.Array  # f32[R, Q], summing to 1 on the rows that use them
     use_q: jax.Array  # bool[R]
+
+
+def draw_top_q(
+    logits: jax.Array, inv_t: jax.Array, uniform: jax.Array, num_q: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A draft model's sampled drafts: per row, a draw from q = softmax(logits * inv_t) over
+    the row's ``num_q`` most likely tokens, returned with q exactly as drawn from.
+
+    Args: logits f32[R, V]; inv_t f32[R] (> 0); uniform f32[R] in [0, 1).
+    Returns: (draft i32[R], q_ids i32[R, Q], q_probs f32[R, Q]).
+    """
+    vals, q_ids = lax.top_k(logits.astype(jnp.float32), num_q)
+    q_probs = jax.nn.softmax(vals * inv_t[:, None], axis=-1)
+    cum = jnp.cumsum(q_probs, axis=-1)
+    index = jnp.sum(cum <= (uniform * cum[:, -1])[:, None], axis=-1)
+    index = jnp.minimum(index, num_q - 1)  # rounding at the top end
+    draft = jnp.take_along_axis(q_ids, index[:, None], axis=1)[:, 0]
+    # q_probs is the distribution the draw inverted (its cumulative sum, renormalised).
+    return draft.astype(jnp.int32), q_ids.astype(jnp.int32), q_probs / cum[:, -1:]
 
 
 def verify_sampled(
