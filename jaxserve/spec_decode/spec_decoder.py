@@ -10,6 +10,7 @@ token per step, while the others speculate.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from typing import Protocol
 
@@ -17,6 +18,7 @@ from jaxserve.request import Request
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.spec_decode.ngram_proposer import NgramProposer
 from jaxserve.spec_decode.policy import SpecPolicy
+from jaxserve.spec_decode.suffix_proposer import SuffixProposer
 from jaxserve.speculative_config import SpeculativeConfig
 
 
@@ -24,6 +26,22 @@ class Proposer(Protocol):
     def propose(self, requests: Iterable[Request], k: int) -> dict[str, list[int]]:
         """Up to k drafts for each of the given running decodes (none where it has no guess)."""
         ...
+
+
+def host_proposer(config: SpeculativeConfig) -> Proposer:
+    """The proposer of a host-side method ("ngram", "suffix"); a draft model's is the
+    runner's (runner/draft_model.py)."""
+    if config.method == "suffix":
+        return SuffixProposer(
+            config.num_speculative_tokens,
+            config.suffix_decoding_max_tree_depth,
+            config.suffix_decoding_max_cached_requests,
+            config.suffix_decoding_max_spec_factor,
+            config.suffix_decoding_min_token_prob,
+        )
+    return NgramProposer(
+        config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+    )
 
 
 def can_speculate(params: SamplingParams) -> bool:
@@ -50,24 +68,26 @@ class SpecDecoder:
         proposer: Proposer | None = None,
     ) -> None:
         self.config = config
-        self.proposer = proposer or NgramProposer(
-            config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
-        )
+        self.proposer = proposer or host_proposer(config)
         self.policy = SpecPolicy(config)
+        self.proposer_seconds = 0.0  # host time in the proposer, all calls (get_stats)
 
     def propose(self, running: Iterable[Request]) -> dict[str, list[int]]:
         """The next step's drafts by request id (requests without a proposal left out)."""
         running = list(running)
         k = self.policy.num_drafts(len(running))
-        eligible = []
-        if k:
-            eligible = [
-                r
-                for r in running
-                if r.num_computed_tokens == len(r.all_token_ids) - 1
-                and can_speculate(r.sampling_params)
-            ]
-        return self.proposer.propose(eligible, k)
+        if not k:
+            return {}
+        eligible = [
+            r
+            for r in running
+            if r.num_computed_tokens == len(r.all_token_ids) - 1
+            and can_speculate(r.sampling_params)
+        ]
+        start = time.perf_counter()
+        drafts = self.proposer.propose(eligible, k)
+        self.proposer_seconds += time.perf_counter() - start
+        return drafts
 
     def observe_step(self, num_emitted: int, seconds: float) -> None:
         """A step's output tokens and wall time (the policy's measured throughput)."""
