@@ -213,15 +213,13 @@ def resolve_model(config: EngineConfig, machine: Machine | None = None) -> Resol
     and every weight is then loaded once, in the plan's dtype, into its own sharding.
 
     Args:
-        machine: what to plan for (machine.py); None: the first tensor_parallel_size devices
-            of this process.
+        machine: what to plan for (machine.py); None: this process's first devices.
 
     Raises:
         as build_runner, but nothing about the weights themselves.
     """
     if machine is None:
         machine = Machine.of_mesh(make_mesh(config.runner.tensor_parallel_size))
-    mesh = machine.mesh
     model_config = config.model
     config_source = resolve_model_source(
         model_config.model, files=CONFIG_FILES, **_hub_arguments(config)
@@ -257,7 +255,7 @@ def resolve_model(config: EngineConfig, machine: Machine | None = None) -> Resol
         config=resolved,
         plan=plan,
         memory=memory,
-        sharding=plan_sharding(get_model(arch, quantization=quantization), mesh),
+        sharding=plan_sharding(get_model(arch, quantization=quantization), machine.mesh),
         num_host_blocks=host_kv_blocks(config.cache.kv_offloading_size, block_bytes),
         draft_arch=draft_arch,
     )
@@ -332,12 +330,8 @@ def _load_weights(resolved: ResolvedModel) -> LoadedCheckpoint:
 def make_runner(
     resolved: ResolvedModel, ckpt: LoadedCheckpoint, kv_allocator: KVAllocator = allocate_kv_caches
 ) -> tuple[ModelRunner, HostTier | None]:
-    """The ModelRunner of a loaded checkpoint, with its host KV tier when it has one.
-
-    Args:
-        kv_allocator: makes the KV pages (ModelRunner's; jaxserve/aot passes
-            kv_cache.abstract_kv_caches, with abstract params, to compile for another chip).
-    """
+    """The ModelRunner of a loaded checkpoint, with its host KV tier when it has one; its KV
+    pages made by ``kv_allocator`` (jaxserve/aot: abstract ones, with abstract params)."""
     config, plan = resolved.config, resolved.plan
     model = get_model(
         ckpt.arch,
