@@ -69,6 +69,8 @@ def test_tpu_kernel_compiles_with_mosaic(target_name, shapes, options) -> None:
 
 
 def test_a_tile_beyond_scoped_vmem_fails_at_compile_time() -> None:
-    shapes = (2048, 32, 8, 128, 16, jnp.bfloat16)
+    # double-buffered K and V tiles of 16 pages of 16 x 128 bf16: 512 KiB, over a 256 KiB limit
+    shapes = (16, 8, 8, 128, 16, jnp.bfloat16)
+    options = dict(pages_per_tile=16, vmem_limit_bytes=256 * 1024)
     with pytest.raises(Exception, match="CompileTimeScopedVmemOom"):
-        _compile("v5e-1", shapes, dict(pages_per_tile=1024), width=1024)
+        _compile("v5e-1", shapes, options)
