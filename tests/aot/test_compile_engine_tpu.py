@@ -1,5 +1,6 @@
-"""`jaxserve compile` of a tiny dense engine with the real TPU compiler (libtpu, deviceless):
-for v6e-1, and for v5e-4 with tensor parallelism 4 (the Mosaic kernel inside shard_map).
+"""`jaxserve compile` of tiny engines with the real TPU compiler (libtpu, deviceless): a dense
+one for v6e-1 and for v5e-4 with tensor parallelism 4 (the Mosaic kernel inside shard_map), a
+mixture of experts with a sliding window and an FP8 KV cache for v6e-1.
 Every compilation warm-up would run there compiles, the donated KV pages alias, the memory
 fits, and the report carries the plan, the memory and a roofline. One token bucket each, to
 stay fast. Skipped without libtpu (``pip install "jaxserve[tpu]"``)."""
@@ -10,7 +11,7 @@ import json
 
 import pytest
 from aot_compilers import require_compiler
-from tiny_config import write_tiny_llama
+from tiny_config import TINY_MIXTRAL, write_tiny_llama
 
 from jaxserve.cli import main
 
@@ -22,9 +23,11 @@ def _no_mds_query(monkeypatch) -> None:
     monkeypatch.setenv("TPU_SKIP_MDS_QUERY", "1")
 
 
-def _compile(tmp_path, capsys, target: str, *flags: str) -> tuple[int, dict | None, str]:
+def _compile(
+    tmp_path, capsys, target: str, *flags: str, config: dict | None = None
+) -> tuple[int, dict | None, str]:
     require_compiler(target)
-    model = write_tiny_llama(tmp_path / "model")
+    model = write_tiny_llama(tmp_path / "model", config)
     out = tmp_path / "report.json"
     rc = main(
         ["compile", "--model", model, "--target", target, *ENGINE, *flags, "--json", str(out)]
@@ -70,6 +73,17 @@ def test_a_tiny_engine_compiles_for_v5e_4_with_tensor_parallelism(tmp_path, caps
     assert rc == 0, output
     _check_compiled(report, tp=4)
     assert report["memory_plan"]["kv_cache_sharded"]  # 4 KV heads over 4 chips
+
+
+def test_a_tiny_moe_with_a_sliding_window_and_fp8_kv_compiles_for_v6e_1(tmp_path, capsys):
+    rc, report, output = _compile(
+        tmp_path, capsys, "v6e-1", "--kv-cache-dtype", "fp8", "--token-buckets", "8",
+        config=TINY_MIXTRAL,
+    )  # fmt: skip
+    assert rc == 0, output
+    _check_compiled(report, tp=1)
+    assert report["plan"]["kv_cache_dtype"] == "float8_e4m3fn"
+    assert report["memory_plan"]["architecture"] == "MixtralForCausalLM"
 
 
 def test_a_token_bucket_the_engine_lacks_exits_2(tmp_path, capsys) -> None:

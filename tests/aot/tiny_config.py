@@ -25,8 +25,20 @@ TINY_LLAMA = {
 }
 
 
-def write_tiny_llama(folder: pathlib.Path) -> str:
-    """``folder`` with the tiny config.json; its path as a string (the --model value)."""
+# A tiny Mixtral: 4 experts, 2 per token, a sliding window of 128 tokens.
+TINY_MIXTRAL = {
+    **TINY_LLAMA,
+    "architectures": ["MixtralForCausalLM"],
+    "model_type": "mixtral",
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "sliding_window": 128,
+}
+
+
+def write_tiny_llama(folder: pathlib.Path, config: dict | None = None) -> str:
+    """``folder`` with the tiny config.json (``config``, default TINY_LLAMA); its path as a
+    string (the --model value)."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(TINY_LLAMA))
+    (folder / "config.json").write_text(json.dumps(config or TINY_LLAMA))
     return str(folder)
