@@ -272,7 +272,8 @@ class ModelRunner:
         # pos .. pos + k, each with its own key (rejection_sampler.py).
         row_slots, row_offsets = logits_row_owners(batch.slots, batch.num_drafts)
         output_pos = ib.num_tokens[row_slots] - ib.num_prompt_tokens[row_slots] + row_offsets
-        sampling_md = self.sampling.build(row_slots, padded_rows, output_pos)
+        step_masks = {ib.slot_of[rid]: row for rid, row in so.token_masks.items()}
+        sampling_md = self.sampling.build(row_slots, padded_rows, output_pos, step_masks)
         targets = self._prompt_logprobs.targets(batch, ib)
         if trace is not None:
             trace.record_batch(batch, sampling_md.temperature, time.perf_counter() - start)

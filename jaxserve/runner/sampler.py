@@ -3,6 +3,8 @@
 Order of processing (vLLM V1):
     penalties (repetition over prompt + outputs, presence / frequency over outputs)
     -> banned tokens (min_tokens: EOS and stop ids) set to -inf
+    -> logit_bias added, then tokens outside the row's bitmask (allowed_token_ids, grammars,
+       bad words) set to -inf (token_constraints.py)
     -> greedy rows: argmax
     -> temperature -> min-p -> top-k -> top-p (on the distribution renormalised after the
        previous masks) -> inverse-CDF draw of one uniform from the row's key
@@ -40,6 +42,7 @@ from jax import lax
 from jaxserve.outputs import TokenLogprobs
 from jaxserve.runner.draw import draw_tokens
 from jaxserve.runner.sampling_metadata import SamplingMetadata
+from jaxserve.runner.token_constraints import apply_token_constraints
 from jaxserve.sampling_params import MAX_LOGPROBS
 
 DEFAULT_FAST_TOP_K = 64
@@ -106,6 +109,7 @@ def sample(
     _check_metadata(logits, md)
     raw = logits.astype(jnp.float32)
     x = _apply_bans(apply_penalties(raw, md), md.banned_token_ids)
+    x = apply_token_constraints(x, md.token_bitmask, md.bias_token_ids, md.bias_values)
     greedy = md.temperature <= 0.0
 
     def some_sampled() -> jax.Array:
@@ -331,6 +335,9 @@ _FIELD_SPECS = {  # field -> (shape: R rows, 2 seed words, W / B list widths; dt
     "penalty_token_ids": (("R", "W"), jnp.int32),
     "penalty_output_counts": (("R", "W"), jnp.int32),
     "banned_token_ids": (("R", "B"), jnp.int32),
+    "token_bitmask": (("R", "M"), jnp.uint32),
+    "bias_token_ids": (("R", "NB"), jnp.int32),
+    "bias_values": (("R", "NB"), jnp.float32),
 }
 
 
@@ -339,9 +346,14 @@ def _check_metadata(logits: jax.Array, md: SamplingMetadata) -> None:
     if logits.ndim != 2:
         raise ValueError(f"sample: logits must be [R, V], got shape {tuple(logits.shape)}")
     sizes: dict[str | int, int] = {"R": logits.shape[0], 2: 2}
-    for name in ("penalty_token_ids", "banned_token_ids"):
+    for name, dim in (
+        ("penalty_token_ids", "W"),
+        ("banned_token_ids", "B"),
+        ("token_bitmask", "M"),
+        ("bias_token_ids", "NB"),
+    ):
         shape = np.shape(getattr(md, name))
-        sizes["W" if name == "penalty_token_ids" else "B"] = shape[1] if len(shape) == 2 else -1
+        sizes[dim] = shape[1] if len(shape) == 2 else -1
     for name, (dims, dtype) in _FIELD_SPECS.items():
         value = getattr(md, name)
         want = tuple(sizes[d] for d in dims)

@@ -16,13 +16,15 @@ request compiles mid-run.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import jax
 import numpy as np
 
 from jaxserve.runner.penalty_lists import PenaltyLists
+from jaxserve.runner.token_constraints import ALL_ALLOWED, ConstraintRows, bitmask_words
+from jaxserve.sampling_constraints import MAX_LOGIT_BIAS_TOKENS
 from jaxserve.sampling_params import MAX_BANNED_STOP_TOKEN_IDS, SamplingParams
 
 # vLLM's _SAMPLING_EPS: a temperature below it is greedy (dividing by it would overflow f32).
@@ -57,6 +59,12 @@ class SamplingMetadata:
     penalty_output_counts: jax.Array  # i32[R, W] occurrences among outputs (0: prompt only, pad)
     # Token ids that must not be sampled (EOS and stop ids while output_pos < min_tokens); -1 pads.
     banned_token_ids: jax.Array  # i32[R, B]
+    # Token constraints (token_constraints.py), widths 0 or full with the lists above:
+    # allowed tokens (allowed_token_ids, grammars, bad words), all ones when unconstrained;
+    token_bitmask: jax.Array  # u32[R, M] M = ceil(V / 32); bit t % 32 of word t // 32
+    # logit_bias: ids (-1 pads) and the values added to their logits.
+    bias_token_ids: jax.Array  # i32[R, NB]
+    bias_values: jax.Array  # f32[R, NB]
 
     @classmethod
     def neutral(
@@ -65,8 +73,12 @@ class SamplingMetadata:
         """Host (numpy) metadata of ``num_rows`` neutral rows: greedy, no masks, no penalties.
 
         For warm-up: compiling ``sample`` with these shapes compiles the variant a real batch of
-        the same R, W and B uses (SamplingInputs.variant_widths: the two every batch can take).
+        the same R, W and B uses (SamplingInputs.variant_widths: the two every batch can take);
+        the token constraints are full width exactly when a list is.
         """
+        lists = penalty_width > 0 or ban_width > 0
+        words = bitmask_words(vocab_size) if lists else 0
+        bias_width = MAX_LOGIT_BIAS_TOKENS if lists else 0
         return cls(
             temperature=np.zeros(num_rows, np.float32),
             top_k=np.full(num_rows, vocab_size, np.int32),
@@ -81,6 +93,9 @@ class SamplingMetadata:
             penalty_token_ids=np.full((num_rows, penalty_width), -1, np.int32),
             penalty_output_counts=np.zeros((num_rows, penalty_width), np.int32),
             banned_token_ids=np.full((num_rows, ban_width), -1, np.int32),
+            token_bitmask=np.full((num_rows, words), ALL_ALLOWED, np.uint32),
+            bias_token_ids=np.full((num_rows, bias_width), -1, np.int32),
+            bias_values=np.zeros((num_rows, bias_width), np.float32),
         )
 
 
@@ -149,6 +164,7 @@ class SamplingInputs:
         self._penalties = PenaltyLists(n, self.penalty_capacity)
         self._num_banned = np.zeros(n, np.int32)
         self._banned = np.zeros((n, self.ban_width), np.int32)
+        self._constraints = ConstraintRows(vocab_size)
 
     # ----- per-request updates (host, once per request or per token) -----
 
@@ -203,6 +219,7 @@ class SamplingInputs:
         self._min_tokens[slot] = params.min_tokens
         self._banned[slot, : len(banned)] = banned
         self._num_banned[slot] = len(banned)
+        self._constraints.set(slot, params)
 
     def append_output_token(self, slot: int, token: int) -> None:
         """Record a sampled token of the request in ``slot`` (only penalty slots keep them)."""
@@ -229,11 +246,16 @@ class SamplingInputs:
             buf[slot] = buf[neutral]
         self._penalties.reset(slot)
         self._num_banned[slot] = 0
+        self._constraints.reset(slot)
 
     # ----- per step -----
 
     def build(
-        self, slot_indices: np.ndarray, padded_rows: int, output_positions: np.ndarray
+        self,
+        slot_indices: np.ndarray,
+        padded_rows: int,
+        output_positions: np.ndarray,
+        step_masks: Mapping[int, np.ndarray] | None = None,
     ) -> SamplingMetadata:
         """Gather the rows that sample this step into fresh host arrays (the runner device_puts
         them; fresh so that a zero-copy device_put never aliases a buffer we later mutate).
@@ -242,6 +264,8 @@ class SamplingInputs:
             slot_indices: i32[num_rows] the slot of each sampling row, in batch order.
             padded_rows: R, the request bucket (>= num_rows); rows past num_rows are neutral.
             output_positions: i32[num_rows] output index of the token each row samples.
+            step_masks: slot -> u32[M] this step's allowed tokens of a constrained request
+                (grammars, bad words: SchedulerOutput.token_masks); None: none.
         Returns:
             SamplingMetadata of numpy arrays, R rows.
         Raises:
@@ -270,10 +294,16 @@ class SamplingInputs:
         padded_pos[:num_rows] = pos
         ids, counts = self._penalties.gather(idx)
         banned = self._gather_ban_lists(idx, padded_pos)
-        if ids.shape[1] or banned.shape[1]:  # both lists, or neither: two variants per shape
+        step_masks = step_masks or {}
+        constrained = bool(step_masks) or self._constraints.any_in(slots)
+        bitmask = np.full((padded_rows, 0), ALL_ALLOWED, np.uint32)
+        bias_ids = np.full((padded_rows, 0), -1, np.int32)
+        bias_values = np.zeros((padded_rows, 0), np.float32)
+        if ids.shape[1] or banned.shape[1] or constrained:  # every list, or none: two variants
             width = self.penalty_capacity
             ids, counts = _widen(ids, width, -1), _widen(counts, width, 0)
             banned = _widen(banned, self.ban_width, -1)
+            bitmask, bias_ids, bias_values = self._constraints.gather(idx, step_masks)
         return SamplingMetadata(
             temperature=self._temperature[idx],
             top_k=self._top_k[idx],
@@ -288,6 +318,9 @@ class SamplingInputs:
             penalty_token_ids=ids,
             penalty_output_counts=counts,
             banned_token_ids=banned,
+            token_bitmask=bitmask,
+            bias_token_ids=bias_ids,
+            bias_values=bias_values,
         )
 
     # ----- helpers -----
