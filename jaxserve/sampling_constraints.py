@@ -73,7 +73,8 @@ class StructuredOutputsParams:
         kind = self.kind
         value = getattr(self, kind)
         if kind == "json":
-            text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+            # Key order is kept: a schema's property order is the order of the output's keys.
+            text = value if isinstance(value, str) else json.dumps(value)
             return kind, text
         if kind == "choice":
             return kind, json.dumps(list(value))

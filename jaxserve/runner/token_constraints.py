@@ -128,6 +128,7 @@ def apply_token_constraints(
     num_rows, vocab = x.shape
     if bitmask.shape[1] == 0:
         return x
+    x = jnp.asarray(x)
     rows = jnp.arange(num_rows)[:, None]
 
     def add_bias() -> jax.Array:

@@ -16,6 +16,7 @@ from jaxserve.entrypoints.openai.protocol import (
     echo_only,
     requested_max_tokens,
     sampling_params,
+    translate_params_errors,
     usage,
     with_max_tokens,
 )
@@ -81,6 +82,9 @@ class BaseServing:
             prompt_dict = {"prompt": text, "prompt_token_ids": token_ids}
             checked = await engine.check_request(prompt_dict, params)
         except (TypeError, ValueError) as e:
+            if str(e).startswith("SamplingParams."):  # a constraint (a grammar that fails...)
+                with translate_params_errors(request):
+                    raise
             raise OpenAIError(f"{where}: {e}", param=param) from None
         if requested is not None and len(token_ids) + requested > limit:
             raise OpenAIError(

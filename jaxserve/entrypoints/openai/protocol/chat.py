@@ -44,7 +44,6 @@ _REFUSED_CHAT = {
     "parallel_tool_calls": (NO_VALUE, "no tool calling"),
     "functions": ([], "no function calling"),
     "function_call": ("none", "no function calling"),
-    "response_format": ({"type": "text"}, "no structured (JSON) output"),
 }
 
 
