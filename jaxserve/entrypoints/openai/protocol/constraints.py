@@ -39,7 +39,9 @@ def constraint_fields(request: Any, tool_constraint: dict[str, Any] | None = Non
     if given:
         fields["structured_outputs"] = sources[given[0]]
     if request.logit_bias is not None:
-        fields["logit_bias"] = logit_bias(request.logit_bias)
+        bias = logit_bias(request.logit_bias)
+        if bias:  # {} biases nothing (OpenAI's SDK sends it)
+            fields["logit_bias"] = bias
     for name in ("allowed_token_ids", "bad_words"):
         value = getattr(request, name)
         if value is not None:
