@@ -27,6 +27,9 @@ from jaxserve.cli.flags import (
 )
 from jaxserve.entrypoints.openai.body import DEFAULT_MAX_BODY_BYTES
 from jaxserve.entrypoints.openai.settings import ServerSettings
+from jaxserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
+
+TOOL_PARSER_NAMES = sorted(TOOL_PARSERS)
 
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -89,6 +92,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="let requests send their own chat_template (a jinja2 program run in a bounded "
         "sandbox); without it such a request is refused with 400, as in vLLM",
     )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_PARSER_NAMES,
+        default=None,
+        help="the model's tool-call format, read for tool_choice 'auto' (vLLM's names); "
+        "without it 'auto' is refused, 'required' and named functions work",
+    )
     add_engine_flags(p)
 
 
@@ -111,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting_requests,
         max_request_body_bytes=args.max_request_body_bytes,
         trust_request_chat_template=args.trust_request_chat_template,
+        tool_call_parser=args.tool_call_parser,
         uvicorn_log_level=args.uvicorn_log_level,
         graceful_shutdown_timeout=args.graceful_shutdown_timeout,
     )

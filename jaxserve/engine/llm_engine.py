@@ -128,12 +128,17 @@ class LLMEngine:
         *,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> dict[str, Any]:
         """One conversation rendered with the chat template (the tokenizer's, or
-        ``chat_template``) as a prompt dict {"prompt", "prompt_token_ids"}. Allocates nothing.
-        See PromptProcessor.render_chat (engine/prompts.py)."""
+        ``chat_template``) as a prompt dict {"prompt", "prompt_token_ids"}, the template told
+        of ``tools`` when given. Allocates nothing. See PromptProcessor.render_chat
+        (engine/prompts.py)."""
         return self.prompts.render_chat(
-            messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt
+            messages,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
         )
 
     def check_request(

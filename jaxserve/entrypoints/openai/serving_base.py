@@ -48,7 +48,11 @@ class BaseServing:
                 param="model",
             )
 
-    def _params(self, request: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+    def _params(
+        self,
+        request: CompletionRequest | ChatCompletionRequest,
+        tool_constraint: dict | None = None,
+    ) -> SamplingParams:
         requested, _ = requested_max_tokens(request)
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         # Without a limit, each prompt gets what the context leaves (_check_prompt); until then
@@ -56,7 +60,9 @@ class BaseServing:
         max_tokens = self._max_model_len if requested is None else requested
         if isinstance(request, CompletionRequest) and echo_only(request):
             max_tokens = 1  # the engine samples one token, which the answer leaves out
-        return sampling_params(request, max_tokens=max_tokens, output_kind=kind)
+        return sampling_params(
+            request, max_tokens=max_tokens, output_kind=kind, tool_constraint=tool_constraint
+        )
 
     async def _check_prompt(
         self,
