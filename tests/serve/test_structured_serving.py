@@ -99,3 +99,87 @@ def test_constraints_that_cannot_be_honoured_are_400s_naming_the_field(
     assert error["param"] == param, error
     assert re.search(match, error["message"]), error["message"]
     assert not llm_engine.has_unfinished_requests()
+
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 8},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "noop", "description": "does nothing"}},
+]
+NAMED = {"type": "function", "function": {"name": "weather"}}
+
+
+def _reassemble(chunks) -> tuple[list[dict], str | None]:
+    calls: dict[int, dict] = {}
+    reason = None
+    for chunk in chunks:
+        (choice,) = chunk.choices
+        reason = choice.finish_reason or reason
+        for delta in choice.delta.tool_calls or []:
+            call = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+            call["name"] += delta.function.name or ""
+            call["arguments"] += delta.function.arguments or ""
+    return [calls[i] for i in sorted(calls)], reason
+
+
+@pytest.mark.parametrize("tool_choice", ["required", NAMED])
+def test_forced_tool_calls_validate_and_stream_the_same(oai, tool_choice):
+    kwargs = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice,
+                  max_tokens=60, temperature=0.0)  # fmt: skip
+    full = oai.chat.completions.create(**kwargs)
+    (choice,) = full.choices
+    assert choice.message.content is None and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        assert call.id.startswith("call_") and call.type == "function"
+        if call.function.name == "weather":
+            jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    forced = tool_choice == "required"
+    assert choice.finish_reason == ("tool_calls" if forced else "stop")
+    streamed, reason = _reassemble(oai.chat.completions.create(stream=True, **kwargs))
+    expected = [{"name": c.function.name, "arguments": c.function.arguments}
+                for c in choice.message.tool_calls]  # fmt: skip
+    assert streamed == expected and reason == choice.finish_reason
+
+
+def test_tool_messages_go_through_the_chat_template(oai):
+    arguments = '{"city": "Oslo", "days": 1}'
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "weather", "arguments": arguments}}  # fmt: skip
+    messages = [
+        *MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    out = oai.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=3
+    )
+    assert out.choices[0].message.tool_calls is None
+    assert out.usage.prompt_tokens > 20  # the tool turn is in the prompt
+
+
+def test_auto_needs_a_parser_and_then_reads_calls_from_the_text(oai, engine):
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=3)
+    assert info.value.body["param"] == "tool_choice"
+    block = '<tool_call>{"name": "weather", "arguments": {"city": "Rome", "days": 3}}</tool_call>'
+    # (64 tokens of the demo tokenizer: the choice forces the model to write it)
+    app = build_app(engine, served_model_name=MODEL, tool_call_parser="hermes")
+    with running_server(app) as url:
+        hermes = client(url)
+        kwargs = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=80,
+                      extra_body={"structured_outputs": {"choice": [block]}})  # fmt: skip
+        out = hermes.chat.completions.create(**kwargs)
+        (call,) = out.choices[0].message.tool_calls
+        assert call.function.name == "weather" and out.choices[0].finish_reason == "tool_calls"
+        assert json.loads(call.function.arguments) == {"city": "Rome", "days": 3}
+        streamed, reason = _reassemble(hermes.chat.completions.create(stream=True, **kwargs))
+        assert [json.loads(c["arguments"]) for c in streamed] == [{"city": "Rome", "days": 3}]
+        assert reason == "tool_calls"
