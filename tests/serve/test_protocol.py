@@ -136,8 +136,6 @@ def test_bad_completion_bodies_name_the_field(body, param, says):
 @pytest.mark.parametrize(
     ("body", "param", "says"),
     [
-        ({"messages": MESSAGES, "tools": [{}]}, "tools", "tool calling"),
-        ({"messages": MESSAGES, "tool_choice": "auto"}, "tool_choice", "tool calling"),
         ({"messages": MESSAGES, "functions": [{}]}, "functions", "function calling"),
         ({"messages": MESSAGES, "max_tokens": 3, "max_completion_tokens": 4},
          "max_completion_tokens", "differ"),
@@ -232,7 +230,7 @@ def test_chat_messages_join_text_parts_and_refuse_the_rest():
     for message, param in [
         ({"role": "user", "content": [{"type": "image_url", "image_url": {}}]}, "content[0]"),
         ({"role": "user", "content": None}, "content"),
-        ({"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}, "tool_calls"),
+        ({"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}, "tool_calls[0]"),
     ]:
         with pytest.raises(OpenAIError) as info:
             chat_messages(parse_chat_request({"messages": [message]}))
