@@ -149,7 +149,8 @@ def _is_int(value: object) -> bool:
 
 def check_logit_bias(value: object) -> dict[int, float] | None:
     """SamplingParams.logit_bias: {token id >= 0: finite float}, at most MAX_LOGIT_BIAS_TOKENS
-    entries. Returns a normalised copy (float values), or None."""
+    entries; an id may be a decimal string (a JSON object's key). Returns a normalised copy
+    (int ids, float values), or None."""
     if value is None:
         return None
     if not isinstance(value, dict):
@@ -161,6 +162,8 @@ def check_logit_bias(value: object) -> dict[int, float] | None:
         )
     out = {}
     for token, bias in value.items():
+        if isinstance(token, str) and token.isdigit():  # JSON objects' keys (batch jobs)
+            token = int(token)
         if not _is_int(token) or token < 0:
             raise ValueError(
                 f"SamplingParams.logit_bias: token ids must be ints >= 0, got {token!r}"
