@@ -122,6 +122,10 @@ class SamplingInputs:
     request can hold) and B = ban_width = MAX_BANNED_STOP_TOKEN_IDS + the number of EOS ids
     (SamplingParams refuses more stop ids with min_tokens). Fixed widths cost a wider host gather
     and transfer in batches with penalties, i32[R, W] twice, but no compilation mid-run.
+    Token constraints (token_constraints.py: allowed ids, logit_bias, the step's grammar and
+    bad-word masks) ride in the same variant: a batch with a constrained row takes the full
+    widths of every list, and the lists' batches carry an all-ones bitmask u32[R, ceil(V / 32)]
+    and empty biases i32 / f32[R, MAX_LOGIT_BIAS_TOKENS].
 
     Row ``max_num_seqs`` is a hidden neutral slot: padding rows gather from it.
     """

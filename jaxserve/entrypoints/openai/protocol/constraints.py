@@ -55,7 +55,7 @@ def constraint_source(request: Any) -> str:
         value = getattr(request, name)
         if value is not None and value != {"type": "text"}:
             return name
-    return "tool_choice" if getattr(request, "tools", None) else "structured_outputs"
+    return "tools" if getattr(request, "tools", None) else "structured_outputs"
 
 
 def response_format_constraint(value: Any) -> dict[str, Any] | None:
