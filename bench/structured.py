@@ -4,7 +4,9 @@ step spends on token masks.
 
 Each row serves the same prompts with the same sampled settings (temperature 1, seeded); the
 constrained requests carry ``structured_outputs=StructuredOutputsParams(json=SCHEMA)`` and end
-when their JSON does, the others run to ``max_tokens`` with ignore_eos. Output tok/s counts
+when their JSON does, the others run with ignore_eos to the length the same request's JSON had
+(measured in a first, constrained pass): every row generates the same tokens per request and
+runs the same schedule, so the rows differ only in the constraint. Output tok/s counts
 every generated token over the run's wall time; "vs 0%" is the ratio to the unconstrained row.
 A second, traced pass of each row (the step tracer waits for the device each step) gives the
 host phases per step: "schedule" includes building the masks of the constrained requests,
@@ -50,8 +52,11 @@ SCHEMA = {
 }
 
 
-def _params(n: int, fraction: float, max_tokens: int) -> list[SamplingParams]:
-    """The first round(n * fraction) requests constrained, spread evenly over the batch."""
+def _params(lengths: list[int], fraction: float) -> list[SamplingParams]:
+    """round(n * fraction) requests constrained, spread evenly over the batch; request i
+    generates lengths[i] tokens either way (the length of its constrained JSON), so that every
+    row runs the same schedule and only the constraint differs."""
+    n = len(lengths)
     num_constrained = round(n * fraction)
     constrained = set(np.linspace(0, n - 1, num_constrained).round().astype(int).tolist())
     structured = StructuredOutputsParams(json=SCHEMA)
@@ -59,16 +64,16 @@ def _params(n: int, fraction: float, max_tokens: int) -> list[SamplingParams]:
         SamplingParams(
             temperature=1.0,
             seed=i,
-            max_tokens=max_tokens,
+            max_tokens=length,
             ignore_eos=i not in constrained,
             structured_outputs=structured if i in constrained else None,
         )
-        for i in range(n)
+        for i, length in enumerate(lengths)
     ]
 
 
-def _row(llm: LLM, prompts: list[list[int]], fraction: float, max_tokens: int) -> dict:
-    params = _params(len(prompts), fraction, max_tokens)
+def _row(llm: LLM, prompts: list[list[int]], fraction: float, lengths: list[int]) -> dict:
+    params = _params(lengths, fraction)
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
@@ -95,6 +100,9 @@ def _row(llm: LLM, prompts: list[list[int]], fraction: float, max_tokens: int) -
         "schedule_ms_per_step": 1e3 * float(np.mean([t.schedule_s for t in traces])),
         "update_ms_per_step": 1e3 * float(np.mean([t.update_s for t in traces])),
         "execute_ms_per_step": 1e3 * float(np.mean([t.execute_s for t in traces])),
+        "prepare_ms_per_step": 1e3 * float(np.mean([t.prepare_s for t in traces])),
+        "device_ms_per_step": 1e3 * float(np.mean([t.device_s for t in traces])),
+        "mean_rows_per_step": float(np.mean([len(t.q_lens) for t in traces])),
     }
 
 
@@ -127,18 +135,25 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = [
         rng.integers(3, vocab, size=args.prompt_len).tolist() for _ in range(args.num_requests)
     ]
-    llm.generate(prompts[:2], _params(2, 1.0, 8), use_tqdm=False)  # grammar compiled, warm
-    rows = [_row(llm, prompts, f, args.max_tokens) for f in FRACTIONS]
+    # Each request's constrained length (the grammar compiles here too): every row then
+    # generates exactly these lengths.
+    calibration = llm.generate(
+        prompts, _params([args.max_tokens] * len(prompts), 1.0), use_tqdm=False
+    )
+    lengths = [len(o.outputs[0].token_ids) for o in calibration]
+    rows = [_row(llm, prompts, f, lengths) for f in FRACTIONS]
     base = rows[0]["output_tok_per_s"]
     print(f"{'constrained':>11} {'tok/s':>9} {'vs 0%':>6} {'valid':>7} {'sched ms':>9} "
-          f"{'update ms':>9} {'exec ms':>8}")  # fmt: skip
+          f"{'update ms':>9} {'exec ms':>8} {'prep ms':>8} {'device ms':>9} "
+          f"{'rows':>5}")  # fmt: skip
     for r in rows:
         r["vs_unconstrained"] = r["output_tok_per_s"] / base
         print(
             f"{r['fraction_constrained']:>10.0%} {r['output_tok_per_s']:>9.1f} "
             f"{r['vs_unconstrained']:>6.2f} {r['constrained_valid']:>3}/{r['constrained']:<3} "
             f"{r['schedule_ms_per_step']:>9.3f} {r['update_ms_per_step']:>9.3f} "
-            f"{r['execute_ms_per_step']:>8.2f}"
+            f"{r['execute_ms_per_step']:>8.2f} {r['prepare_ms_per_step']:>8.3f} "
+            f"{r['device_ms_per_step']:>9.2f} {r['mean_rows_per_step']:>5.1f}"
         )
     recompiled = llm.get_stats()["recompilations"]
     print(f"compilations after warm-up: {len(recompiled)}")

@@ -8,6 +8,7 @@ honour by name. The grammar library is loaded on the first request that needs it
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 
 from tokenizers import Tokenizer
@@ -45,16 +46,19 @@ class StructuredOutputs:
         self.speculative = speculative
         self.num_words = (vocab_size + 31) // 32
         self._compiler: GrammarCompiler | None = None
+        self._lock = threading.Lock()  # requests are checked from several threads (AsyncLLM)
 
     @property
     def compiler(self) -> GrammarCompiler:
         """The grammar compiler, made (and the library loaded) on first use."""
-        if self._compiler is None:
-            from jaxserve.structured.llguidance_backend import LLGuidanceBackend
+        with self._lock:
+            if self._compiler is None:
+                from jaxserve.structured.llguidance_backend import LLGuidanceBackend
 
-            backend = LLGuidanceBackend(self._need_tokenizer(), self.vocab_size, self.eos_token_ids)
-            self._compiler = GrammarCompiler(backend)
-        return self._compiler
+                tokenizer = self._need_tokenizer()
+                backend = LLGuidanceBackend(tokenizer, self.vocab_size, self.eos_token_ids)
+                self._compiler = GrammarCompiler(backend)
+            return self._compiler
 
     def check(self, params: SamplingParams) -> ConstraintSpec | None:
         """Everything about ``params``' constraints that needs the model: token ids within the
