@@ -247,14 +247,6 @@ class EngineConfig:
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     speculative: SpeculativeConfig | None = None  # LLM(speculative_config=...); None: off
 
-    def __post_init__(self) -> None:
-        spec, tp = self.speculative, self.runner.tensor_parallel_size
-        if spec is not None and spec.method == "draft_model" and tp > 1:
-            raise ValueError(
-                f"speculative_config method 'draft_model' with tensor_parallel_size={tp}: a "
-                "draft model runs on one device only; use tensor_parallel_size=1 or 'ngram'"
-            )
-
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:
         """Build from ``LLM(...)``'s flat keyword arguments (vLLM's names of ARGUMENT_ALIASES

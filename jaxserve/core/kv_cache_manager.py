@@ -27,7 +27,12 @@ from typing import TYPE_CHECKING
 
 from jaxserve.core.block_pool import BlockPool
 from jaxserve.core.host_block_pool import HostBlockPool
-from jaxserve.core.kv_cache_utils import BlockHash, KVCacheBlock, extend_block_hashes
+from jaxserve.core.kv_cache_utils import (
+    BlockHash,
+    KVCacheBlock,
+    extend_block_hashes,
+    shared_write_indices,
+)
 from jaxserve.core.kv_swap import KVSwap
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -180,24 +185,16 @@ class KVCacheManager:
         bs = self.block_size
         req_id = request.request_id
         table = self.req_to_blocks.get(req_id)
-        if table is not None and not new_computed_blocks:
-            # Fast path (nearly every decode step): all new tokens land in one block that the
-            # table already has and that no one else holds.
-            num_computed = request.num_computed_tokens
-            first_write = num_computed // bs
-            if (
-                num_computed + num_new_tokens <= (first_write + 1) * bs
-                and first_write < len(table)
-                and table[first_write].ref_cnt == 1
-            ):
-                return []
+        if not new_computed_blocks and self._writes_own_last_block(table, request, num_new_tokens):
+            return []  # the fast path of nearly every decode step
         num_held = len(table) if table is not None else 0
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_end = num_computed + num_new_tokens
         num_borrowed = len(new_computed_blocks) if new_computed_blocks else 0
         num_new_blocks = -(-num_end // bs) - num_held - num_borrowed
-        first_write = num_computed // bs
-        cow_indices = self._shared_write_indices(table, new_computed_blocks, first_write, num_end)
+        cow_indices = shared_write_indices(
+            table, new_computed_blocks, num_computed // bs, num_end, bs
+        )
         num_host = sum(1 for b in new_computed_blocks or () if isinstance(b, HostHit))
         num_needed = max(num_new_blocks, 0) + len(cow_indices) + num_host
         # Borrowed blocks that sit free in the queue stop being allocatable once touched.
@@ -223,6 +220,21 @@ class KVCacheManager:
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         table.extend(new_blocks)
         return new_blocks
+
+    def _writes_own_last_block(
+        self, table: list[KVCacheBlock] | None, request: Request, num_new_tokens: int
+    ) -> bool:
+        """Whether all ``num_new_tokens`` land in one block the table already has and that no
+        one else holds (then allocate_slots has nothing to do)."""
+        if table is None:
+            return False
+        num_computed = request.num_computed_tokens
+        first_write = num_computed // self.block_size
+        return (
+            num_computed + num_new_tokens <= (first_write + 1) * self.block_size
+            and first_write < len(table)
+            and table[first_write].ref_cnt == 1
+        )
 
     def cache_blocks(self, request: Request) -> None:
         """Enter the request's newly full, computed blocks into the prefix cache.
@@ -364,30 +376,6 @@ class KVCacheManager:
         return pool.get_num_free_blocks() == pool.num_usable_blocks and all(
             block.ref_cnt == 0 for block in pool.blocks[1:]
         )
-
-    def _shared_write_indices(
-        self,
-        table: list[KVCacheBlock] | None,
-        borrowed: list[KVCacheBlock] | None,
-        first_write: int,
-        num_end: int,
-    ) -> list[int]:
-        """Table indices of existing blocks that will be written this step while shared.
-
-        A block counts as shared if another holder keeps it: ref_cnt > 1 for a block already in
-        the table, ref_cnt >= 1 for a borrowed one (touching it adds this request's reference).
-        """
-        current = table or []
-        last_write = min(-(-num_end // self.block_size), len(current) + len(borrowed or ()))
-        out = []
-        for i in range(first_write, last_write):
-            if i < len(current):
-                shared = current[i].ref_cnt > 1
-            else:
-                shared = borrowed[i - len(current)].ref_cnt >= 1
-            if shared:
-                out.append(i)
-        return out
 
     def _copy_on_write(self, table: list[KVCacheBlock], index: int) -> None:
         src = table[index]

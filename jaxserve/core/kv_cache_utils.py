@@ -167,3 +167,29 @@ def extend_block_hashes(request: Request, block_size: int, num_blocks: int) -> l
         parent = hash_block_tokens(parent, tokens[i * block_size : (i + 1) * block_size])
         hashes.append(parent)
     return hashes
+
+
+def shared_write_indices(
+    table: list[KVCacheBlock] | None,
+    borrowed: list[KVCacheBlock] | None,
+    first_write: int,
+    num_end: int,
+    block_size: int,
+) -> list[int]:
+    """Indices, in a block table extended by ``borrowed``, of the existing blocks that tokens
+    [first_write * block_size, num_end) will write while they are shared (copy-on-write).
+
+    A block counts as shared if another holder keeps it: ref_cnt > 1 for a block already in
+    the table, ref_cnt >= 1 for a borrowed one (touching it adds the writer's reference).
+    """
+    current = table or []
+    last_write = min(-(-num_end // block_size), len(current) + len(borrowed or ()))
+    out = []
+    for i in range(first_write, last_write):
+        if i < len(current):
+            shared = current[i].ref_cnt > 1
+        else:
+            shared = borrowed[i - len(current)].ref_cnt >= 1
+        if shared:
+            out.append(i)
+    return out

@@ -43,6 +43,7 @@ class DraftSpec:
     model: CausalLM
     params: Any
     num_speculative_tokens: int
+    sharding: ShardingPlan | None = None  # its own on the target's mesh; None: one device
 
 
 class DraftModel:
@@ -55,9 +56,10 @@ class DraftModel:
         num_speculative_tokens: k, the drafts proposed per request.
         input_batch: the target runner's rows (block tables, tokens); read, never written.
         row_buckets: the padded row counts a proposal may run at (the runner's R buckets).
-        sharding: the target's ShardingPlan (its one-device mesh: a draft model is refused
-            under tensor parallelism), or None: the default device. The pages, the proposal's
-            inputs and outputs and the block copy are placed on it explicitly.
+        sharding: the draft's own ShardingPlan on the target's mesh (tensor parallelism splits
+            it as it splits the target: heads, MLP columns, vocabulary, and its KV pages where
+            tp divides its KV heads), or None: the default device. Every argument and result of
+            the proposal and the block copy has an explicit sharding.
     """
 
     def __init__(
@@ -79,14 +81,18 @@ class DraftModel:
         self.k = num_speculative_tokens
         self.input_batch = input_batch
         self.row_buckets = row_buckets
-        self.placement = placement = None if sharding is None else sharding.replicated
+        self.sharding = sharding
         self.kv_caches = self.allocate_kv_caches()
         self.compiles = compiles = StepCompiles("the draft model's proposal")
         # Explicit placements: the pages keep one sharding through the step and the proposal,
         # so neither sees a new argument sharding (a recompilation) after warm-up.
         shardings = {}
-        if placement is not None:
-            shardings = dict(in_shardings=(placement,) * 6, out_shardings=(placement,) * 2)
+        if sharding is not None:
+            kv, rep = sharding.kv_shardings(model.arch.num_layers), sharding.replicated
+            shardings = dict(
+                in_shardings=(sharding.param_shardings(), kv, rep, rep, rep, rep),
+                out_shardings=(kv, rep),
+            )
         self.jitted_propose = propose = jax.jit(
             functools.partial(_propose_fn, model, self.k),
             donate_argnames=("kv_caches",),
@@ -106,13 +112,13 @@ class DraftModel:
     @classmethod
     def create(
         cls, spec: DraftSpec, input_batch: InputBatch, num_kv_blocks: int, block_size: int,
-        row_buckets: tuple[int, ...], sharding: ShardingPlan | None = None,
+        row_buckets: tuple[int, ...],
     ) -> DraftModel:  # fmt: skip
         """The DraftModel of a loaded draft (``spec``) for a runner's pool and rows."""
         return cls(
             spec.model, spec.params, num_kv_blocks=num_kv_blocks, block_size=block_size,
             num_speculative_tokens=spec.num_speculative_tokens, input_batch=input_batch,
-            row_buckets=row_buckets, sharding=sharding,
+            row_buckets=row_buckets, sharding=spec.sharding,
         )  # fmt: skip
 
     def reset(self, input_batch: InputBatch, pages_ok: bool) -> None:
@@ -128,7 +134,7 @@ class DraftModel:
             model.arch.num_layers,
             model.kv_cache_shape(self.num_kv_blocks, self.block_size),
             model.dtype,
-            self.placement,
+            None if self.sharding is None else self.sharding.kv_sharding,
         )
 
     def propose(self, requests, k: int) -> dict[str, list[int]]:

@@ -41,6 +41,7 @@ from jaxserve.checkpoints_tools.tokenizer import load_tokenizer
 from jaxserve.config import EngineConfig
 from jaxserve.core.host_block_pool import HostTier
 from jaxserve.models import CausalLM, ModelArchConfig, get_model
+from jaxserve.pallas_kernels.ragged_paged_attention.impl import AttentionImpl, head_split_refusal
 from jaxserve.runner.compile_cache import enable_compilation_cache
 from jaxserve.runner.draft_model import DraftSpec
 from jaxserve.runner.kv_cache import device_memory_bytes
@@ -231,7 +232,7 @@ def resolve_model(config: EngineConfig) -> ResolvedModel:
     quantization = resolve_quantization(
         model_config.quantization, declared_quantization(config_source), model_config.model
     )
-    draft_arch = _draft_arch(config, arch)
+    draft_arch = _draft_arch(config, arch, plan.attention)
     memory = _checked_memory_plan(
         config, arch, plan, mesh.devices.flat[0], max_model_len, quantization, draft_arch
     )
@@ -256,13 +257,15 @@ def resolve_model(config: EngineConfig) -> ResolvedModel:
     )
 
 
-def _draft_arch(config: EngineConfig, arch: ModelArchConfig) -> ModelArchConfig | None:
+def _draft_arch(
+    config: EngineConfig, arch: ModelArchConfig, attention: AttentionImpl
+) -> ModelArchConfig | None:
     """The draft model's architecture (its config.json only) when speculative decoding uses
     one, checked against the target before any weight is read.
 
     Raises:
-        ValueError: a draft whose vocabulary is not the target's (both named). (Tensor
-            parallelism with a draft model is refused by EngineConfig.)
+        ValueError: a draft whose vocabulary is not the target's (both named), or whose heads
+            the target's attention, run per device under tensor parallelism, cannot split.
     """
     spec = config.speculative
     if spec is None or spec.method != "draft_model":
@@ -275,11 +278,20 @@ def _draft_arch(config: EngineConfig, arch: ModelArchConfig) -> ModelArchConfig 
             f"target {config.model.model!r} has {arch.vocab_size}: a draft model must share "
             "the target's vocabulary"
         )
+    if attention.mesh is not None:
+        tp = attention.mesh.shape[attention.axis]
+        reason = head_split_refusal(draft.num_heads, draft.num_kv_heads, tp)
+        if reason is not None:
+            raise ValueError(
+                f"speculative_config['model']={spec.model!r} cannot run with attention "
+                f"{attention.name!r} at tensor_parallel_size={tp}: {reason}"
+            )
     return draft
 
 
 def _load_draft(resolved: ResolvedModel) -> DraftSpec | None:
-    """The draft model, loaded in the plan's dtype on the target's (one-device) mesh."""
+    """The draft model, loaded in the plan's dtype on the target's mesh (sharded as its own
+    ShardingPlan says)."""
     if resolved.draft_arch is None:
         return None
     spec, plan = resolved.config.speculative, resolved.plan
@@ -288,7 +300,7 @@ def _load_draft(resolved: ResolvedModel) -> DraftSpec | None:
     sharding = plan_sharding(model, resolved.sharding.mesh)
     ckpt = load_checkpoint(spec.model, dtype=plan.dtype, param_sharding=sharding.param_sharding)
     logger.info("speculative decoding: draft model %s (%s)", spec.model, model)
-    return DraftSpec(model, ckpt.params, spec.num_speculative_tokens)
+    return DraftSpec(model, ckpt.params, spec.num_speculative_tokens, sharding)
 
 
 def _hub_arguments(config: EngineConfig) -> dict[str, Any]:

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from jaxserve.config import EngineConfig
-from jaxserve.models import TP_AXIS, ModelArchConfig, get_model
+from jaxserve.models import TP_AXIS, CausalLM, ModelArchConfig, get_model
 from jaxserve.runner.memory_sizes import (
     DTYPE_SIZES,
     KV_DTYPE_SIZES,
@@ -221,6 +221,10 @@ def resolve_max_model_len(requested: int | None, arch: ModelArchConfig) -> int:
     return requested
 
 
+# plan_memory's arguments that its caller has resolved already; _check_arguments checks the rest.
+_RESOLVED_ARGUMENTS = ("arch", "quantization", "draft_arch")
+
+
 def plan_memory(
     arch: ModelArchConfig,
     *,
@@ -238,42 +242,24 @@ def plan_memory(
     draft_arch: ModelArchConfig | None = None,
 ) -> MemoryPlan:
     """The MemoryPlan of `arch` in `dtype` (already resolved: not "auto") on devices of
-    `device_memory_bytes` each. Reads no weights and allocates nothing.
+    `device_memory_bytes` each. Reads no weights and allocates nothing; a bad argument raises
+    TypeError / ValueError, named with its value and limit.
 
     Args:
         num_kv_blocks: an explicit pool size (null block included), or None to size it.
         quantization: None, "int8" or "fp8" (resolved: the checkpoint's own or the requested).
         draft_arch: speculative decoding's draft model, whose weights (in `dtype`) and KV pages
             (in `dtype`, one block for each of the target's) count with the target's.
-
-    Raises:
-        TypeError / ValueError: a bad argument (named, with its value and limit).
     """
-    _check_arguments(
-        dtype=dtype,
-        kv_cache_dtype=kv_cache_dtype,
-        tensor_parallel_size=tensor_parallel_size,
-        block_size=block_size,
-        max_model_len=max_model_len,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        device_memory_bytes=device_memory_bytes,
-        memory_utilization=memory_utilization,
-        num_kv_blocks=num_kv_blocks,
-    )
+    _check_arguments(**{k: v for k, v in locals().items() if k not in _RESOLVED_ARGUMENTS})
     model = get_model(arch, dtype=dtype, quantization=quantization)
-    per_device, total = weights_bytes(model, tensor_parallel_size)
-    kv_per_token = kv_bytes_per_token(model, tensor_parallel_size, kv_cache_dtype)
-    if draft_arch is not None:
-        draft = get_model(draft_arch, dtype=dtype)
-        draft_device, draft_total = weights_bytes(draft, tensor_parallel_size)
-        per_device, total = per_device + draft_device, total + draft_total
-        kv_per_token += kv_bytes_per_token(draft, tensor_parallel_size, dtype)
+    per_device, total, kv_per_token = _footprint(
+        model, draft_arch, dtype, kv_cache_dtype, tensor_parallel_size
+    )
     # An explicit pool overrides memory_utilization (CacheConfig): it must fit in the device.
-    budget = (
-        device_memory_bytes
-        if num_kv_blocks is not None
-        else int(device_memory_bytes * memory_utilization)
+    utilization = 1.0 if num_kv_blocks is not None else memory_utilization
+    workspace = workspace_bytes(
+        arch, dtype, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs
     )
     return MemoryPlan(
         architecture=arch.architecture,
@@ -290,18 +276,32 @@ def plan_memory(
         kv_bytes_per_token=kv_per_token,
         kv_cache_sharded=model.kv_cache_partition_spec(tensor_parallel_size)[0] == TP_AXIS,
         kv_scales_bytes=kv_scales_bytes(arch, kv_cache_dtype),
-        workspace_bytes=workspace_bytes(
-            arch,
-            dtype,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-        ),
+        workspace_bytes=workspace,
         device_memory_bytes=device_memory_bytes,
         memory_utilization=float(memory_utilization),
-        budget_bytes=budget,
+        budget_bytes=int(device_memory_bytes * utilization),
         num_kv_blocks_requested=num_kv_blocks,
         quantization=quantization,
     )
+
+
+def _footprint(
+    model: CausalLM,
+    draft_arch: ModelArchConfig | None,
+    dtype: str,
+    kv_cache_dtype: str,
+    tensor_parallel_size: int,
+) -> tuple[int, int, int]:
+    """(weights bytes per device, weights bytes in all, KV bytes per token) of the model and
+    of speculative decoding's draft model, if any (its KV pages in ``dtype``)."""
+    per_device, total = weights_bytes(model, tensor_parallel_size)
+    kv_per_token = kv_bytes_per_token(model, tensor_parallel_size, kv_cache_dtype)
+    if draft_arch is not None:
+        draft = get_model(draft_arch, dtype=dtype)
+        draft_device, draft_total = weights_bytes(draft, tensor_parallel_size)
+        per_device, total = per_device + draft_device, total + draft_total
+        kv_per_token += kv_bytes_per_token(draft, tensor_parallel_size, dtype)
+    return per_device, total, kv_per_token
 
 
 def memory_plan_for(

@@ -133,7 +133,7 @@ class ModelRunner:
         if draft is not None:
             rows = tuple(sorted({self.buckets.padded_rows(t) for t in self.buckets.token_buckets}))
             self.draft = DraftModel.create(draft, self.input_batch, num_kv_blocks, block_size,
-                                           rows, sharding)  # fmt: skip
+                                           rows)  # fmt: skip
         self._init_jitted()
 
     def _init_jitted(self) -> None:
@@ -143,10 +143,11 @@ class ModelRunner:
         so dropping the last LLM frees its device memory at once, without waiting for the
         cyclic garbage collector."""
         self.compiles = compiles = StepCompiles("the engine step")
-        draft_model = None if self.draft is None else self.draft.model
+        draft = self.draft
         self.jitted_step = step = jit_step(
-            self.model, self.plan.sampler_draw, self.sharding, draft_model
-        )
+            self.model, self.plan.sampler_draw, self.sharding,
+            *(() if draft is None else (draft.model, draft.sharding)),
+        )  # fmt: skip
         self._step = lambda *args: compiles(step, args, STEP_ARGS)
         self.copy_compiles = copies = StepCompiles("the copy-on-write block copy")
         self.jitted_copy = copy = jit_copy(self.sharding, self.model.arch.num_layers)

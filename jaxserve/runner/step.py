@@ -42,18 +42,24 @@ COPY_ARGS = ("kv_caches", "src", "dst")
 
 
 def jit_step(
-    model: CausalLM, draw: str, sharding: ShardingPlan | None, draft: CausalLM | None = None
+    model: CausalLM,
+    draw: str,
+    sharding: ShardingPlan | None,
+    draft: CausalLM | None = None,
+    draft_sharding: ShardingPlan | None = None,
 ) -> Any:
     """The jitted step of ``model`` with the sampler's ``draw``: called with STEP_ARGS, it
     returns (kv_caches, sampler output, prompt logprobs, tokens emitted per logits segment,
     draft_kv_caches); the KV pages are donated. With a ``draft`` model (speculative decoding's
-    "draft_model"), the step also runs the draft over the same batch, writing its KV pages
-    (draft_model.py); without one, draft_params and draft_kv_caches are None."""
+    "draft_model", placed by ``draft_sharding`` on the same mesh), the step also runs the draft
+    over the same batch, writing its KV pages (draft_model.py); without one, draft_params and
+    draft_kv_caches are None."""
     draft_traces = None if draft is None else _SharedTraces(draft)
+    draft_layers = 0 if draft is None else draft.arch.num_layers
     return jax.jit(
         functools.partial(_step_fn, _SharedTraces(model), draw, draft_traces),
         donate_argnames=("kv_caches", "draft_kv_caches"),
-        **_step_shardings(sharding, model.arch.num_layers),
+        **_step_shardings(sharding, model.arch.num_layers, draft_sharding, draft_layers),
     )
 
 
@@ -149,20 +155,28 @@ def attention_metadata(
     )
 
 
-def _step_shardings(plan: ShardingPlan | None, num_layers: int) -> dict[str, Any]:
+def _step_shardings(
+    plan: ShardingPlan | None,
+    num_layers: int,
+    draft_plan: ShardingPlan | None = None,
+    draft_layers: int = 0,
+) -> dict[str, Any]:
     """jax.jit sharding arguments of the step: every argument and result explicit (params and
-    pages as planned, host inputs and sampled results replicated), so warm-up and serving hit
-    the same executables. No plan: jit's defaults (one device)."""
+    pages as planned, the draft model's by its own plan, host inputs and sampled results
+    replicated), so warm-up and serving hit the same executables. No plan: jit's defaults (one
+    device)."""
     if plan is None:
         return {}
     kv, rep = plan.kv_shardings(num_layers), plan.replicated
+    draft_params, draft_kv = rep, rep  # no draft: None arguments, any sharding
+    if draft_plan is not None:
+        draft_params, draft_kv = draft_plan.param_shardings(), draft_plan.kv_shardings(draft_layers)
     return dict(
         # params, kv_caches, input_ids, md, logits_indices, draft_ids, sampling_md,
-        # prompt_targets, draft_params, draft_kv_caches (a draft model is on one device:
-        # tensor parallelism with one is refused)
-        in_shardings=(plan.param_shardings(), kv, rep, rep, rep, rep, rep, rep, rep, rep),
+        # prompt_targets, draft_params, draft_kv_caches
+        in_shardings=(plan.param_shardings(), kv, *(rep,) * 6, draft_params, draft_kv),
         # kv_caches, sampler output, prompt logprobs, tokens emitted per segment, draft KV
-        out_shardings=(kv, rep, rep, rep, rep),
+        out_shardings=(kv, rep, rep, rep, draft_kv),
     )
 
 

@@ -13,17 +13,30 @@ two), each a ratio of exponentially decayed sums of tokens emitted and step seco
 the device step, the update and the proposal).
 
 In a bucket it has not measured both ways, it tries the missing way; afterwards it takes the
-faster, and every PROBE_EVERY-th (32nd) step the other one, so both stay measured as the text, the
-batch and the acceptance rate change. vLLM's disable_by_batch_size applies on top; "always"
-speculates at every batch size.
+faster, and now and then one step of the other (a probe), so both stay measured as the text, the
+batch and the acceptance rate change. A probe of a mode ``gap`` times slower costs about
+``gap - 1`` steps' worth of throughput, so the probes are spaced ``(gap - 1) / PROBE_BUDGET``
+steps apart (within [MIN_PROBE_INTERVAL, MAX_PROBE_INTERVAL]): their cost stays near
+PROBE_BUDGET (1%) of throughput however much the other mode loses, and modes that measure close
+are probed often. vLLM's disable_by_batch_size applies on top; "always" speculates at every
+batch size.
 """
 
 from __future__ import annotations
 
+import math
+
 from jaxserve.speculative_config import SpeculativeConfig
 
-PROBE_EVERY = 32  # steps between probes of the mode the policy did not choose
+PROBE_BUDGET = 0.01  # the share of throughput the probes of the slower mode may cost
+MIN_PROBE_INTERVAL, MAX_PROBE_INTERVAL = 16, 256  # steps between probes, at most / at least
 _DECAY = 0.95  # weight of the past in the decayed sums
+
+
+def probe_interval(gap: float) -> int:
+    """Steps between probes of a mode measured ``gap`` (>= 1) times slower than the other."""
+    steps = math.ceil((gap - 1.0) / PROBE_BUDGET - 1e-6)  # a measured 3.0 may be 3.0000000001
+    return max(MIN_PROBE_INTERVAL, min(MAX_PROBE_INTERVAL, steps))
 
 
 class SpecPolicy:
@@ -36,7 +49,7 @@ class SpecPolicy:
         # (batch bucket, speculating?) -> decayed [tokens emitted, seconds]
         self._rates: dict[tuple[int, bool], list[float]] = {}
         self._pending: tuple[int, bool] | None = None  # the decision the next step runs under
-        self._num_decisions = 0
+        self._since_probe: dict[int, int] = {}  # batch bucket -> steps since its last probe
 
     def num_drafts(self, num_running: int) -> int:
         """k, or 0 for no speculation in the next step."""
@@ -55,9 +68,11 @@ class SpecPolicy:
         on, off = self.rate(bucket, True), self.rate(bucket, False)
         if on is None or off is None:
             return on is None  # measure the missing way, speculation first
-        self._num_decisions += 1
         best = on > off
-        return best if self._num_decisions % PROBE_EVERY else not best
+        since = self._since_probe.get(bucket, 0) + 1
+        probe = since >= probe_interval(max(on, off) / min(on, off))
+        self._since_probe[bucket] = 0 if probe else since
+        return best != probe
 
     def rate(self, bucket: int, speculating: bool) -> float | None:
         """Measured output tokens per second in a batch bucket, with or without speculation."""

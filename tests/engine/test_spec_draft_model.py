@@ -118,12 +118,6 @@ def test_a_draft_of_another_vocabulary_is_refused_before_loading(models):
         LLM(models[0], speculative_config=_draft_config(models[2]), **STRESS)
 
 
-def test_a_draft_model_under_tensor_parallelism_is_refused():
-    config = _draft_config("tiny-random-llama")
-    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
-        LLM("tiny-random-llama", tensor_parallel_size=2, speculative_config=config)
-
-
 # Where a fault can land in a speculating step: (owner, attribute, after the real call?).
 _FAULTS = {
     "the jitted step, after it ran": ("runner", "_step", True),

@@ -136,6 +136,20 @@ def test_speculative_decoding_under_tp_keeps_one_devices_tokens(results):
     assert spec["accepted_tokens"] == spec["draft_tokens"] > 0  # several tokens per step
 
 
+def test_a_draft_model_under_tp_is_sharded_like_its_target(results):
+    """The target as its own draft at tp 2: its params and pages split on the mesh, its
+    greedy drafts all accepted (its sharded forward is the target's), tokens tp 1's."""
+    runs, draft = results["parity"]["llama"], results["spec"]["draft_model"]
+    assert draft["tokens"] == runs["1"]["tokens"]
+    assert draft["seeded"] == runs["1"]["seeded"]
+    assert draft["q_proj_spec"] == [None, "tp", None]
+    assert draft["kv_spec"] == ["tp", None, None, None]  # K = 2 at tp 2
+    assert draft["accepted_tokens"] == draft["draft_tokens"] > 0
+    # A draft whose heads the per-device kernel cannot split is refused by name.
+    assert "mqa-draft" in results["spec"]["mqa_draft_refusal"]
+    assert "tensor_parallel_size=2" in results["spec"]["mqa_draft_refusal"]
+
+
 def test_nothing_compiles_after_warmup_under_tp(results):
     compiles = results["parity"]["llama"]["2"]["compiles"]
     # Token buckets 1, 4, 6, 8, 12, 16 x the sampler's two variants, and the block copy at

@@ -15,7 +15,8 @@ separate process; test_tensor_parallel.py runs it once and checks the JSON it wr
     orbax                   tokens and param shardings of an Orbax checkpoint restored at tp 2
     spec                    llama at tp 2 with speculative decoding, drafts from an oracle that
                             knows tp 1's tokens: greedy and seeded tokens, drafts verified and
-                            accepted (k = 3, so several tokens per step)
+                            accepted (k = 3, so several tokens per step); spec["draft_model"]:
+                            the same with llama as its own draft model, sharded at tp 2
     maps[tp]                memory maps and executables of llama warmed up at tp 4 and 8 with
                             table widths bucketed (runner/map_budget.py), and its greedy tokens
     kernels[family][backend]  llama and qwen3 at tp 2 with each per-device attention (xla, cpu,
@@ -216,6 +217,32 @@ def run_spec(work: pathlib.Path, parity: dict[str, Any]) -> dict[str, Any]:
     stats = llm.get_stats()
     out["draft_tokens"] = stats["spec_decode_num_draft_tokens"]
     out["accepted_tokens"] = stats["spec_decode_num_accepted_tokens"]
+    del llm
+    # The draft-model form: the target as its own draft, sharded like it on the same mesh.
+    config = {**config, "method": "draft_model", "model": str(work / "llama")}
+    llm = LLM(str(work / "llama"), tensor_parallel_size=2, speculative_config=config, **ENGINE)
+    draft = {"tokens": _greedy(llm, greedy_prompts)}
+    stats = llm.get_stats()  # greedy drafts of the target itself, verified greedily
+    draft["draft_tokens"] = stats["spec_decode_num_draft_tokens"]
+    draft["accepted_tokens"] = stats["spec_decode_num_accepted_tokens"]
+    draft["seeded"] = _seeded(llm)
+    draft["kv_spec"] = _spec(llm.engine.runner.draft.kv_caches[0][0])
+    draft["q_proj_spec"] = _spec(llm.engine.runner.draft.params["layers_0"]["attn"]["q_proj"])
+    out["draft_model"] = draft
+    del llm
+    # A draft with one KV head (MQA) at tp 2, under an attention kernel that runs per device:
+    # tp splits its query heads but not its KV heads, which the kernel cannot take. Refused
+    # before any weight loads, naming the draft.
+    mqa = write_tiny_hf_checkpoint(
+        work / "mqa-draft", "llama", **{**COMMON, "num_key_value_heads": 1}
+    )
+    config = {**config, "model": str(mqa)}
+    try:
+        LLM(str(work / "llama"), tensor_parallel_size=2, speculative_config=config,
+            attention_backend="cpu", **ENGINE)  # fmt: skip
+        out["mqa_draft_refusal"] = None
+    except ValueError as e:
+        out["mqa_draft_refusal"] = str(e)
     return out
 
 

@@ -1,11 +1,18 @@
 """The speculation policy: it measures output tokens per second with and without speculation
-per batch-size bucket, takes the faster, probes the other, and follows a change."""
+per batch-size bucket, takes the faster, probes the other (the slower, the more rarely), and
+follows a change."""
 
 from __future__ import annotations
 
 import pytest
 
-from jaxserve.spec_decode.policy import PROBE_EVERY, SpecPolicy
+from jaxserve.spec_decode.policy import (
+    MAX_PROBE_INTERVAL,
+    MIN_PROBE_INTERVAL,
+    PROBE_BUDGET,
+    SpecPolicy,
+    probe_interval,
+)
 from jaxserve.speculative_config import SpeculativeConfig
 
 
@@ -25,24 +32,40 @@ def _serve(policy: SpecPolicy, num_running: int, tok_s: dict[bool, float], steps
 
 def test_measures_both_ways_then_takes_the_faster_and_probes_the_other():
     policy = _policy()
-    decisions = _serve(policy, 3, {True: 300.0, False: 100.0}, 4 * PROBE_EVERY)
+    interval = probe_interval(300.0 / 100.0)
+    decisions = _serve(policy, 3, {True: 300.0, False: 100.0}, 2 + 4 * interval)
     assert decisions[:2] == [True, False]  # speculation measured first, then without
     assert policy.rate(4, True) == pytest.approx(300.0)
     assert policy.rate(4, False) == pytest.approx(100.0)
     later = decisions[2:]
-    assert later.count(False) == len(later) // PROBE_EVERY  # probes only
+    assert later.count(False) == 4  # probes only, one every `interval` steps
+    assert [i for i, on in enumerate(later) if not on] == [interval * j - 1 for j in (1, 2, 3, 4)]
+
+
+@pytest.mark.parametrize("gap", [1.001, 1.05, 1.3, 2.0, 3.0, 50.0])
+def test_probes_cost_about_the_budget_of_throughput(gap):
+    """A probe step of the mode ``gap`` times slower costs gap - 1 steps of the faster one's
+    time; spaced probe_interval(gap) apart, that is at most PROBE_BUDGET of the time, unless
+    the interval is at its floor (modes this close lose little either way) or its cap."""
+    interval = probe_interval(gap)
+    assert MIN_PROBE_INTERVAL <= interval <= MAX_PROBE_INTERVAL
+    cost = (gap - 1.0) / interval
+    assert cost <= PROBE_BUDGET * (1 + 1e-9) or interval == MAX_PROBE_INTERVAL
+    assert cost >= PROBE_BUDGET / 2 or interval == MIN_PROBE_INTERVAL
 
 
 def test_buckets_decide_apart_and_a_change_is_followed():
     policy = _policy()
-    _serve(policy, 200, {True: 50.0, False: 100.0}, 3 * PROBE_EVERY)  # big batch: speculation loses
-    assert policy.num_drafts(200) == 0
-    _serve(policy, 2, {True: 300.0, False: 100.0}, 3 * PROBE_EVERY)  # small batch: it wins
-    assert policy.num_drafts(2) == 4
-    assert policy.num_drafts(200) == 0  # the big bucket kept its own measurements
+    steps = 3 * probe_interval(2.0)
+    _serve(policy, 200, {True: 50.0, False: 100.0}, steps)  # big batch: speculation loses
+    assert policy.rate(256, True) < policy.rate(256, False)
+    _serve(policy, 2, {True: 300.0, False: 100.0}, steps)  # small batch: it wins
+    assert policy.rate(2, True) > policy.rate(2, False)
+    assert policy.rate(256, True) < policy.rate(256, False)  # the big bucket kept its own
     # The big batch turns repetitive: speculation now wins there too, seen through the probes.
-    decisions = _serve(policy, 200, {True: 400.0, False: 100.0}, 6 * PROBE_EVERY)
-    assert decisions[-PROBE_EVERY:].count(True) >= PROBE_EVERY - 1
+    decisions = _serve(policy, 200, {True: 400.0, False: 100.0}, 2 * steps)
+    tail = decisions[-MIN_PROBE_INTERVAL:]
+    assert tail.count(True) >= MIN_PROBE_INTERVAL - 1
 
 
 def test_always_and_disable_by_batch_size():

@@ -29,7 +29,7 @@ from jaxserve.core.sched.output import SchedulerOutput
 from jaxserve.core.sched.output_processor import finished_output, process_step
 from jaxserve.core.sched.pending_prefixes import PendingPrefixes
 from jaxserve.core.sched.policy import make_policy
-from jaxserve.core.sched.spec_tokens import SpecDecodeStats, lookahead_slots, take_drafts
+from jaxserve.core.sched.spec_tokens import SpecDecodeStats, lookahead_slots, schedule_drafts
 from jaxserve.core.sched.starting_point import starting_point
 from jaxserve.core.sched.stats import SchedulerStats, carry_kv_counters
 from jaxserve.core.sched.step_batch import StepBatch
@@ -220,16 +220,19 @@ class Scheduler:
         self._schedule_running(step)
         if not step.preempted_req_ids:
             self._schedule_waiting(step)
+        if self.spec_stats is not None:
+            schedule_drafts(self.running, step, self.kv_cache_manager,
+                            self.max_num_sampling_rows, self.num_lookahead_tokens)  # fmt: skip
         return self._build_output(step)
 
     def _schedule_running(self, step: StepBatch) -> None:
-        """Each running request's next tokens (a decode: 1 and the drafts that fit; a prefill:
-        the rest, up to the budget), preempting from the back of ``running`` when the pool is
-        full. A table that covers the new tokens needs no ``allocate_slots`` (decodes)."""
+        """Each running request's next tokens (a decode: 1; a prefill: the rest, up to the
+        budget; drafts come last, spec_tokens.schedule_drafts), preempting from the back of
+        ``running`` when the pool is full. A table that covers the new tokens needs no
+        ``allocate_slots`` (decodes)."""
         running = self.running
         tables = self.kv_cache_manager.req_to_blocks
         bs = self.block_size
-        spare_rows = self.max_num_sampling_rows - len(running)  # rows for drafts
         # Preemption pops from the end of ``running`` only (never before ``req``), which a list
         # iterator tolerates: it just stops earlier.
         for req in running:
@@ -238,36 +241,31 @@ class Scheduler:
                 break
             num_computed = req.num_computed_tokens
             num_new = min(len(req.all_token_ids) - num_computed, budget)
-            drafts = req.spec_token_ids
-            if drafts:
-                room = spare_rows - step.num_draft_tokens
-                drafts = take_drafts(req, min(budget - num_new, room))
             table = tables[req.request_id]
-            end = num_computed + num_new + len(drafts)
-            lookahead = lookahead_slots(req, num_computed + num_new, end, self.num_lookahead_tokens)
+            end = num_computed + num_new
+            lookahead = lookahead_slots(req, end, end, self.num_lookahead_tokens)
             if end + lookahead <= len(table) * bs:
                 new_ids = []
             else:
-                new_blocks, drafts = self._allocate(req, num_new, drafts, lookahead, step)
+                new_blocks = self._allocate(req, num_new, lookahead, step)
                 if new_blocks is None:  # req itself was the victim
                     break
                 new_ids = [b.block_id for b in new_blocks]
-            step.add_cached(req, new_ids, num_new, drafts, len(table))
+            step.add_cached(req, new_ids, num_new, len(table))
 
     def _allocate(
-        self, req: Request, num_new: int, drafts: list[int], lookahead: int, step: StepBatch
-    ) -> tuple[list[KVCacheBlock] | None, list[int]]:
-        """Blocks for ``num_new`` tokens, the drafts and the lookahead slots; when the pool is
-        short, the drafts and lookahead are dropped first, then lower-ranked requests
-        preempted. Returns (the new blocks, or None when ``req`` itself was preempted; the
-        drafts kept)."""
+        self, req: Request, num_new: int, lookahead: int, step: StepBatch
+    ) -> list[KVCacheBlock] | None:
+        """Blocks for ``num_new`` tokens and the lookahead slots; when the pool is short, the
+        lookahead is dropped first, then lower-ranked requests preempted. Returns the new
+        blocks, or None when ``req`` itself was preempted."""
         allocate = self.kv_cache_manager.allocate_slots
-        new_blocks = allocate(req, num_new + len(drafts) + lookahead)
-        if new_blocks is None and (drafts or lookahead):
-            drafts, new_blocks = [], allocate(req, num_new)  # [] when the table covers it
+        new_blocks = allocate(req, num_new + lookahead)
+        if new_blocks is None and lookahead:
+            new_blocks = allocate(req, num_new)  # [] when the table covers it
         if new_blocks is None:
             new_blocks = self._preempt_until_fits(req, num_new, step)
-        return new_blocks, drafts
+        return new_blocks
 
     def _preempt_until_fits(
         self, req: Request, num_new: int, step: StepBatch
@@ -311,8 +309,7 @@ class Scheduler:
         waiting = self.waiting
         skipped: list[Request] = []
         pending = PendingPrefixes(kv, self.running, self.block_size)
-        max_running = min(self.max_num_seqs, self.max_num_sampling_rows - step.num_draft_tokens)
-        while len(waiting) and step.budget > 0 and len(self.running) < max_running:
+        while len(waiting) and step.budget > 0 and len(self.running) < self.max_num_seqs:
             req = waiting.peek()
             if kv.is_swapped(req.request_id):
                 if not self._swap_in(req, step):

@@ -11,19 +11,41 @@ the request's table and are overwritten by later steps.
 
 from __future__ import annotations
 
+from jaxserve.core.kv_cache_manager import KVCacheManager
+from jaxserve.core.sched.step_batch import StepBatch
 from jaxserve.outputs import ModelRunnerOutput
 from jaxserve.request import Request
 
 
-def take_drafts(req: Request, room: int) -> list[int]:
-    """The drafts of a running decode that this step verifies: at most ``room`` (what the
-    step's token budget and sampling rows leave), and never so many that accepting them all
-    (plus the bonus token) would pass the request's length limit. Consumes them: a draft is
-    verified once or dropped."""
-    drafts = req.spec_token_ids
-    req.spec_token_ids = []
-    room = min(room, req.max_num_tokens - len(req.all_token_ids) - 1)
-    return drafts[:room] if room > 0 else []
+def schedule_drafts(
+    running: list[Request],
+    step: StepBatch,
+    kv_cache_manager: KVCacheManager,
+    max_rows: int,
+    num_lookahead: int,
+) -> None:
+    """Schedule the running decodes' drafts: last, after every running request's own tokens and
+    the waiting requests admitted, so that speculation spends only the budget and sampling rows
+    that real work leaves (a draft is a guess; a prefill chunk, or another request's decode, is
+    work that must be done: drafts scheduled first shrank the batch, and lost throughput at
+    large batches). In running order while budget and rows last; a request whose drafts need
+    blocks the pool lacks verifies none this step (nothing is preempted for a guess), and a
+    prefill chunk carries none. Every running request's drafts are consumed: a draft is
+    verified in the step after its proposal or dropped."""
+    for req in running:
+        drafts, req.spec_token_ids = req.spec_token_ids, []
+        num_new = step.cached_tokens.get(req.request_id)
+        if not drafts or num_new is None:
+            continue
+        end = req.num_computed_tokens + num_new
+        room = min(step.budget, max_rows - step.num_sampling_rows, req.max_num_tokens - end - 1)
+        if end < len(req.all_token_ids) or room <= 0:
+            continue
+        drafts = drafts[:room]
+        lookahead = lookahead_slots(req, end, end + len(drafts), num_lookahead)
+        new_blocks = kv_cache_manager.allocate_slots(req, num_new + len(drafts) + lookahead)
+        if new_blocks is not None:
+            step.add_drafts(req.request_id, drafts, [b.block_id for b in new_blocks])
 
 
 def lookahead_slots(req: Request, chunk_end: int, end: int, num_lookahead: int) -> int:

@@ -1,9 +1,9 @@
 """StepBatch: what one ``Scheduler.schedule()`` call has decided so far.
 
-The scheduler fills it in two passes (running requests, then waiting ones) and turns it into the
-SchedulerOutput hand-off at the end. Keeping new and running requests in separate containers
-gives the batch order the runner relies on (new requests first, then running ones) without
-sorting.
+The scheduler fills it in passes (running requests, waiting ones, then the running requests'
+speculative drafts) and turns it into the SchedulerOutput hand-off at the end. Keeping new and
+running requests in separate containers gives the batch order the runner relies on (new
+requests first, then running ones) without sorting.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ class StepBatch:
         "num_blocks",
         "spec_tokens",
         "num_draft_tokens",
+        "_cached_by_id",
     )
 
     def __init__(self, budget: int) -> None:
@@ -43,6 +44,7 @@ class StepBatch:
         self.num_blocks = 0
         self.spec_tokens: dict[str, list[int]] = {}  # req_id -> drafts verified this step
         self.num_draft_tokens = 0  # their total: each takes a sampling row of the step
+        self._cached_by_id: dict[str, CachedRequestData] = {}
 
     def add_new(self, req: Request, block_ids: list[int], num_new: int) -> None:
         """Schedule ``num_new`` tokens of an admitted request from its num_computed_tokens
@@ -65,22 +67,35 @@ class StepBatch:
         self.num_blocks += len(block_ids)
 
     def add_cached(
-        self, req: Request, new_block_ids: list[int], num_new: int, drafts: list[int],
-        num_blocks: int,
-    ) -> None:  # fmt: skip
-        """Schedule ``num_new`` tokens of a running request from its num_computed_tokens, and
-        its speculative ``drafts`` after them; its table now holds ``num_blocks`` blocks, the
-        last ``new_block_ids`` of them new this step."""
+        self, req: Request, new_block_ids: list[int], num_new: int, num_blocks: int
+    ) -> None:
+        """Schedule ``num_new`` tokens of a running request from its num_computed_tokens; its
+        table now holds ``num_blocks`` blocks, the last ``new_block_ids`` of them new this
+        step."""
         rid, num_computed = req.request_id, req.num_computed_tokens
-        if drafts:
-            self.spec_tokens[rid] = drafts
-            self.num_draft_tokens += len(drafts)
-            num_new += len(drafts)
-        self.cached_reqs.append(CachedRequestData(rid, new_block_ids, num_computed))
+        data = CachedRequestData(rid, new_block_ids, num_computed)
+        self.cached_reqs.append(data)
+        self._cached_by_id[rid] = data
         self.cached_tokens[rid] = num_new
         self.budget -= num_new
         self.live_tokens += num_computed + num_new
         self.num_blocks += num_blocks
+
+    def add_drafts(self, req_id: str, drafts: list[int], new_block_ids: list[int]) -> None:
+        """Verify speculative ``drafts`` after the tokens scheduled for the running request
+        ``req_id`` (add_cached); its table grew by ``new_block_ids`` for them."""
+        self.spec_tokens[req_id] = drafts
+        self.num_draft_tokens += len(drafts)
+        self.cached_tokens[req_id] += len(drafts)
+        self.budget -= len(drafts)
+        self.live_tokens += len(drafts)
+        self._cached_by_id[req_id].new_block_ids.extend(new_block_ids)
+        self.num_blocks += len(new_block_ids)
+
+    @property
+    def num_sampling_rows(self) -> int:
+        """Logits rows the step samples so far: one per scheduled request, one per draft."""
+        return len(self.new_tokens) + len(self.cached_tokens) + self.num_draft_tokens
 
     @property
     def num_scheduled_tokens(self) -> int:
