@@ -265,10 +265,8 @@ class ModelRunner:
         padded_rows = self.buckets.padded_rows(padded_tokens)
         ib = self.input_batch
         num_drafts = write_drafts(ib, req_ids, so.scheduled_spec_decode_tokens)
-        batch = ib.prepare(
-            req_ids, num_scheduled, padded_tokens, padded_rows, self.buckets.padded_width,
-            num_drafts,
-        )  # fmt: skip
+        batch = ib.prepare(req_ids, num_scheduled, padded_tokens, padded_rows,
+                           self.buckets.padded_width, num_drafts)  # fmt: skip
         # One sampling row per logits row: a request's k + 1 rows sample output positions
         # pos .. pos + k, each with its own key (rejection_sampler.py).
         row_slots, row_offsets = logits_row_owners(batch.slots, batch.num_drafts)
