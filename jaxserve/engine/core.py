@@ -75,6 +75,7 @@ class EngineCore:
             # The runner's own proposer (a draft model), or None: the config's.
             self.spec = SpecDecoder(config.speculative, proposer=runner.spec_proposer)
         self._proposal_s = 0.0  # host time of the last proposal (the policy counts it)
+        self._dead_ends: list[str] = []  # this step's requests that no token may continue
         # Called with each step's StepTrace while set (set_step_tracer); None: off.
         self.step_tracer: Callable[[StepTrace], None] | None = None
 
@@ -126,8 +127,10 @@ class EngineCore:
         return outputs
 
     def _schedule(self) -> SchedulerOutput:
-        """The scheduler's step, with the token masks of its constrained requests."""
-        return with_token_masks(self.scheduler.schedule(), self.scheduler.requests)
+        """The scheduler's step, with the token masks of its constrained requests (and their
+        dead ends, which _update ends)."""
+        so, self._dead_ends = with_token_masks(self.scheduler.schedule(), self.scheduler.requests)
+        return so
 
     def _update(
         self, so: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -139,6 +142,8 @@ class EngineCore:
         if not so.token_masks:
             return outputs
         complete, failed = advance_matchers(outputs, self.scheduler.requests)
+        failed = list(dict.fromkeys(failed + self._dead_ends))  # a dead end's EOS: not a stop
+        complete = [rid for rid in complete if rid not in failed]
         if complete:
             self.scheduler.finish_requests(complete, RequestStatus.FINISHED_STOPPED)
         if failed:

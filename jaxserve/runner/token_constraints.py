@@ -2,8 +2,9 @@
 
 Host side, ``ConstraintRows`` keeps what each slot's request fixes for its whole life
 (``allowed_token_ids`` as a bitmask row, ``logit_bias`` as id / value lists) and gathers, each
-step, the sampling rows' bitmask (that row AND the step's mask from the engine: a grammar, bad
-words; SchedulerOutput.token_masks) and biases. Device side, ``apply_token_constraints`` adds
+step, the sampling rows' bitmask (the step's mask from the engine where there is one: a
+grammar, bad words, with the allowed ids folded in; SchedulerOutput.token_masks; else that
+row) and biases. Device side, ``apply_token_constraints`` adds
 the biases and sets every token outside the bitmask to -inf, inside the one jitted step before
 sampling.
 
@@ -26,21 +27,15 @@ from jax import lax
 
 from jaxserve.sampling_constraints import MAX_LOGIT_BIAS_TOKENS
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.structured.bitmask import ALL_ALLOWED, bitmask_words, token_bitmask
 
-ALL_ALLOWED = np.uint32(0xFFFFFFFF)
-
-
-def bitmask_words(vocab_size: int) -> int:
-    """M: u32 words of a bitmask row over V tokens."""
-    return (vocab_size + 31) // 32
-
-
-def token_bitmask(token_ids: list[int], vocab_size: int) -> np.ndarray:
-    """u32[M] with exactly the bits of ``token_ids`` set."""
-    ids = np.asarray(token_ids, np.int64)
-    bits = np.zeros(32 * bitmask_words(vocab_size), np.uint8)
-    bits[ids] = 1
-    return np.packbits(bits, bitorder="little").view(np.uint32)
+__all__ = [
+    "ALL_ALLOWED",
+    "ConstraintRows",
+    "apply_token_constraints",
+    "bitmask_words",
+    "token_bitmask",
+]
 
 
 class ConstraintRows:
@@ -98,18 +93,20 @@ class ConstraintRows:
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The step's rows: (bitmask u32[R, M], bias ids i32[R, NB] (-1 pads), bias values
         f32[R, NB]) for ``slots`` i64[R] (padding rows name no slot of ours: unconstrained);
-        ``step_masks``: slot -> u32[M], the engine's mask of this step."""
+        ``step_masks``: slot -> u32[M], the engine's whole mask of this step for the slot (its
+        allowed ids included), used instead of the slot's allowed-ids row."""
         num_rows = slots.shape[0]
         bitmask = np.full((num_rows, self.num_words), ALL_ALLOWED, np.uint32)
         bias_ids = np.full((num_rows, self.bias_width), -1, np.int32)
         bias_values = np.zeros((num_rows, self.bias_width), np.float32)
         for row, slot in enumerate(slots.tolist()):
-            allowed = self._allowed.get(slot)
-            if allowed is not None:
-                bitmask[row] = allowed
+            # The engine's step mask already holds the request's allowed ids (and may allow
+            # only EOS where nothing else is left: structured/step_masks.py).
             mask = step_masks.get(slot)
+            if mask is None:
+                mask = self._allowed.get(slot)
             if mask is not None:
-                bitmask[row] &= mask
+                bitmask[row] = mask
             bias = self._bias.get(slot)
             if bias is not None:
                 bias_ids[row, : bias[0].size] = bias[0]

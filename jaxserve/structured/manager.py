@@ -15,6 +15,7 @@ from tokenizers import Tokenizer
 
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured.bad_words import tokenize_bad_words
+from jaxserve.structured.bitmask import token_bitmask
 from jaxserve.structured.grammar_compiler import GrammarCompiler
 from jaxserve.structured.request_constraints import ConstraintSpec
 
@@ -86,7 +87,10 @@ class StructuredOutputs:
         if grammar is None and not bad_words:
             return None
         backend_words = self.compiler.backend.bitmask_words if grammar else self.num_words
-        return ConstraintSpec(grammar, bad_words, self.num_words, backend_words)
+        allowed = None
+        if params.allowed_token_ids is not None:
+            allowed = token_bitmask(params.allowed_token_ids, self.vocab_size)
+        return ConstraintSpec(grammar, bad_words, self.num_words, backend_words, allowed)
 
     def _check_ids(self, params: SamplingParams) -> None:
         v = self.vocab_size

@@ -16,8 +16,9 @@ import numpy as np
 
 from jaxserve.structured.backend import CompiledGrammar, Matcher
 from jaxserve.structured.bad_words import banned_next_tokens
+from jaxserve.structured.bitmask import ALL_ALLOWED, clear_bit
 
-ALL_ALLOWED = np.uint32(0xFFFFFFFF)
+__all__ = ["ALL_ALLOWED", "ConstraintSpec", "RequestConstraints"]
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,8 @@ class ConstraintSpec:
 
     grammar: the compiled structured_outputs constraint, or None.
     bad_words: token sequences of SamplingParams.bad_words (bad_words.py), or ().
+    allowed: u32[num_words] bitmask of allowed_token_ids, or None (the runner applies it too;
+        here it lets the host see a step where nothing at all may be sampled).
     num_words: u32 words of a mask row: ceil(V / 32) for the model's logits width V.
     backend_words: u32 words the grammar library fills (>= num_words; the ids past V are
         never sampled).
@@ -35,11 +38,14 @@ class ConstraintSpec:
     bad_words: tuple[tuple[int, ...], ...]
     num_words: int
     backend_words: int
+    allowed: np.ndarray | None = None
 
     def new_state(self) -> RequestConstraints:
         """The per-sample state: its own matcher at the grammar's start."""
         matcher = None if self.grammar is None else self.grammar.new_matcher()
-        return RequestConstraints(matcher, self.bad_words, self.num_words, self.backend_words)
+        return RequestConstraints(
+            matcher, self.bad_words, self.num_words, self.backend_words, self.allowed
+        )
 
 
 class RequestConstraints:
@@ -51,24 +57,28 @@ class RequestConstraints:
         bad_words: tuple[tuple[int, ...], ...],
         num_words: int,
         backend_words: int,
+        allowed: np.ndarray | None = None,
     ) -> None:
         self.matcher = matcher
         self.bad_words = bad_words
         self.num_words = num_words
+        self.allowed = allowed  # u32[num_words] or None; shared read-only by the n samples
         # The library writes a full row of its own width; the step keeps the first num_words.
         self._scratch = np.empty(max(backend_words, num_words), np.uint32)
 
     def fill_mask(self, out: np.ndarray, output_token_ids: list[int]) -> None:
         """Write the allowed next tokens into ``out`` (u32[num_words], prefilled by the caller
-        with ALL_ALLOWED): the grammar's mask, less the tokens that would end a bad word."""
+        with ALL_ALLOWED): the grammar's mask and allowed_token_ids, less the tokens that would
+        end a bad word."""
         if self.matcher is not None:
             self._scratch.fill(0)
             self.matcher.fill_bitmask(self._scratch)
             out &= self._scratch[: self.num_words]
+        if self.allowed is not None:
+            out &= self.allowed
         if self.bad_words:
             for token in banned_next_tokens(self.bad_words, output_token_ids):
-                if token < 32 * self.num_words:
-                    out[token >> 5] &= ~np.uint32(1 << (token & 31))
+                clear_bit(out, token)
 
     def accept(self, token_ids: list[int]) -> str | None:
         """Advance past a step's accepted tokens. Returns "stop" once the grammar is complete,

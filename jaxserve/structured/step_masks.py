@@ -11,16 +11,21 @@ import numpy as np
 from jaxserve.core.sched.output import SchedulerOutput
 from jaxserve.outputs import EngineCoreOutput
 from jaxserve.request import Request
-from jaxserve.structured.request_constraints import ALL_ALLOWED
+from jaxserve.structured.bitmask import ALL_ALLOWED, set_bits
 
 logger = logging.getLogger("jaxserve")
 
 
-def with_token_masks(so: SchedulerOutput, requests: dict[str, Request]) -> SchedulerOutput:
+def with_token_masks(
+    so: SchedulerOutput, requests: dict[str, Request]
+) -> tuple[SchedulerOutput, list[str]]:
     """``so`` with the mask row (u32[ceil(V / 32)]) of every scheduled request that has
     constraints and samples this step (its chunk reaches its last token); ``so`` itself when
-    there is none."""
+    there is none. Also the dead ends: requests whose constraints leave no token at all (a
+    grammar and allowed_token_ids that do not meet, bad words that ban every allowed id);
+    their row allows EOS only, and the caller ends them with "abort" after the step."""
     masks: dict[str, np.ndarray] = {}
+    dead_ends: list[str] = []
     for rid, num in so.num_scheduled_tokens.items():
         req = requests.get(rid)
         if req is None or req.constraints is None:
@@ -30,8 +35,12 @@ def with_token_masks(so: SchedulerOutput, requests: dict[str, Request]) -> Sched
         state = req.constraints
         row = np.full(state.num_words, ALL_ALLOWED, np.uint32)
         state.fill_mask(row, req.output_token_ids)
+        if not row.any():
+            logger.warning("request %s: its constraints allow no token; it ends", rid)
+            set_bits(row, req.eos_token_ids)
+            dead_ends.append(rid)
         masks[rid] = row
-    return dataclasses.replace(so, token_masks=masks) if masks else so
+    return (dataclasses.replace(so, token_masks=masks) if masks else so), dead_ends
 
 
 def advance_matchers(

@@ -162,6 +162,18 @@ def test_allowed_token_ids_and_bad_words(llm):
         assert not contains(ids, seq) and single[0] not in ids
 
 
+def test_constraints_that_leave_no_token_end_the_request(llm):
+    (the,) = llm.get_tokenizer().encode("the", add_special_tokens=False).ids
+    eos = sorted(llm.engine.info.eos_token_ids)
+    dead_ends = [
+        SamplingParams(allowed_token_ids=[the], bad_words=["the"], **SAMPLED),
+        SamplingParams(allowed_token_ids=[5], structured_outputs={"choice": ["the"]}, **GREEDY),
+    ]
+    for (c,) in _generate(llm, ["x", "y"], dead_ends):
+        assert c.finish_reason == "abort" and c.token_ids == eos[:1]  # EOS, never a token 0
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_preemption_and_chunking_keep_each_matcher_in_step(llm):
     before = llm.get_stats()["num_preemptions"]
     rng = random.Random(0)
