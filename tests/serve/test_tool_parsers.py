@@ -62,6 +62,15 @@ def test_streamed_auto_answers_hold_back_what_may_start_a_call():
     assert stream.finish_reason("stop") == "tool_calls"
 
 
+def test_auto_without_parallel_calls_keeps_the_first():
+    block = f'<tool_call>{{"name": "weather", "arguments": {json.dumps(ARGS)}}}</tool_call>'
+    hermes = get_tool_parser("hermes")
+    message, _ = chat_message(ToolChoice("auto", (), parallel=False), hermes, block * 2, "stop")
+    assert len(message["tool_calls"]) == 1
+    message, _ = chat_message(ToolChoice("auto", ()), hermes, block * 2, "stop")
+    assert len(message["tool_calls"]) == 2
+
+
 def test_forced_calls_make_messages_and_streams():
     tools = (
         {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}},

@@ -29,7 +29,9 @@ def calls_in(
     if choice.mode == "required":
         calls = _required_calls(text)
         return (None, calls) if calls else (text, [])
-    return parser.extract(text)
+    content, calls = parser.extract(text)
+    # parallel_tool_calls=false: one call an answer; a model that wrote more gets the first.
+    return content, calls if choice.parallel else calls[:1]
 
 
 def _required_calls(text: str) -> list[FunctionCall]:
