@@ -275,39 +275,14 @@ class SamplingInputs:
         Raises:
             ValueError: mismatched lengths, padded_rows < num_rows, a slot out of range.
         """
-        slots = np.asarray(slot_indices, np.int64)
-        pos = np.asarray(output_positions, np.int32)
+        slots, pos = self._check_rows(slot_indices, padded_rows, output_positions)
         num_rows = slots.shape[0]
-        if slots.ndim != 1 or pos.shape != slots.shape:
-            raise ValueError(
-                f"SamplingInputs.build: slot_indices {slots.shape} and output_positions "
-                f"{pos.shape} must be 1-D of the same length"
-            )
-        if padded_rows < num_rows:
-            raise ValueError(
-                f"SamplingInputs.build: padded_rows={padded_rows} < num_rows={num_rows}"
-            )
-        if num_rows and not (0 <= slots.min() and slots.max() < self.max_num_seqs):
-            raise ValueError(
-                f"SamplingInputs.build: slot_indices must be in [0, {self.max_num_seqs}), "
-                f"got [{slots.min()}, {slots.max()}]"
-            )
         idx = np.full(padded_rows, self.max_num_seqs, np.int64)
         idx[:num_rows] = slots
         padded_pos = np.zeros(padded_rows, np.int32)
         padded_pos[:num_rows] = pos
-        ids, counts = self._penalties.gather(idx)
-        banned = self._gather_ban_lists(idx, padded_pos)
-        step_masks = step_masks or {}
-        constrained = bool(step_masks) or self._constraints.any_in(slots)
-        bitmask = np.full((padded_rows, 0), ALL_ALLOWED, np.uint32)
-        bias_ids = np.full((padded_rows, 0), -1, np.int32)
-        bias_values = np.zeros((padded_rows, 0), np.float32)
-        if ids.shape[1] or banned.shape[1] or constrained:  # every list, or none: two variants
-            width = self.penalty_capacity
-            ids, counts = _widen(ids, width, -1), _widen(counts, width, 0)
-            banned = _widen(banned, self.ban_width, -1)
-            bitmask, bias_ids, bias_values = self._constraints.gather(idx, step_masks)
+        lists = self._gather_lists(idx, padded_pos, slots, step_masks or {})
+        ids, counts, banned, bitmask, bias_ids, bias_values = lists
         return SamplingMetadata(
             temperature=self._temperature[idx],
             top_k=self._top_k[idx],
@@ -328,6 +303,52 @@ class SamplingInputs:
         )
 
     # ----- helpers -----
+
+    def _check_rows(
+        self, slot_indices: np.ndarray, padded_rows: int, output_positions: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """build's arguments checked: (slots i64[num_rows], positions i32[num_rows])."""
+        slots = np.asarray(slot_indices, np.int64)
+        pos = np.asarray(output_positions, np.int32)
+        num_rows = slots.shape[0]
+        if slots.ndim != 1 or pos.shape != slots.shape:
+            raise ValueError(
+                f"SamplingInputs.build: slot_indices {slots.shape} and output_positions "
+                f"{pos.shape} must be 1-D of the same length"
+            )
+        if padded_rows < num_rows:
+            raise ValueError(
+                f"SamplingInputs.build: padded_rows={padded_rows} < num_rows={num_rows}"
+            )
+        if num_rows and not (0 <= slots.min() and slots.max() < self.max_num_seqs):
+            raise ValueError(
+                f"SamplingInputs.build: slot_indices must be in [0, {self.max_num_seqs}), "
+                f"got [{slots.min()}, {slots.max()}]"
+            )
+        return slots, pos
+
+    def _gather_lists(
+        self,
+        idx: np.ndarray,
+        pos: np.ndarray,
+        slots: np.ndarray,
+        step_masks: Mapping[int, np.ndarray],
+    ) -> tuple[np.ndarray, ...]:
+        """The rows' penalty lists, ban lists and token constraints: every list at its fixed
+        width when some row has one, all at width 0 otherwise (the sampler's two variants)."""
+        padded_rows = idx.shape[0]
+        ids, counts = self._penalties.gather(idx)
+        banned = self._gather_ban_lists(idx, pos)
+        constrained = bool(step_masks) or self._constraints.any_in(slots)
+        if not (ids.shape[1] or banned.shape[1] or constrained):
+            bitmask = np.full((padded_rows, 0), ALL_ALLOWED, np.uint32)
+            bias_ids = np.full((padded_rows, 0), -1, np.int32)
+            bias_values = np.zeros((padded_rows, 0), np.float32)
+            return ids, counts, banned, bitmask, bias_ids, bias_values
+        width = self.penalty_capacity
+        ids, counts = _widen(ids, width, -1), _widen(counts, width, 0)
+        banned = _widen(banned, self.ban_width, -1)
+        return (ids, counts, banned, *self._constraints.gather(idx, step_masks))
 
     def _gather_ban_lists(self, idx: np.ndarray, pos: np.ndarray) -> np.ndarray:
         num = np.where(pos < self._min_tokens[idx], self._num_banned[idx], 0)  # i32[R]
