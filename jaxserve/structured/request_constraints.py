@@ -63,17 +63,22 @@ class RequestConstraints:
         self.bad_words = bad_words
         self.num_words = num_words
         self.allowed = allowed  # u32[num_words] or None; shared read-only by the n samples
-        # The library writes a full row of its own width; the step keeps the first num_words.
-        self._scratch = np.empty(max(backend_words, num_words), np.uint32)
+        # The library writes a full row of its own width; the step keeps the first num_words
+        # (no scratch row when the widths agree: it writes into the step's row directly).
+        self._scratch = None
+        if backend_words != num_words:
+            self._scratch = np.empty(max(backend_words, num_words), np.uint32)
 
     def fill_mask(self, out: np.ndarray, output_token_ids: list[int]) -> None:
-        """Write the allowed next tokens into ``out`` (u32[num_words], prefilled by the caller
-        with ALL_ALLOWED): the grammar's mask and allowed_token_ids, less the tokens that would
-        end a bad word."""
+        """Write the allowed next tokens into ``out`` (u32[num_words], contiguous, prefilled by
+        the caller with ALL_ALLOWED): the grammar's mask and allowed_token_ids, less the tokens
+        that would end a bad word."""
         if self.matcher is not None:
-            self._scratch.fill(0)
-            self.matcher.fill_bitmask(self._scratch)
-            out &= self._scratch[: self.num_words]
+            if self._scratch is None:
+                self.matcher.fill_bitmask(out)
+            else:
+                self.matcher.fill_bitmask(self._scratch)
+                out &= self._scratch[: self.num_words]
         if self.allowed is not None:
             out &= self.allowed
         if self.bad_words:

@@ -24,23 +24,29 @@ def with_token_masks(
     there is none. Also the dead ends: requests whose constraints leave no token at all (a
     grammar and allowed_token_ids that do not meet, bad words that ban every allowed id);
     their row allows EOS only, and the caller ends them with "abort" after the step."""
-    masks: dict[str, np.ndarray] = {}
-    dead_ends: list[str] = []
+    sampling = []
     for rid, num in so.num_scheduled_tokens.items():
         req = requests.get(rid)
         if req is None or req.constraints is None:
             continue
         if req.num_computed_tokens + num < req.num_tokens:
             continue  # a prefill chunk that samples nothing
-        state = req.constraints
-        row = np.full(state.num_words, ALL_ALLOWED, np.uint32)
-        state.fill_mask(row, req.output_token_ids)
+        sampling.append(req)
+    if not sampling:
+        return so, []
+    # One block for the step's rows (each row a contiguous view): no allocation per request.
+    block = np.full((len(sampling), sampling[0].constraints.num_words), ALL_ALLOWED, np.uint32)
+    masks: dict[str, np.ndarray] = {}
+    dead_ends: list[str] = []
+    for req, row in zip(sampling, block, strict=True):
+        rid = req.request_id
+        req.constraints.fill_mask(row, req.output_token_ids)
         if not row.any():
             logger.warning("request %s: its constraints allow no token; it ends", rid)
             set_bits(row, req.eos_token_ids)
             dead_ends.append(rid)
         masks[rid] = row
-    return (dataclasses.replace(so, token_masks=masks) if masks else so), dead_ends
+    return dataclasses.replace(so, token_masks=masks), dead_ends
 
 
 def advance_matchers(
