@@ -19,7 +19,7 @@ from jaxserve.structured.bitmask import token_bitmask
 from jaxserve.structured.grammar_compiler import GrammarCompiler
 from jaxserve.structured.request_constraints import ConstraintSpec
 
-CONSTRAINT_FIELDS = "structured_outputs, logit_bias, allowed_token_ids, bad_words"
+CONSTRAINT_FIELDS = ("structured_outputs", "logit_bias", "allowed_token_ids", "bad_words")
 
 
 class StructuredOutputs:
@@ -72,9 +72,11 @@ class StructuredOutputs:
         if not params.has_constraints:
             return None
         if self.speculative:
+            used = [name for name in CONSTRAINT_FIELDS if getattr(params, name)]
             raise ValueError(
-                f"SamplingParams: {CONSTRAINT_FIELDS} cannot be combined with speculative "
-                "decoding (speculative_config is set): drafts are not checked against them"
+                f"SamplingParams.{used[0]}: {', '.join(used)} cannot be combined with "
+                "speculative decoding (speculative_config is set): drafts are not checked "
+                "against them"
             )
         self._check_ids(params)
         grammar = None
