@@ -19,8 +19,8 @@ warm-up is explained (step_compiles.py).
 Speculative decoding: a request's drafts get a logits row each plus one (spec_rows.py), each
 sampled as its own output position; the step verifies them (rejection_sampler.py) and
 ``_collect`` hands back the accepted drafts and one more token; a draft model (draft_model.py)
-runs inside the step and proposes after it (``spec_proposer``). Structured outputs will plug in
-as a per-row token mask: one more step input (step.py), built next to SamplingInputs.build.
+runs inside the step and proposes after it (``spec_proposer``). Token constraints: the step's
+masks (SchedulerOutput.token_masks) go into SamplingInputs.build (token_constraints.py).
 """
 
 from __future__ import annotations
