@@ -57,7 +57,13 @@ class StructuredOutputs:
                 from jaxserve.structured.llguidance_backend import LLGuidanceBackend
 
                 tokenizer = self._need_tokenizer()
-                backend = LLGuidanceBackend(tokenizer, self.vocab_size, self.eos_token_ids)
+                try:
+                    backend = LLGuidanceBackend(tokenizer, self.vocab_size, self.eos_token_ids)
+                except Exception as e:  # the library's own error type for a tokenizer it refuses
+                    raise ValueError(
+                        "SamplingParams.structured_outputs: llguidance cannot use this model's "
+                        f"tokenizer ({e})"
+                    ) from None
                 self._compiler = GrammarCompiler(backend)
             return self._compiler
 
