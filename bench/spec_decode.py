@@ -17,7 +17,10 @@ others gained). One engine per method serves every B (max_num_seqs = the largest
     draft-small  a one-layer draft (random weights, so it rarely agrees with the target)
 
 Also the cost of a verification step: the oracle's steps of 1 + k tokens against the plain
-engine's one-token decode steps at batch 1 (device time, from the step tracer).
+engine's one-token decode steps at batch 1 (device time, from the step tracer), and the
+proposer's host time as a share of each run's wall time ("propose%", get_stats()'s
+spec_decode_proposer_seconds; the oracle's is a dict lookup). Last, a draft model's acceptance
+on random requests: sampled drafts (unseeded) against greedy ones (seeded).
 
 Workloads: "repetitive" (prompts made of a span repeated, the case prompt lookup is for) and
 "sharegpt" (bench/_datasets.py's lognormal lengths). A random-weight checkpoint never quotes its
@@ -95,8 +98,9 @@ def _run(llm: LLM, prompts, params, concurrency: int) -> tuple[float, list[list[
     after = llm.get_stats()
     delta = {
         key: after.get(key, 0) - before.get(key, 0)
-        for key in ("num_steps", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
-    }
+        for key in ("num_steps", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+                    "spec_decode_proposer_seconds")
+    }  # fmt: skip
     return seconds, [tokens[i] for i in range(len(prompts))], delta
 
 
@@ -118,6 +122,7 @@ def _measure(plain, name, llm, workloads, batch, params) -> list[dict]:
             workload=workload, batch=batch, engine=name, output_tok_s=tok_s,
             ratio=base_s / seconds, steps=delta["num_steps"], draft_tokens=drafts,
             acceptance=delta["spec_decode_num_accepted_tokens"] / drafts if drafts else None,
+            proposer_share=delta["spec_decode_proposer_seconds"] / seconds,
         ))  # fmt: skip
         _print_row(rows[-1])
     return rows
@@ -126,7 +131,8 @@ def _measure(plain, name, llm, workloads, batch, params) -> list[dict]:
 def _print_row(r: dict) -> None:
     acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
     head = f"{r['workload']:<11}{r['batch']:>6} {r['engine']:<13}{r['output_tok_s']:>9.1f}"
-    print(f"{head}{r['ratio']:>9.2f}{r['steps']:>7}{r['draft_tokens']:>8}{acc:>8}", flush=True)
+    tail = f"{r['steps']:>7}{r['draft_tokens']:>8}{acc:>8}{100 * r['proposer_share']:>9.1f}"
+    print(f"{head}{r['ratio']:>9.2f}{tail}", flush=True)
 
 
 def _verification_cost(folder, engine_kw, vocab, max_len) -> dict:
@@ -151,6 +157,29 @@ def _verification_cost(folder, engine_kw, vocab, max_len) -> dict:
         times[name] = float(np.median([t.device_s for t in traces if t.num_tokens == want]))
     return {"plain_ms": 1e3 * times["plain"], "spec_ms": 1e3 * times["spec"],
             "ratio": times["spec"] / times["plain"]}  # fmt: skip
+
+
+def _sampled_drafts(drafts: dict[str, str], folder, engine_kw, vocab, max_len) -> dict:
+    """Acceptance of a draft model's drafts for random requests (temperature 1): unseeded
+    ones get sampled drafts (the general-q rule), seeded ones greedy drafts (one-hot: accepted
+    with probability p(argmax)); 16 ShareGPT-like requests each, 32 tokens."""
+    prompts = _prompts("sharegpt", 16, vocab, max_len, seed=7)
+    out = {}
+    print(f"\n{'draft (temperature 1)':<24}{'sampled drafts':>16}{'greedy drafts':>15}")
+    for name, model in drafts.items():
+        spec = {"method": "draft_model", "model": model, "num_speculative_tokens": K,
+                "policy": "always"}  # fmt: skip
+        llm = LLM(str(folder), speculative_config=spec, **engine_kw)
+        row = {}
+        for mode, seed in (("sampled", None), ("greedy", 1)):
+            params = SamplingParams(temperature=1.0, seed=seed, max_tokens=32, ignore_eos=True)
+            _, _, delta = _run(llm, prompts, params, 16)
+            drafts_n = delta["spec_decode_num_draft_tokens"]
+            row[mode] = delta["spec_decode_num_accepted_tokens"] / drafts_n if drafts_n else None
+        del llm
+        out[name] = row
+        print(f"{name:<24}{row['sampled']:>16.2f}{row['greedy']:>15.2f}", flush=True)
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -183,7 +212,7 @@ def main(argv: list[str] | None = None) -> dict:
     }  # fmt: skip
     vocab = preset.model["vocab_size"]
     print(f"{'workload':<11}{'batch':>6} {'engine':<13}{'tok/s':>9}{'x plain':>9}"
-          f"{'steps':>7}{'drafts':>8}{'accept':>8}", flush=True)  # fmt: skip
+          f"{'steps':>7}{'drafts':>8}{'accept':>8}{'propose%':>9}", flush=True)  # fmt: skip
     plain, rows = LLM(str(folder), **engine_kw), []
     if args.methods:
         specs = {name: specs[name] for name in args.methods.split(",")}
@@ -197,9 +226,10 @@ def main(argv: list[str] | None = None) -> dict:
         del llm
     del plain
     cost = _verification_cost(folder, engine_kw, vocab, max_len)
+    sampled = _sampled_drafts({"draft=target": str(folder), "draft-small": str(draft_folder)},
+                              folder, engine_kw, vocab, max_len)  # fmt: skip
     report = {"preset": args.preset, "k": K, "max_tokens": max_tokens, "rows": rows,
-              "verification_cost": cost}  # fmt: skip
-    cost = report["verification_cost"]
+              "verification_cost": cost, "sampled_drafts": sampled}  # fmt: skip
     print(
         f"\nbatch 1: a verification step of {1 + K} tokens takes {cost['ratio']:.2f}x a "
         f"one-token decode step ({cost['spec_ms']:.2f} vs {cost['plain_ms']:.2f} ms, device)"

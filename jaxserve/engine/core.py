@@ -241,4 +241,6 @@ class EngineCore:
         stats["num_compilations"] = self.runner.num_compilations
         stats["num_compilation_cache_hits"] = self.runner.num_compilation_cache_hits
         stats["recompilations"] = self.runner.recompilations
+        if self.spec is not None:
+            stats["spec_decode_proposer_seconds"] = self.spec.proposer_seconds
         return stats

@@ -12,15 +12,15 @@ per-step path. The pure step, its shardings and the block copy are step.py; warm
 warmup.py; prompt-logprobs bookkeeping is prompt_logprobs.py.
 
 Compiled variants are keyed by the bucket shapes and the sampler's two list widths (none, or
-penalty and ban lists); warm-up can compile every (T, R, B) in both, and the copy-on-write block
-copy at every padded size; `num_compilations` counts fresh compilations, and every one after
-warm-up is explained (step_compiles.py).
+penalty and ban lists); warm-up compiles every (T, R, B) in both, and the block copy at every
+padded size; every compilation after warm-up is explained (step_compiles.py).
 
 Speculative decoding: a request's drafts get a logits row each plus one (spec_rows.py), each
-sampled as its own output position; the step verifies them (rejection_sampler.py) and
-``_collect`` hands back the accepted drafts and one more token; a draft model (draft_model.py)
-runs inside the step and proposes after it (``spec_proposer``). Token constraints: the step's
-masks (SchedulerOutput.token_masks) go into SamplingInputs.build (token_constraints.py).
+sampled as its own output position; the step verifies them (rejection_sampler.py; a draft
+model's sampled drafts with their q, DraftModel.q_rows_of) and ``_collect`` hands back the
+accepted drafts and one more token; a draft model runs inside the step and proposes after it
+(``spec_proposer``). Token constraints: the step's masks (SchedulerOutput.token_masks) go
+into SamplingInputs.build (token_constraints.py).
 """
 
 from __future__ import annotations
@@ -209,16 +209,11 @@ class ModelRunner:
         return [self.compiles, self.copy_compiles, *offload, *draft]
 
     def reset(self) -> bool:
-        """Forget every request: the recovery of an engine step that raised part-way.
-
-        The host buffers are rebuilt empty. The KV pages survive unless the failed step left
-        them unusable (donated to a jitted call whose result was never stored, or poisoned by
-        a failed computation); then they are reallocated, zeroed.
-
-        Returns:
-            True when the KV pages were reallocated: every cached prefix is gone, and the
-            scheduler must drop its prefix cache.
-        """
+        """Forget every request: the recovery of an engine step that raised part-way. The host
+        buffers are rebuilt empty. The KV pages survive unless the failed step left them
+        unusable (donated to a jitted call whose result was never stored, or poisoned by a
+        failed computation); then they are reallocated, zeroed, and it returns True: every
+        cached prefix is gone, and the scheduler must drop its prefix cache."""
         self._init_host_state()
         if self.draft is not None:  # only guesses live in its pages: nothing to report
             self.draft.reset(self.input_batch, pages_ok=_all_ready(self.draft.kv_caches))
@@ -301,6 +296,8 @@ class ModelRunner:
         """
         if prompt_targets is None:
             prompt_targets = np.full(batch.input_ids.shape, -1, np.int32)
+        draft, rows = self.draft, len(batch.draft_ids)
+        q_rows = None if draft is None else draft.q_rows_of(batch.req_ids, batch.num_drafts, rows)
         start = time.perf_counter()
         self.kv_caches, out, plp, num_emitted, draft_kv = self._step(
             self.params,
@@ -311,7 +308,7 @@ class ModelRunner:
             batch.draft_ids,
             sampling_md,
             prompt_targets,
-            *DraftModel.step_args(self.draft),
+            *DraftModel.step_args(draft, q_rows),
         )
         if self.draft is not None:
             self.draft.kv_caches = draft_kv

@@ -17,12 +17,90 @@ norm(max(p - q, 0)) (the recovered token). The bonus token after k accepted draf
 of the last row. Because each row's draw uses the key the same output position uses without
 speculation, greedy and seeded outputs are token for token those of the engine without
 speculation: speculation changes how many steps a request takes, never its tokens.
+
+Sampled drafts (the draft model, for random requests without a seed): the draft d was drawn
+from the draft model's distribution q at that position (over its top Q tokens: q is stored
+exactly, as ids and probabilities, and d is drawn from exactly that), and the row keeps the
+standard rule with a general q: accept d with probability min(1, p(d) / q(d)), else emit a draw
+from norm(max(p - q, 0)); p is the target's processed distribution (temperature, min-p, top-k,
+top-p, bans). The emitted token is distributed as p whatever q is, and a good draft (q near p)
+is accepted with probability sum(min(p, q)) instead of p(d) for a one-hot guess. The draft's
+draw, the acceptance and the recovery use independent uniforms from the row's key (row_keys).
+Seeded requests keep one-hot drafts, so that their tokens stay those without speculation.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import jax
 import jax.numpy as jnp
+from jax import lax
+
+from jaxserve.runner.draw import inverse_cdf_draw
+
+# fold_in streams of a row's key (row_keys): the sampler's own draw uses the key itself.
+DRAFT_STREAM, ACCEPT_STREAM, RECOVER_STREAM = 1, 2, 3
+
+
+def row_keys(seeds: jax.Array, output_pos: jax.Array) -> jax.Array:
+    """key[R] of each row: fold_in(key(seed), output position), from u32[R, 2] seeds."""
+    keys = jax.random.wrap_key_data(seeds, impl="threefry2x32")
+    return jax.vmap(jax.random.fold_in)(keys, output_pos)
+
+
+def stream_uniforms(keys: jax.Array, stream: int) -> jax.Array:
+    """f32[R] in [0, 1): one uniform per row from stream ``stream`` of its key."""
+    return jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, stream)))(keys)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class SampledDrafts:
+    """The step's R logits rows' sampled drafts: row r verifies draft_ids[r], drawn from the
+    distribution with mass q_probs[r] on tokens q_ids[r], where use_q[r] (elsewhere the
+    one-hot rule applies and q_* hold anything)."""
+
+    draft_ids: jax.Array  # i32[R] -1: none
+    q_ids: jax.Array  # i32[R, Q]
+    q_probs: jax.Array  # f32[R, Q], summing to 1 on the rows that use them
+    use_q: jax.Array  # bool[R]
+
+
+def draw_top_q(
+    logits: jax.Array, inv_t: jax.Array, uniform: jax.Array, num_q: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A draft model's sampled drafts: per row, a draw from q = softmax(logits * inv_t) over
+    the row's ``num_q`` most likely tokens, returned with q exactly as drawn from.
+
+    Args: logits f32[R, V]; inv_t f32[R] (> 0); uniform f32[R] in [0, 1).
+    Returns: (draft i32[R], q_ids i32[R, Q], q_probs f32[R, Q]).
+    """
+    vals, q_ids = lax.top_k(logits.astype(jnp.float32), num_q)
+    q_probs = jax.nn.softmax(vals * inv_t[:, None], axis=-1)
+    cum = jnp.cumsum(q_probs, axis=-1)
+    index = jnp.sum(cum <= (uniform * cum[:, -1])[:, None], axis=-1)
+    index = jnp.minimum(index, num_q - 1)  # rounding at the top end
+    draft = jnp.take_along_axis(q_ids, index[:, None], axis=1)[:, 0]
+    # q_probs is the distribution the draw inverted (its cumulative sum, renormalised).
+    return draft.astype(jnp.int32), q_ids.astype(jnp.int32), q_probs / cum[:, -1:]
+
+
+def verify_sampled(
+    p: jax.Array, drafts: SampledDrafts, u_accept: jax.Array, u_recover: jax.Array
+) -> jax.Array:
+    """i32[R]: per row, the draft when u_accept * q(d) < p(d) (probability min(1, p / q)),
+    else a draw from norm(max(p - q, 0)) at u_recover. p: f32[R, V] the target's processed
+    probabilities; rows that do not use q get an unspecified token."""
+    num_rows = p.shape[0]
+    rows = jnp.arange(num_rows)
+    d = jnp.maximum(drafts.draft_ids, 0)
+    q = jnp.zeros_like(p).at[rows[:, None], drafts.q_ids].add(drafts.q_probs)
+    accept = u_accept * q[rows, d] < p[rows, d]
+    log_residual = jnp.log(jnp.maximum(p - q, 0.0))  # -inf where q covers p
+    top = jnp.max(log_residual, axis=-1)
+    recovered = inverse_cdf_draw(log_residual, u_recover, jnp.where(jnp.isfinite(top), top, 0.0))
+    return jnp.where(accept, d, recovered).astype(jnp.int32)
 
 
 def num_emitted_per_segment(sampled: jax.Array, draft_ids: jax.Array) -> jax.Array:

@@ -41,6 +41,14 @@ from jax import lax
 
 from jaxserve.outputs import TokenLogprobs
 from jaxserve.runner.draw import draw_tokens
+from jaxserve.runner.rejection_sampler import (
+    ACCEPT_STREAM,
+    RECOVER_STREAM,
+    SampledDrafts,
+    row_keys,
+    stream_uniforms,
+    verify_sampled,
+)
 from jaxserve.runner.sampling_metadata import SamplingMetadata
 from jaxserve.runner.token_constraints import apply_token_constraints
 from jaxserve.sampling_params import MAX_LOGPROBS
@@ -92,6 +100,7 @@ def sample(
     *,
     fast_top_k: int = DEFAULT_FAST_TOP_K,
     draw: str = "xla",
+    drafts: SampledDrafts | None = None,
 ) -> SamplerOutput:
     """Sample one token per row. Traced inside the runner's jit; all keyword args are static.
 
@@ -101,6 +110,8 @@ def sample(
         fast_top_k: width of the lax.top_k that settles top-k / top-p before a full sort.
         draw: "xla", or "cpu" for the C++ draw kernel (the execution plan's choice on the CPU
             where the kernel builds; the same draw up to f32 rounding of the exps).
+        drafts: sampled speculative drafts, whose rows keep the general-q rule instead of
+            their own draw (rejection_sampler.py; a run-time test skips it when none does).
     Returns:
         SamplerOutput.
     Raises:
@@ -120,6 +131,12 @@ def sample(
         )
 
     token_ids = lax.cond(jnp.all(greedy), lambda: _argmax(x), some_sampled)
+    if drafts is not None:
+        token_ids = lax.cond(
+            jnp.any(drafts.use_q),
+            lambda: _verify_sampled_drafts(x, md, fast_top_k, token_ids, drafts),
+            lambda: token_ids,
+        )
     num = logprobs_width(raw.shape[1])
     lp = lax.cond(
         jnp.any(md.num_logprobs >= 0),
@@ -190,16 +207,39 @@ def _sample_random(x: jax.Array, md: SamplingMetadata, fast_top_k: int, draw: st
     so min-p, top-k and top-p come down to one threshold per row on the unscaled x, applied
     (with the temperature) inside the draw's exp pass (x / t and a masked copy of x would each
     cost a full pass)."""
+    inv_t, min_p_offset, threshold = _masks(x, md, fast_top_k)
+    uniform = jax.vmap(jax.random.uniform)(row_keys(md.seeds, md.output_pos))  # f32[R] in [0, 1)
+    return draw_tokens(x, uniform, inv_t, min_p_offset, threshold, draw)
+
+
+def _masks(x: jax.Array, md: SamplingMetadata, fast_top_k: int) -> tuple[jax.Array, ...]:
+    """(1 / temperature, the min-p offset, the top-k / top-p threshold), each f32[R]: token i
+    survives when x_i >= max(max(x) + offset, threshold), at probability softmax(x * inv_t)."""
     temperature = jnp.where(md.temperature > 0.0, md.temperature, 1.0)  # greedy rows: unused
     inv_t = 1.0 / temperature
     # min-p: p_i >= min_p * p_max  <=>  x_i / t >= x_max / t + log(min_p)
     #        <=>  x_i >= x_max + t * log(min_p); min_p = 0 gives -inf: keeps all.
     min_p_offset = temperature * jnp.log(md.min_p)
     threshold = _top_k_top_p_threshold(x, min_p_offset, md.top_k, md.top_p, fast_top_k, inv_t)
-    keys = jax.random.wrap_key_data(md.seeds, impl="threefry2x32")  # key[R]
-    keys = jax.vmap(jax.random.fold_in)(keys, md.output_pos)
-    uniform = jax.vmap(jax.random.uniform)(keys)  # f32[R] in [0, 1)
-    return draw_tokens(x, uniform, inv_t, min_p_offset, threshold, draw)
+    return inv_t, min_p_offset, threshold
+
+
+def _verify_sampled_drafts(
+    x: jax.Array, md: SamplingMetadata, fast_top_k: int, token_ids: jax.Array,
+    drafts: SampledDrafts,
+) -> jax.Array:  # fmt: skip
+    """The rows with sampled drafts re-decided by the general-q rule against the processed
+    distribution the row's own draw used (rejection_sampler.verify_sampled)."""
+    inv_t, min_p_offset, threshold = _masks(x, md, fast_top_k)
+    row_max = jnp.max(x, axis=-1)
+    floor = jnp.maximum(row_max + min_p_offset, threshold)
+    z = jnp.where(x >= floor[:, None], (x - row_max[:, None]) * inv_t[:, None], -jnp.inf)
+    keys = row_keys(md.seeds, md.output_pos)
+    verified = verify_sampled(
+        jax.nn.softmax(z, axis=-1), drafts,
+        stream_uniforms(keys, ACCEPT_STREAM), stream_uniforms(keys, RECOVER_STREAM),
+    )  # fmt: skip
+    return jnp.where(drafts.use_q, verified, token_ids)
 
 
 def _top_k_top_p_threshold(

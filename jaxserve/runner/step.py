@@ -22,7 +22,7 @@ from jax import lax
 
 from jaxserve.models import AttentionMetadata, CausalLM
 from jaxserve.runner.input_batch import PreparedBatch
-from jaxserve.runner.rejection_sampler import num_emitted_per_segment
+from jaxserve.runner.rejection_sampler import SampledDrafts, num_emitted_per_segment
 from jaxserve.runner.sampler import logprobs_width, no_logprobs, prompt_logprobs, sample
 from jaxserve.runner.sampling_metadata import SamplingMetadata
 from jaxserve.runner.sharding import ShardingPlan
@@ -38,6 +38,7 @@ STEP_ARGS = (  # the step's positional arguments, named for compilation explanat
     "prompt_targets",
     "draft_params",
     "draft_kv_caches",
+    "draft_q",
 )
 COPY_ARGS = ("kv_caches", "src", "dst")
 
@@ -107,6 +108,7 @@ def _step_fn(
     prompt_targets: jax.Array,  # i32[T] next prompt token per row (prompt logprobs), else -1
     draft_params: Any = None,  # the draft model's, with a draft; else None
     draft_kv_caches: Any = None,  # its KV pages (donated), with a draft; else None
+    draft_q: Any = None,  # draft_model.DraftQ: its sampled drafts' q, with a draft; else None
 ):
     """The jitted step: forward, logits at the R sampling rows, sample, the speculative drafts'
     verification (how many tokens each segment of rows keeps; 1 per request without drafts),
@@ -114,7 +116,13 @@ def _step_fn(
     does: a run-time test)."""
     kv_caches, hidden = model.forward(params, kv_caches, input_ids, md)  # [T, D]
     logits = model.compute_logits(params, hidden[logits_indices])  # f32[R, V]
-    out = sample(logits, sampling_md, draw=draw)
+    drafts = None
+    if draft_q is not None:  # the rows that verify a sampled draft, and its q
+        q_row = jnp.maximum(draft_q.q_rows, 0)
+        drafts = SampledDrafts(
+            draft_ids, draft_q.q_ids[q_row], draft_q.q_probs[q_row], draft_q.q_rows >= 0
+        )
+    out = sample(logits, sampling_md, draw=draw, drafts=drafts)
     num_emitted = num_emitted_per_segment(out.token_ids, draft_ids)  # i32[R]
     num = logprobs_width(model.arch.vocab_size)
     plp = lax.cond(
@@ -174,8 +182,8 @@ def _step_shardings(
         draft_params, draft_kv = draft_plan.param_shardings(), draft_plan.kv_shardings(draft_layers)
     return dict(
         # params, kv_caches, input_ids, md, logits_indices, draft_ids, sampling_md,
-        # prompt_targets, draft_params, draft_kv_caches
-        in_shardings=(plan.param_shardings(), kv, *(rep,) * 6, draft_params, draft_kv),
+        # prompt_targets, draft_params, draft_kv_caches, draft_q
+        in_shardings=(plan.param_shardings(), kv, *(rep,) * 6, draft_params, draft_kv, rep),
         # kv_caches, sampler output, prompt logprobs, tokens emitted per segment, draft KV
         out_shardings=(kv, rep, rep, rep, draft_kv),
     )

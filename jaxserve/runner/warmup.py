@@ -77,7 +77,7 @@ def _draft_compilations(runner: ModelRunner) -> list[Compilation]:
         Compilation(
             draft.compiles,
             draft.jitted_propose,
-            (draft.params, draft.kv_caches, *draft.padded_inputs(rows)),
+            (draft.params, *draft.propose_args(rows)),
             PROPOSE_ARGS,
         )
         for rows in draft.row_buckets
@@ -141,5 +141,5 @@ def padding_step_inputs(
         batch.draft_ids,
         neutral_sampling(padded_rows, runner.vocab_size, widths),
         np.full(padded_tokens, -1, np.int32),  # no prompt-logprob targets
-        *DraftModel.step_args(runner.draft),
+        *DraftModel.step_args(runner.draft, np.full(padded_rows, -1, np.int32)),
     )

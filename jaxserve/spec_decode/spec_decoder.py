@@ -10,6 +10,7 @@ token per step, while the others speculate.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from typing import Protocol
 
@@ -54,20 +55,24 @@ class SpecDecoder:
             config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
         )
         self.policy = SpecPolicy(config)
+        self.proposer_seconds = 0.0  # host time in the proposer, all calls (get_stats)
 
     def propose(self, running: Iterable[Request]) -> dict[str, list[int]]:
         """The next step's drafts by request id (requests without a proposal left out)."""
         running = list(running)
         k = self.policy.num_drafts(len(running))
-        eligible = []
-        if k:
-            eligible = [
-                r
-                for r in running
-                if r.num_computed_tokens == len(r.all_token_ids) - 1
-                and can_speculate(r.sampling_params)
-            ]
-        return self.proposer.propose(eligible, k)
+        if not k:
+            return {}
+        eligible = [
+            r
+            for r in running
+            if r.num_computed_tokens == len(r.all_token_ids) - 1
+            and can_speculate(r.sampling_params)
+        ]
+        start = time.perf_counter()
+        drafts = self.proposer.propose(eligible, k)
+        self.proposer_seconds += time.perf_counter() - start
+        return drafts
 
     def observe_step(self, num_emitted: int, seconds: float) -> None:
         """A step's output tokens and wall time (the policy's measured throughput)."""

@@ -88,6 +88,8 @@ def test_oracle_drafts_change_steps_not_tokens(plain, wrong):
     assert _tokens(llm, prompts, GREEDY) == reference
     stats = llm.get_stats()
     assert stats["spec_decode_num_draft_tokens"] > 0
+    assert stats["spec_decode_proposer_seconds"] > 0.0  # the proposer's host time, timed
+    assert "spec_decode_proposer_seconds" not in plain.get_stats()
     if wrong:
         assert stats["spec_decode_num_accepted_tokens"] == 0
     else:  # every draft the budget let through is accepted

@@ -113,6 +113,36 @@ def test_nothing_compiles_after_warmup_with_a_draft_model(models):
     assert stats["num_compilations"] + stats["num_compilation_cache_hits"] == compiled
 
 
+def _acceptance(llm: LLM, params: SamplingParams) -> float:
+    before = llm.get_stats()
+    prompts = [{"prompt_token_ids": [t % 64 for t in p]} for p in _prompts()]
+    llm.generate(prompts, params, use_tqdm=False)
+    assert_nothing_held(llm.engine)
+    drafts, accepted = (
+        llm.get_stats()[key] - before[key]
+        for key in ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+    )
+    assert drafts > 0
+    return accepted / drafts
+
+
+def test_unseeded_random_requests_verify_sampled_drafts(tmp_path):
+    """An unseeded random request gets drafts sampled from the draft model, its q kept for the
+    rejection sampler's general rule; a seeded one gets greedy drafts (its tokens stay those
+    without speculation). With the target as its own draft and q over the whole vocabulary
+    (64 tokens, within DRAFT_TOP_Q), q is the target's own distribution: nearly every sampled
+    draft is accepted, where a greedy draft is accepted with probability p(argmax) only."""
+    model = str(write_tiny_hf_checkpoint(tmp_path / "v64", "llama", vocab_size=64,
+                                         num_hidden_layers=1, with_tokenizer=False))  # fmt: skip
+    llm = LLM(model, speculative_config=_draft_config(model), **{**STRESS, "num_kv_blocks": 40})
+    sampled = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+    seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=20, ignore_eos=True)
+    assert _acceptance(llm, sampled) > 0.95
+    assert _acceptance(llm, seeded) < 0.5
+    stats = llm.get_stats()
+    assert stats["recompilations"] == []
+
+
 def test_a_draft_of_another_vocabulary_is_refused_before_loading(models):
     with pytest.raises(ValueError, match=r"vocab_size=300.*has 512|vocab_size"):
         LLM(models[0], speculative_config=_draft_config(models[2]), **STRESS)

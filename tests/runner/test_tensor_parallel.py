@@ -145,6 +145,7 @@ def test_a_draft_model_under_tp_is_sharded_like_its_target(results):
     assert draft["q_proj_spec"] == [None, "tp", None]
     assert draft["kv_spec"] == ["tp", None, None, None]  # K = 2 at tp 2
     assert draft["accepted_tokens"] == draft["draft_tokens"] > 0
+    assert draft["unseeded_lengths"] == [6, 6, 6] and draft["sampled_draft_tokens"] > 0
     # A draft whose heads the per-device kernel cannot split is refused by name.
     assert "mqa-draft" in results["spec"]["mqa_draft_refusal"]
     assert "tensor_parallel_size=2" in results["spec"]["mqa_draft_refusal"]

@@ -226,6 +226,12 @@ def run_spec(work: pathlib.Path, parity: dict[str, Any]) -> dict[str, Any]:
     draft["draft_tokens"] = stats["spec_decode_num_draft_tokens"]
     draft["accepted_tokens"] = stats["spec_decode_num_accepted_tokens"]
     draft["seeded"] = _seeded(llm)
+    # Unseeded random requests: drafts sampled by the sharded draft, verified by the general rule.
+    unseeded = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True)
+    before = llm.get_stats()["spec_decode_num_draft_tokens"]
+    outs = llm.generate(greedy_prompts, unseeded, use_tqdm=False)
+    draft["unseeded_lengths"] = [len(o.outputs[0].token_ids) for o in outs]
+    draft["sampled_draft_tokens"] = llm.get_stats()["spec_decode_num_draft_tokens"] - before
     draft["kv_spec"] = _spec(llm.engine.runner.draft.kv_caches[0][0])
     draft["q_proj_spec"] = _spec(llm.engine.runner.draft.params["layers_0"]["attn"]["q_proj"])
     out["draft_model"] = draft
