@@ -76,6 +76,9 @@ class EngineCore:
             self.spec = SpecDecoder(config.speculative, proposer=runner.spec_proposer)
         self._proposal_s = 0.0  # host time of the last proposal (the policy counts it)
         self._dead_ends: list[str] = []  # this step's requests that no token may continue
+        # Ids of the requests with constraints queued so far, less those gone (pruned each
+        # step): an engine without any pays nothing per step for structured outputs.
+        self._constrained: set[str] = set()
         # Called with each step's StepTrace while set (set_step_tracer); None: off.
         self.step_tracer: Callable[[StepTrace], None] | None = None
 
@@ -129,7 +132,12 @@ class EngineCore:
     def _schedule(self) -> SchedulerOutput:
         """The scheduler's step, with the token masks of its constrained requests (and their
         dead ends, which _update ends)."""
-        so, self._dead_ends = with_token_masks(self.scheduler.schedule(), self.scheduler.requests)
+        so = self.scheduler.schedule()
+        self._dead_ends = []
+        if self._constrained:
+            requests = self.scheduler.requests
+            self._constrained.intersection_update(requests)
+            so, self._dead_ends = with_token_masks(so, requests, self._constrained)
         return so
 
     def _update(
@@ -165,6 +173,8 @@ class EngineCore:
                 parent = requests[0].request_id if i else None
                 self.scheduler.add_request(req, parent_req_id=parent)
                 added.append(req.request_id)
+                if req.constraints is not None:
+                    self._constrained.add(req.request_id)
         except BaseException:
             self.scheduler.abort_requests(added)
             raise

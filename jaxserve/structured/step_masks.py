@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -17,17 +18,21 @@ logger = logging.getLogger("jaxserve")
 
 
 def with_token_masks(
-    so: SchedulerOutput, requests: dict[str, Request]
+    so: SchedulerOutput, requests: dict[str, Request], constrained: Iterable[str]
 ) -> tuple[SchedulerOutput, list[str]]:
     """``so`` with the mask row (u32[ceil(V / 32)]) of every scheduled request that has
     constraints and samples this step (its chunk reaches its last token); ``so`` itself when
     there is none. Also the dead ends: requests whose constraints leave no token at all (a
     grammar and allowed_token_ids that do not meet, bad words that ban every allowed id);
-    their row allows EOS only, and the caller ends them with "abort" after the step."""
+    their row allows EOS only, and the caller ends them with "abort" after the step.
+    ``constrained``: the ids of the requests that may have constraints (the others are not
+    looked at)."""
     sampling = []
-    for rid, num in so.num_scheduled_tokens.items():
+    scheduled = so.num_scheduled_tokens
+    for rid in constrained:
+        num = scheduled.get(rid)
         req = requests.get(rid)
-        if req is None or req.constraints is None:
+        if num is None or req is None or req.constraints is None:
             continue
         if req.num_computed_tokens + num < req.num_tokens:
             continue  # a prefill chunk that samples nothing
