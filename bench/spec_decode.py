@@ -8,7 +8,9 @@ others gained). One engine per method serves every B (max_num_seqs = the largest
 
     plain        no speculation
     ngram        n-gram drafts, policy "always" (speculates at every batch size)
-    ngram-auto   n-gram drafts, the cost-model policy (stops where speculating would lose)
+    ngram-auto   n-gram drafts, the automatic policy (stops where speculating would lose)
+    suffix       suffix decoding, policy "always" (the request's own tokens and the engine's
+                 earlier outputs)
     oracle       drafts that are always right (the plain run's own tokens): the mechanism's
                  ceiling, what n-gram reaches on outputs that quote their inputs
     draft=target the draft_model method with the target as its own draft: acceptance 1, and
@@ -207,6 +209,7 @@ def main(argv: list[str] | None = None) -> dict:
     always = {**ngram, "policy": "always"}
     specs = {
         "ngram": always, "ngram-auto": ngram, "oracle": always,
+        "suffix": {**always, "method": "suffix"},
         "draft=target": {**always, "method": "draft_model", "model": str(folder)},
         "draft-small": {**always, "method": "draft_model", "model": str(draft_folder)},
     }  # fmt: skip

@@ -13,10 +13,20 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-# Methods jaxserve implements. vLLM also has "suffix", "draft_model", "eagle", "eagle3",
-# "mtp" and "medusa": named here so that their refusal says what is missing, not "unknown".
-SPEC_METHODS = ("ngram", "draft_model")
-NOT_IMPLEMENTED_METHODS = ("suffix", "eagle", "eagle3", "mtp", "medusa")
+# Methods jaxserve implements. vLLM also has "eagle", "eagle3", "mtp" and "medusa": named here
+# so that their refusal says what is missing, not "unknown".
+SPEC_METHODS = ("ngram", "suffix", "draft_model")
+NOT_IMPLEMENTED_METHODS = ("eagle", "eagle3", "mtp", "medusa")
+# "suffix" settings (vLLM's names) and their defaults: tree depth, finished requests whose
+# outputs stay in the engine-wide tree (vLLM: 10000; a Python tree of 24-token paths costs
+# about 0.1 kB a node, so the default here is lower), draft length per matched token, and the
+# least running probability of a drafted continuation.
+SUFFIX_DEFAULTS = {
+    "suffix_decoding_max_tree_depth": 24,
+    "suffix_decoding_max_cached_requests": 1000,
+    "suffix_decoding_max_spec_factor": 1.0,
+    "suffix_decoding_min_token_prob": 0.1,
+}
 MAX_SPECULATIVE_TOKENS = 32  # k: drafts per request per step
 # The automatic policy's modes: "auto" speculates only while the measured cost model says it
 # gains (spec_decode/policy.py); "always" speculates at every batch size.
@@ -29,16 +39,20 @@ class SpeculativeConfig:
 
     method: SPEC_METHODS. "ngram" is prompt lookup: the longest suffix of the request's tokens
         (prompt and outputs) of prompt_lookup_max down to prompt_lookup_min tokens that occurred
-        earlier proposes the tokens that followed it. "draft_model": a smaller model (``model``)
-        proposes k tokens greedily (runner/draft_model.py).
+        earlier proposes the tokens that followed it. "suffix": suffix decoding, the most
+        frequent continuations of the longest matching suffix in the request's own tokens and
+        in the engine's earlier outputs (spec_decode/suffix_proposer.py). "draft_model": a
+        smaller model (``model``) proposes k tokens (runner/draft_model.py).
     model: the draft model of "draft_model" (any checkpoint jaxserve loads, with the target's
         vocabulary); refused with "ngram".
     num_speculative_tokens: k, the most drafts a request verifies per step, 1..32.
     prompt_lookup_min / prompt_lookup_max: the n-gram lengths tried, longest first.
     disable_by_batch_size: vLLM's switch: no speculation while more requests than this are
         running (None: no such cap).
-    policy: SPEC_POLICIES; "auto" also stops speculating where the measured step costs and
-        acceptance rate say it would lose throughput, and resumes when the batch shrinks.
+    policy: SPEC_POLICIES; "auto" also stops speculating where the measured throughput with
+        drafts is lower than without, and resumes when the batch shrinks.
+    suffix_decoding_*: "suffix" only (SUFFIX_DEFAULTS): max_tree_depth 1..1024,
+        max_cached_requests >= 0, max_spec_factor > 0, min_token_prob in [0, 1].
     """
 
     method: str = "ngram"
@@ -48,6 +62,10 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     disable_by_batch_size: int | None = None
     policy: str = "auto"
+    suffix_decoding_max_tree_depth: int | None = None
+    suffix_decoding_max_cached_requests: int | None = None
+    suffix_decoding_max_spec_factor: float | None = None
+    suffix_decoding_min_token_prob: float | None = None
 
     def __post_init__(self) -> None:
         owner = "speculative_config"
@@ -79,6 +97,26 @@ class SpeculativeConfig:
             raise ValueError(
                 f"{owner}['policy'] must be one of {list(SPEC_POLICIES)}, got {self.policy!r}"
             )
+        self._check_suffix(owner)
+
+    def _check_suffix(self, owner: str) -> None:
+        """The suffix_decoding_* keys: refused for other methods, defaulted and checked for
+        "suffix"."""
+        for name, default in SUFFIX_DEFAULTS.items():
+            value = getattr(self, name)
+            if self.method != "suffix":
+                if value is not None:
+                    raise ValueError(
+                        f"{owner}[{name!r}]={value!r} is for method 'suffix', not {self.method!r}"
+                    )
+                continue
+            if value is None:
+                object.__setattr__(self, name, value := default)
+            if name.endswith(("depth", "requests")):
+                low = 1 if name.endswith("depth") else 0
+                _int_in(owner, name, value, low, 1024 if low else 1 << 30)
+            else:
+                _float_in(owner, name, value, name.endswith("prob"))
 
     @classmethod
     def from_value(cls, value: Any) -> SpeculativeConfig | None:
@@ -103,6 +141,16 @@ class SpeculativeConfig:
         if "method" not in value:
             raise ValueError(f"speculative_config needs a 'method', one of {list(SPEC_METHODS)}")
         return cls(**value)
+
+
+def _float_in(owner: str, name: str, value: object, probability: bool) -> None:
+    """A probability in [0, 1], or a factor > 0."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{owner}[{name!r}] must be a number, got {value!r}")
+    if probability and not 0.0 <= value <= 1.0:
+        raise ValueError(f"{owner}[{name!r}] must be in [0, 1], got {value}")
+    if not probability and not 0.0 < value < float("inf"):
+        raise ValueError(f"{owner}[{name!r}] must be a finite number > 0, got {value}")
 
 
 def _int_in(owner: str, name: str, value: object, lo: int, hi: int) -> None:

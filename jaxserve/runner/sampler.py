@@ -102,7 +102,7 @@ def sample(
     draw: str = "xla",
     drafts: SampledDrafts | None = None,
 ) -> SamplerOutput:
-    """Sample one token per row. Traced inside the runner's jit; all keyword args are static.
+    """Sample one token per row. Traced inside the runner's jit; fast_top_k and draw are static.
 
     Args:
         logits: f32[R, V] (any float dtype; computed in f32) at the rows that sample.

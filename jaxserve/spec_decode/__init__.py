@@ -9,5 +9,6 @@ SpecDecoder for the next step's drafts after each step.
 from jaxserve.spec_decode.ngram_proposer import NgramProposer
 from jaxserve.spec_decode.policy import SpecPolicy
 from jaxserve.spec_decode.spec_decoder import SpecDecoder
+from jaxserve.spec_decode.suffix_proposer import SuffixProposer
 
-__all__ = ["NgramProposer", "SpecDecoder", "SpecPolicy"]
+__all__ = ["NgramProposer", "SpecDecoder", "SpecPolicy", "SuffixProposer"]

@@ -20,7 +20,7 @@ import numpy as np
 from jaxserve.request import Request
 
 
-class _TokenBuffer:
+class TokenBuffer:
     """A request's tokens as a growable numpy array (amortised O(1) append)."""
 
     __slots__ = ("data", "size")
@@ -57,7 +57,7 @@ class NgramProposer:
         self.k = num_speculative_tokens
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
-        self._buffers: dict[str, _TokenBuffer] = {}
+        self._buffers: dict[str, TokenBuffer] = {}
 
     def propose(self, requests: Iterable[Request], k: int) -> dict[str, list[int]]:
         """Drafts (at most ``k`` each) for the given requests; those without a match are left
@@ -65,7 +65,7 @@ class NgramProposer:
         buffers, self._buffers = self._buffers, {}
         drafts = {}
         for req in requests:
-            buf = buffers.get(req.request_id) or _TokenBuffer()
+            buf = buffers.get(req.request_id) or TokenBuffer()
             self._buffers[req.request_id] = buf
             found = propose_ngram(buf.sync(req.all_token_ids), self.min_n, self.max_n, k)
             if found:
@@ -81,12 +81,24 @@ def propose_ngram(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[in
     tokens[e + 1 : e + 1 + k]; it may overlap the suffix itself (a repeated run of tokens
     proposes its own continuation).
     """
-    size = tokens.shape[0]
-    if size < min_n + 1 or k < 1:
+    if tokens.shape[0] < min_n + 1 or k < 1:
         return []
-    ends = np.flatnonzero(tokens[: size - 1] == tokens[size - 1])  # occurrences of the last token
+    ends, length = suffix_matches(tokens, max_n)
     if not ends.size:
         return []
+    best = int(length.max())
+    if best < min_n:
+        return []
+    end = int(ends[np.flatnonzero(length == best)[-1]])  # the most recent of the longest
+    return tokens[end + 1 : end + 1 + k].tolist()
+
+
+def suffix_matches(tokens: np.ndarray, max_n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The earlier occurrences of the last token (their positions e < len - 1, ascending) and
+    how many tokens of the sequence's suffix each matches, ending at e (1..max_n): one
+    vectorised comparison, then at most max_n - 1 gathers over the candidates."""
+    size = tokens.shape[0]
+    ends = np.flatnonzero(tokens[: size - 1] == tokens[size - 1])  # occurrences of the last token
     length = np.ones(ends.shape[0], np.int32)  # matched suffix length at each candidate end
     for j in range(1, min(max_n, size - 1)):
         prev = ends - j
@@ -95,8 +107,4 @@ def propose_ngram(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[in
         length += ok
         if not ok.any():
             break
-    best = int(length.max())
-    if best < min_n:
-        return []
-    end = int(ends[np.flatnonzero(length == best)[-1]])  # the most recent of the longest
-    return tokens[end + 1 : end + 1 + k].tolist()
+    return ends, length

@@ -18,6 +18,7 @@ from jaxserve.request import Request
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.spec_decode.ngram_proposer import NgramProposer
 from jaxserve.spec_decode.policy import SpecPolicy
+from jaxserve.spec_decode.suffix_proposer import SuffixProposer
 from jaxserve.speculative_config import SpeculativeConfig
 
 
@@ -25,6 +26,22 @@ class Proposer(Protocol):
     def propose(self, requests: Iterable[Request], k: int) -> dict[str, list[int]]:
         """Up to k drafts for each of the given running decodes (none where it has no guess)."""
         ...
+
+
+def host_proposer(config: SpeculativeConfig) -> Proposer:
+    """The proposer of a host-side method ("ngram", "suffix"); a draft model's is the
+    runner's (runner/draft_model.py)."""
+    if config.method == "suffix":
+        return SuffixProposer(
+            config.num_speculative_tokens,
+            config.suffix_decoding_max_tree_depth,
+            config.suffix_decoding_max_cached_requests,
+            config.suffix_decoding_max_spec_factor,
+            config.suffix_decoding_min_token_prob,
+        )
+    return NgramProposer(
+        config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+    )
 
 
 def can_speculate(params: SamplingParams) -> bool:
@@ -51,9 +68,7 @@ class SpecDecoder:
         proposer: Proposer | None = None,
     ) -> None:
         self.config = config
-        self.proposer = proposer or NgramProposer(
-            config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
-        )
+        self.proposer = proposer or host_proposer(config)
         self.policy = SpecPolicy(config)
         self.proposer_seconds = 0.0  # host time in the proposer, all calls (get_stats)
 

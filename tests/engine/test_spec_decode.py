@@ -78,6 +78,26 @@ def test_ngram_tokens_are_those_without_speculation(plain, spec, params):
     assert after["num_preemptions"] > 0 or before["num_preemptions"] > 0
 
 
+def test_suffix_decoding_tokens_are_those_without_speculation(plain):
+    """The "suffix" method: drafts from the request's own tokens and from earlier outputs of
+    the engine; greedy and seeded tokens unchanged. The same prompts served twice: the second
+    time every output is in the engine-wide tree, and most drafts are right."""
+    config = {"method": "suffix", "num_speculative_tokens": K, "policy": "always",
+              "suffix_decoding_max_spec_factor": 4.0}  # fmt: skip
+    llm = LLM("tiny-random-llama", speculative_config=config, **STRESS)
+    prompts = _prompts()
+    for params in (GREEDY, SEEDED):
+        assert _tokens(llm, prompts, params) == _tokens(plain, prompts, params)
+    before = llm.get_stats()
+    assert _tokens(llm, prompts, GREEDY) == _tokens(plain, prompts, GREEDY)
+    after = llm.get_stats()
+    drafts, accepted = (
+        after[key] - before[key]
+        for key in ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+    )
+    assert accepted > 0.8 * drafts > 0
+
+
 @pytest.mark.parametrize("wrong", [False, True], ids=["always-right", "always-wrong"])
 def test_oracle_drafts_change_steps_not_tokens(plain, wrong):
     prompts = _prompts()
@@ -180,7 +200,7 @@ def test_nothing_compiles_after_warmup_with_speculation():
     "value, error, match",
     [
         ({"method": "eagle3", "num_speculative_tokens": 2}, ValueError, "not implemented"),
-        ({"method": "medusa2"}, ValueError, r"must be one of \['ngram', 'draft_model'\]"),
+        ({"method": "medusa2"}, ValueError, r"must be one of \['ngram', 'suffix', 'draft_model'\]"),
         ({"method": "ngram", "num_speculative_tokens": 0}, ValueError, "num_speculative_tokens"),
         ({"method": "ngram", "num_speculative_tokens": 33}, ValueError, r"\[1, 32\], got 33"),
         ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, ValueError,
@@ -190,6 +210,16 @@ def test_nothing_compiles_after_warmup_with_speculation():
         ({"method": "ngram", "num_speculative_tokens": "4"}, TypeError, "must be an int"),
         ({"method": "draft_model"}, ValueError, r"\['model'\] must name the draft model"),
         ({"method": "ngram", "model": "x"}, ValueError, "is for method 'draft_model'"),
+        ({"method": "ngram", "suffix_decoding_max_tree_depth": 8}, ValueError,
+         "is for method 'suffix', not 'ngram'"),
+        ({"method": "suffix", "suffix_decoding_max_tree_depth": 0}, ValueError,
+         r"max_tree_depth'\] must be in \[1, 1024\], got 0"),
+        ({"method": "suffix", "suffix_decoding_min_token_prob": 1.5}, ValueError,
+         r"min_token_prob'\] must be in \[0, 1\]"),
+        ({"method": "suffix", "suffix_decoding_max_spec_factor": float("nan")}, ValueError,
+         "max_spec_factor"),
+        ({"method": "suffix", "suffix_decoding_max_cached_requests": "9"}, TypeError,
+         "must be an int"),
         ("ngram", TypeError, "must be a dict"),
     ],
 )  # fmt: skip
