@@ -45,6 +45,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.set_defaults(run=run)
     add_model_flag(p, required=True)
+    _add_http_flags(p)
+    _add_chat_flags(p)
+    add_engine_flags(p)
+
+
+def _add_http_flags(p: argparse.ArgumentParser) -> None:
+    """Where and how the server listens, and its limits on requests."""
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument(
         "--port", type=port, default=8000, help="port to listen on (default 8000; 0: any free)"
@@ -86,6 +93,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         help=f"answer 413 to a request body over N bytes (default {DEFAULT_MAX_BODY_BYTES})",
     )
+
+
+def _add_chat_flags(p: argparse.ArgumentParser) -> None:
+    """What chat requests may bring: their own template, tool calls."""
     p.add_argument(
         "--trust-request-chat-template",
         action="store_true",
@@ -99,7 +110,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="the model's tool-call format, read for tool_choice 'auto' (vLLM's names); "
         "without it 'auto' is refused, 'required' and named functions work",
     )
-    add_engine_flags(p)
 
 
 def run(args: argparse.Namespace) -> int:
