@@ -128,6 +128,39 @@ def _submissions(
     return subs
 
 
+def _record_outputs(outs, by_id: dict, now: float) -> int:
+    """Stamp each output's request timing (first token, last useful token, finish) at `now`;
+    returns the tokens of the requests that finished."""
+    num_generated = 0
+    for out in outs:
+        t = by_id[out.request_id].timing
+        n = len(out.outputs[0].token_ids)
+        if n and not np.isfinite(t.first_token):
+            t.first_token = now
+        if n >= t.output_len and not np.isfinite(t.last_useful_token):
+            t.last_useful_token = now
+        if out.finished:
+            t.finish = now
+            num_generated += n
+    return num_generated
+
+
+def _engine_stats(engine, compiles_before: int) -> dict:
+    """The engine's counters after a run: steps, preemptions, peak KV use, prefix cache hits,
+    and the compilations since `compiles_before`."""
+    stats = engine.get_stats()
+    queries, hits = stats["prefix_cache_queries"], stats["prefix_cache_hits"]
+    return {
+        "num_steps": stats["num_steps"],
+        "num_preemptions": stats["num_preemptions"],
+        "peak_kv_slot_utilization": stats["peak_kv_slot_utilization"],
+        "prefix_cache_queries": queries,
+        "prefix_cache_hits": hits,
+        "prefix_hit_rate": hits / queries if queries else 0.0,
+        "compilations_during_run": compiles(engine) - compiles_before,
+    }
+
+
 def run(
     engine,
     requests: list[BenchRequest],
@@ -170,32 +203,14 @@ def run(
             time.sleep(max(0.0, pending[0].timing.arrival - (time.perf_counter() - t0)))
             continue
         outs = engine.step()
-        now = time.perf_counter() - t0
-        for out in outs:
-            t = by_id[out.request_id].timing
-            n = len(out.outputs[0].token_ids)
-            if n and not np.isfinite(t.first_token):
-                t.first_token = now
-            if n >= t.output_len and not np.isfinite(t.last_useful_token):
-                t.last_useful_token = now
-            if out.finished:
-                t.finish = now
-                num_generated += n
+        num_generated += _record_outputs(outs, by_id, time.perf_counter() - t0)
     elapsed = time.perf_counter() - t0
 
-    stats = engine.get_stats()
-    queries, hits = stats["prefix_cache_queries"], stats["prefix_cache_hits"]
     extra = {
         "mode": mode,
         "enable_prefix_caching": enable_prefix_caching,
         "num_generated_tokens": num_generated,  # static batching: padded outputs included
-        "num_steps": stats["num_steps"],
-        "num_preemptions": stats["num_preemptions"],
-        "peak_kv_slot_utilization": stats["peak_kv_slot_utilization"],
-        "prefix_cache_queries": queries,
-        "prefix_cache_hits": hits,
-        "prefix_hit_rate": hits / queries if queries else 0.0,
-        "compilations_during_run": compiles(engine) - compiles_before,
+        **_engine_stats(engine, compiles_before),
     }
     if mode == "poisson":
         extra["request_rate"] = request_rate

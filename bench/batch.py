@@ -344,6 +344,58 @@ def child_main(kind: str, spec_path: str) -> int:
     return int(result.get("rc", 0))
 
 
+def _with_run_batch_summary(r: dict) -> dict:
+    """A run-batch child's result with the figures of the summary line it printed, or a
+    failure when it printed none."""
+    m = re.search(r"output tokens: (\d+) in ([\d.]+) s", r["stdout"])
+    if not m:
+        return {"failed": "no summary line", "output_tail": r["stdout"][-1500:]}
+    r["summary_line"] = m.group(0)
+    r["output_tokens"] = int(m.group(1))
+    r["elapsed_s"] = r["summary"]["elapsed_s"]  # the number the line prints
+    r["build_s"] = r.pop("startup_s")
+    return r
+
+
+def _with_generate_cli_summary(r: dict) -> dict:
+    """A generate-cli child's result with the figures of the summary it printed, or a
+    failure when it printed none."""
+    out = re.search(r"output tokens:\s+(\d+)", r["stdout"])
+    el = re.search(r"elapsed:\s+([\d.]+) s \(model load ([\d.]+) s", r["stdout"])
+    tp = re.search(r"output throughput:\s+([\d.]+)", r["stdout"])
+    if not (out and el and tp):
+        return {"failed": "no summary", "output_tail": r["stdout"][-1500:]}
+    r["summary_line"] = f"{el.group(0)}; {tp.group(0)}"
+    r["output_tokens"] = int(out.group(1))
+    r["elapsed_s"] = r.pop("elapsed_s_exact")  # the number `elapsed` prints
+    r["build_s"] = float(el.group(2))
+    r["printed_output_tokens_per_s"] = float(tp.group(1))
+    return r
+
+
+def _compare_token_ids(reference_ids: list, ids: list) -> dict:
+    """How a path's token ids (one list per request) differ from the reference's: the
+    mismatched requests (the first 20 named) and where the first of them diverges."""
+    bad = [i for i, (a, b) in enumerate(zip(reference_ids, ids, strict=True)) if a != b]
+    entry = {
+        "num_requests": len(ids),
+        "mismatched_requests": len(bad),
+        "mismatched_ids": bad[:20],
+    }
+    if bad:
+        i = bad[0]
+        a, b = reference_ids[i], ids[i] or []
+        diff = (k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+        pos = next(diff, min(len(a), len(b)))
+        entry["first_mismatch"] = {
+            "request": i,
+            "position": pos,
+            "len_ref": len(a),
+            "len_path": len(b),
+        }
+    return entry
+
+
 # ---- the parent ----------------------------------------------------------------------------
 
 
@@ -466,14 +518,7 @@ class Bench:
             )
             timed = "the job (run_batch; engine build excluded), from its summary line"
             if "failed" not in r:
-                m = re.search(r"output tokens: (\d+) in ([\d.]+) s", r["stdout"])
-                if not m:
-                    r = {"failed": "no summary line", "output_tail": r["stdout"][-1500:]}
-                else:
-                    r["summary_line"] = m.group(0)
-                    r["output_tokens"] = int(m.group(1))
-                    r["elapsed_s"] = r["summary"]["elapsed_s"]  # the number the line prints
-                    r["build_s"] = r.pop("startup_s")
+                r = _with_run_batch_summary(r)
         elif name == "generate-cli":
             r = self.child(
                 name,
@@ -483,17 +528,7 @@ class Bench:
             )
             timed = "its summary's elapsed (model load excluded)"
             if "failed" not in r:
-                out = re.search(r"output tokens:\s+(\d+)", r["stdout"])
-                el = re.search(r"elapsed:\s+([\d.]+) s \(model load ([\d.]+) s", r["stdout"])
-                tp = re.search(r"output throughput:\s+([\d.]+)", r["stdout"])
-                if not (out and el and tp):
-                    r = {"failed": "no summary", "output_tail": r["stdout"][-1500:]}
-                else:
-                    r["summary_line"] = f"{el.group(0)}; {tp.group(0)}"
-                    r["output_tokens"] = int(out.group(1))
-                    r["elapsed_s"] = r.pop("elapsed_s_exact")  # the number `elapsed` prints
-                    r["build_s"] = float(el.group(2))
-                    r["printed_output_tokens_per_s"] = float(tp.group(1))
+                r = _with_generate_cli_summary(r)
         else:  # ray-N
             n = int(name.split("-")[1])
             batch_size = self.args.ray_batch_size or math.ceil(len(self.dataset.requests) / n)
@@ -562,25 +597,8 @@ class Bench:
             ids = r.pop("token_ids", None)
             if ids is None or reference_ids is None or name == "generate":
                 continue
-            bad = [i for i, (a, b) in enumerate(zip(reference_ids, ids, strict=True)) if a != b]
-            entry = {
-                "num_requests": len(ids),
-                "mismatched_requests": len(bad),
-                "mismatched_ids": bad[:20],
-            }
-            if bad:
-                i = bad[0]
-                a, b = reference_ids[i], ids[i] or []
-                diff = (k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
-                pos = next(diff, min(len(a), len(b)))
-                entry["first_mismatch"] = {
-                    "request": i,
-                    "position": pos,
-                    "len_ref": len(a),
-                    "len_path": len(b),
-                }
-            tokens[name] = entry
-            r["token_id_mismatches"] = len(bad)
+            tokens[name] = _compare_token_ids(reference_ids, ids)
+            r["token_id_mismatches"] = tokens[name]["mismatched_requests"]
         ray = self._ray_summary()
         report = {
             "preset": self.args.preset,

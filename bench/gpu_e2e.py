@@ -67,7 +67,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -516,6 +516,44 @@ def _percentiles(values: list[float]) -> dict:
     return {f"p{q}": float(np.percentile(v, q)) for q in (50, 90, 99)}
 
 
+def _step_until_done(
+    engine, ids: list[str], deadline: float, res: _Result, before: int
+) -> tuple[dict[str, int], dict[str, float], bool, float]:
+    """Step the engine until its requests (`ids`) finish or `deadline` (time.time()) is 3 s
+    away, saving progress in `res` every 5 s (compilations counted from `before`).
+
+    Returns:
+        (output tokens per request id, finish time (s from the first step) per finished id,
+        whether the run was cut at the deadline, seconds elapsed).
+    """
+    runner = engine.runner
+    generated = dict.fromkeys(ids, 0)
+    finish: dict[str, float] = {}
+    truncated = False
+    t0 = last_save = time.perf_counter()
+    while engine.has_unfinished_requests():
+        # finished_only: what LLM.generate reads (no RequestOutput per running request).
+        for out in engine.step(finished_only=True):
+            generated[out.request_id] = len(out.outputs[0].token_ids)
+            finish[out.request_id] = time.perf_counter() - t0
+        if time.perf_counter() - last_save > 5:  # progress, in case the process is killed
+            last_save = time.perf_counter()
+            res["run_progress"] = dict(
+                seconds=last_save - t0,
+                num_finished=len(finish),
+                num_output_tokens_of_finished=sum(generated.values()),
+                compilations=runner.num_compilations - before,
+            )
+            res.save()
+        if time.time() > deadline - 3 and engine.has_unfinished_requests():
+            # Out of time: one more step reports every running request's tokens so far.
+            for out in engine.step():
+                generated[out.request_id] = len(out.outputs[0].token_ids)
+            truncated = True
+            break
+    return generated, finish, truncated, time.perf_counter() - t0
+
+
 def child_cold(spec: dict, res: _Result) -> None:
     """Cold start, then the offline throughput run (see the module docstring)."""
     llm = _build_and_warm(spec, res, stop_for_run_s=spec["run_reserve_s"])
@@ -541,31 +579,9 @@ def child_cold(spec: dict, res: _Result) -> None:
     ids = [f"bench-{i}" for i in range(len(requests))]
     for rid, (i, r) in zip(ids, enumerate(requests), strict=True):
         engine.add_request(rid, r.prompt_token_ids, _params(r, spec["seed"] + i))
-    generated = dict.fromkeys(ids, 0)
-    finish: dict[str, float] = {}
-    truncated = False
-    t0 = last_save = time.perf_counter()
-    while engine.has_unfinished_requests():
-        # finished_only: what LLM.generate reads (no RequestOutput per running request).
-        for out in engine.step(finished_only=True):
-            generated[out.request_id] = len(out.outputs[0].token_ids)
-            finish[out.request_id] = time.perf_counter() - t0
-        if time.perf_counter() - last_save > 5:  # progress, in case the process is killed
-            last_save = time.perf_counter()
-            res["run_progress"] = dict(
-                seconds=last_save - t0,
-                num_finished=len(finish),
-                num_output_tokens_of_finished=sum(generated.values()),
-                compilations=runner.num_compilations - before,
-            )
-            res.save()
-        if time.time() > spec["deadline"] - 3 and engine.has_unfinished_requests():
-            # Out of time: one more step reports every running request's tokens so far.
-            for out in engine.step():
-                generated[out.request_id] = len(out.outputs[0].token_ids)
-            truncated = True
-            break
-    elapsed = time.perf_counter() - t0
+    generated, finish, truncated, elapsed = _step_until_done(
+        engine, ids, spec["deadline"], res, before
+    )
     stats = llm.get_stats()
     num_out = sum(generated.values())
     num_in = sum(r.prompt_len for r in requests)
@@ -618,10 +634,13 @@ def child_warm(spec: dict, res: _Result) -> None:
     res.save()
 
 
-def child_hf(spec: dict, res: _Result) -> None:
-    """transformers `generate` on a fixed subset (see the module docstring)."""
-    t_spawn, deadline = spec["t_spawn"], spec["deadline"]
-    res["started_after_spawn_s"] = time.time() - t_spawn
+def _hf_import_and_load(spec: dict, res: _Result) -> tuple[Any, Any, str]:
+    """Import torch and transformers and load the checkpoint, timing each in `res`.
+
+    Returns:
+        (the torch module, the model, its device: "cuda" or "cpu").
+    """
+    res["started_after_spawn_s"] = time.time() - spec["t_spawn"]
     t0 = time.perf_counter()
     import torch
     import transformers
@@ -643,6 +662,13 @@ def child_hf(spec: dict, res: _Result) -> None:
     res["attn_implementation"] = getattr(model.config, "_attn_implementation", None)
     res["status"] = "warming up"
     res.save()
+    return torch, model, device
+
+
+def child_hf(spec: dict, res: _Result) -> None:
+    """transformers `generate` on a fixed subset (see the module docstring)."""
+    deadline = spec["deadline"]
+    torch, model, device = _hf_import_and_load(spec, res)
     requests = _requests(spec)[: spec["hf_num_requests"]]
     batch_size = spec["hf_batch_size"]
     gen_kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=PAD_ID)
@@ -978,24 +1004,20 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
-def _run(args, preset, cfg, out, out_dir, compile_cache, deadline, report) -> None:
-    folder = checkpoint_folder(Path(args.cache), preset, cfg)
-    shape = ModelShape.from_hf_config(cfg)
-    report["model"] = dict(
-        config=cfg,
-        num_params=dataclasses.replace(shape, bytes_per_param=2).num_params,
-        checkpoint_dir=str(folder),
-    )
+def _checkpoint_phase(folder: Path, cfg: dict, preset: Preset, seed: int, report: dict) -> bool:
+    """Write (or reuse) the random checkpoint in `folder`, recorded in report["checkpoint"] and
+    its phase; returns False when it could not be written (no disk space, an unwritable
+    cache): then nothing can run."""
     print(f"[e2e] checkpoint {folder} ...", flush=True)
     t0 = time.perf_counter()
     try:
-        report["checkpoint"] = dict(ensure_checkpoint(folder, cfg, preset, args.seed))
+        report["checkpoint"] = dict(ensure_checkpoint(folder, cfg, preset, seed))
     except (OSError, RuntimeError) as e:  # no disk space, an unwritable cache: nothing to run
         error = f"{type(e).__name__}: {e}"
         report["checkpoint"] = dict(error=error)
         report["phases"]["checkpoint"] = dict(status="failed", error=error)
         print(f"[e2e] checkpoint: FAILED: {error}", flush=True)
-        return
+        return False
     report["checkpoint"]["phase_s"] = time.perf_counter() - t0
     report["phases"]["checkpoint"] = dict(status="ok", wall_s=round(time.perf_counter() - t0, 2))
     ck = report["checkpoint"]
@@ -1004,6 +1026,19 @@ def _run(args, preset, cfg, out, out_dir, compile_cache, deadline, report) -> No
         + ("reused" if ck["reused"] else f"written in {ck['write_s']:.1f} s"),
         flush=True,
     )
+    return True
+
+
+def _run(args, preset, cfg, out, out_dir, compile_cache, deadline, report) -> None:
+    folder = checkpoint_folder(Path(args.cache), preset, cfg)
+    shape = ModelShape.from_hf_config(cfg)
+    report["model"] = dict(
+        config=cfg,
+        num_params=dataclasses.replace(shape, bytes_per_param=2).num_params,
+        checkpoint_dir=str(folder),
+    )
+    if not _checkpoint_phase(folder, cfg, preset, args.seed, report):
+        return
     _write_json(out, report)
     if args.checkpoint_only:
         return

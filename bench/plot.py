@@ -31,16 +31,8 @@ def _engines(report: dict) -> list[str]:
     return [e for e in ENGINE_ORDER if e in seen] + sorted(seen - set(ENGINE_ORDER))
 
 
-def plot(report: dict, output: Path) -> Path:
-    """Two panels: grouped bars of output tokens/s, and jaxserve / engine ratios."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    datasets = list(report["datasets"])
-    engines = _engines(report)
-    fig, (ax_tp, ax_ratio) = plt.subplots(1, 2, figsize=(13, 4.8))
+def _throughput_panel(ax, report: dict, datasets: list[str], engines: list[str]) -> None:
+    """Grouped bars of output tokens/s per dataset, one per engine, with min..max whiskers."""
     width = 0.8 / len(engines)
     top = 0.0
     for i, engine in enumerate(engines):
@@ -55,7 +47,7 @@ def plot(report: dict, output: Path) -> Path:
                 err[0].append(ys[-1] - min(runs))
                 err[1].append(max(runs) - ys[-1])
                 top = max(top, max(runs))
-        bars = ax_tp.bar(
+        bars = ax.bar(
             xs,
             ys,
             width,
@@ -65,13 +57,16 @@ def plot(report: dict, output: Path) -> Path:
             capsize=2,
             error_kw={"lw": 0.8},
         )
-        ax_tp.bar_label(bars, fmt="%.0f", fontsize=7, padding=2)
-    ax_tp.set_ylim(0, top * 1.35)
-    ax_tp.set_xticks(range(len(datasets)), datasets)
-    ax_tp.set_ylabel("output tokens/s")
-    ax_tp.set_title("throughput (higher is better; whiskers: repeated runs)")
-    ax_tp.legend(fontsize=8, loc="upper center", ncol=3)
+        ax.bar_label(bars, fmt="%.0f", fontsize=7, padding=2)
+    ax.set_ylim(0, top * 1.35)
+    ax.set_xticks(range(len(datasets)), datasets)
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("throughput (higher is better; whiskers: repeated runs)")
+    ax.legend(fontsize=8, loc="upper center", ncol=3)
 
+
+def _ratio_panel(ax, report: dict, datasets: list[str], engines: list[str]) -> None:
+    """Grouped bars of jaxserve's output tokens/s over each other engine's, per dataset."""
     others = [e for e in engines if e != "jaxserve"]
     width = 0.8 / max(len(others), 1)
     top = 1.0
@@ -83,15 +78,28 @@ def plot(report: dict, output: Path) -> Path:
                 xs.append(j + (i - (len(others) - 1) / 2) * width)
                 ys.append(r)
                 top = max(top, r)
-        bars = ax_ratio.bar(xs, ys, width, label=f"jaxserve / {engine}", color=COLORS.get(engine))
-        ax_ratio.bar_label(bars, fmt="%.2fx", fontsize=7)
-    ax_ratio.axhline(1.0, color="grey", lw=0.8, ls="--")
-    ax_ratio.set_xticks(range(len(datasets)), datasets)
-    ax_ratio.set_ylabel("jaxserve output tokens/s / engine's")
-    ax_ratio.set_title("ratios (> 1: jaxserve faster)")
-    ax_ratio.set_ylim(0, top * 1.35)
-    ax_ratio.legend(fontsize=8, loc="upper center", ncol=2)
+        bars = ax.bar(xs, ys, width, label=f"jaxserve / {engine}", color=COLORS.get(engine))
+        ax.bar_label(bars, fmt="%.2fx", fontsize=7)
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xticks(range(len(datasets)), datasets)
+    ax.set_ylabel("jaxserve output tokens/s / engine's")
+    ax.set_title("ratios (> 1: jaxserve faster)")
+    ax.set_ylim(0, top * 1.35)
+    ax.legend(fontsize=8, loc="upper center", ncol=2)
 
+
+def plot(report: dict, output: Path) -> Path:
+    """Two panels: grouped bars of output tokens/s, and jaxserve / engine ratios."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    datasets = list(report["datasets"])
+    engines = _engines(report)
+    fig, (ax_tp, ax_ratio) = plt.subplots(1, 2, figsize=(13, 4.8))
+    _throughput_panel(ax_tp, report, datasets, engines)
+    _ratio_panel(ax_ratio, report, datasets, engines)
     model = report["model"]
     load = report["machine"]["loadavg"]
     fig.suptitle(

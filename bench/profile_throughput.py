@@ -478,8 +478,8 @@ def profile_goals(report: dict, concurrency: int) -> list[dict]:
     return goals
 
 
-def main(argv: list[str] | None = None) -> dict:
-    apply_cpu_workarounds()  # before jax starts: it runs jax before building an engine
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line (module docstring)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=sorted(throughput.PRESETS), default="default")
     p.add_argument("--concurrency", type=int, default=256)
@@ -495,7 +495,84 @@ def main(argv: list[str] | None = None) -> dict:
     )
     p.add_argument("--cache", default=str(throughput.CACHE))
     p.add_argument("--output", default=str(throughput.RESULTS / "throughput_profile.json"))
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def _step_shapes(buckets, max_ctx: int, concurrency: int) -> list[tuple[int, int]]:
+    """(T, context) of the "steps" part's synthetic batches, each once, in order."""
+    t_max = buckets.token_buckets[-1]
+    decode_t = buckets.padded_tokens(min(concurrency, t_max))
+    contexts = sorted({c for c in (1, 128, 256, 512, 1024, max_ctx) if c <= max_ctx})
+    shapes = [(decode_t, c) for c in contexts]  # decode at high concurrency
+    shapes += [(t_max, c) for c in contexts[:2]]  # a full prefill budget
+    # A small batch (the tail of an offline run): few tokens, short and long contexts.
+    small = sorted({buckets.padded_tokens(min(t, t_max)) for t in (4, 8, 16)})
+    shapes += [(t, c) for t in small for c in (contexts[1], max_ctx)]
+    return list(dict.fromkeys(shapes))  # each once, in order
+
+
+def _attention_cases(buckets, max_model_len: int, concurrency: int) -> list[tuple[int, int]]:
+    """(T, context) of the "attention" part's cases."""
+    t_max = buckets.token_buckets[-1]
+    decode_t = buckets.padded_tokens(min(concurrency, t_max))
+    contexts = [c for c in (32, 128, 512, 2048) if c <= max_model_len]
+    cases = [(decode_t, c) for c in contexts]
+    # The tail of an offline run: few tokens, long contexts.
+    small = sorted({buckets.padded_tokens(min(t, t_max)) for t in (4, 16)})
+    cases += [(t, c) for t in small for c in contexts[-2:]]
+    cases += [(t_max, c) for c in contexts[1:3]]
+    return cases
+
+
+def _profile_sharegpt(engine, preset, settings, shape: ModelShape, args, matmul_n: int) -> dict:
+    """The "sharegpt" part: the preset's ShareGPT-like offline run, profiled; prints it."""
+    n = args.num_requests or preset.num_requests
+    ds = _datasets.build(
+        "sharegpt", n, shape.vocab, settings.block_size, **preset.dataset_kw.get("sharegpt", {})
+    )
+    s = profile_run(
+        engine,
+        ds.requests,
+        name="profile-sharegpt",
+        shape=shape,
+        finished_only=not args.every_step_outputs,
+        matmul_n=matmul_n,
+    )
+    print_summary(f"sharegpt ({n} requests, offline)", s)
+    return s
+
+
+def _profile_decode(engine, settings, shape: ModelShape, args, matmul_n: int) -> dict:
+    """The "decode" part: --concurrency requests decoding together, --decode-steps steps
+    profiled; prints it. SystemExit when --concurrency exceeds max_num_seqs."""
+    c = args.concurrency
+    if c > settings.max_num_seqs:
+        raise SystemExit(f"--concurrency {c} exceeds max_num_seqs={settings.max_num_seqs}")
+    ds = _datasets.random_fixed(
+        c,
+        shape.vocab,
+        input_len=min(128, settings.max_model_len // 4),
+        output_len=min(args.decode_steps + 64, settings.max_model_len * 3 // 4 - 1),
+        seed=1,
+    )
+    s = profile_run(
+        engine,
+        ds.requests,
+        name="profile-decode",
+        shape=shape,
+        max_steps=args.decode_steps,
+        skip_until_all_decode=True,
+        profile_host=True,
+        finished_only=not args.every_step_outputs,
+        matmul_n=matmul_n,
+    )
+    print_summary(f"decode at {c} running requests", s)
+    return s
+
+
+def main(argv: list[str] | None = None) -> dict:
+    apply_cpu_workarounds()  # before jax starts: it runs jax before building an engine
+    args = _parse_args(argv)
     parts = args.parts.split(",")
     preset = throughput.PRESETS[args.preset]
     throughput.enable_compile_cache(Path(args.cache) / "jax")
@@ -516,71 +593,21 @@ def main(argv: list[str] | None = None) -> dict:
     )
     engine, warm_s, warm_compiles = _jaxserve_runs.build_engine(settings)
     report["warmup"] = {"seconds": warm_s, "compilations": warm_compiles}
-    bs = settings.block_size
     buckets = engine.runner.buckets
     if "steps" in parts:
         print("\nstep alone (synthetic batches, every row at the given context):", flush=True)
-        t_max = buckets.token_buckets[-1]
-        decode_t = buckets.padded_tokens(min(args.concurrency, t_max))
-        max_ctx = settings.max_model_len
-        contexts = sorted({c for c in (1, 128, 256, 512, 1024, max_ctx) if c <= max_ctx})
-        shapes = [(decode_t, c) for c in contexts]  # decode at high concurrency
-        shapes += [(t_max, c) for c in contexts[:2]]  # a full prefill budget
-        # A small batch (the tail of an offline run): few tokens, short and long contexts.
-        small = sorted({buckets.padded_tokens(min(t, t_max)) for t in (4, 8, 16)})
-        shapes += [(t, c) for t in small for c in (contexts[1], max_ctx)]
-        shapes = list(dict.fromkeys(shapes))  # each once, in order
+        shapes = _step_shapes(buckets, settings.max_model_len, args.concurrency)
         report["steps"] = step_microbench(engine, shape, limits, shapes, args.reps)
     if "attention" in parts:
         print("\nattention alone (one layer's op x layers):", flush=True)
-        t_max = buckets.token_buckets[-1]
-        decode_t = buckets.padded_tokens(min(args.concurrency, t_max))
-        contexts = [c for c in (32, 128, 512, 2048) if c <= settings.max_model_len]
-        cases = [(decode_t, c) for c in contexts]
-        # The tail of an offline run: few tokens, long contexts.
-        small = sorted({buckets.padded_tokens(min(t, t_max)) for t in (4, 16)})
-        cases += [(t, c) for t in small for c in contexts[-2:]]
-        cases += [(t_max, c) for c in contexts[1:3]]
+        cases = _attention_cases(buckets, settings.max_model_len, args.concurrency)
         report["attention"] = attention_microbench(engine, shape, cases, args.reps)
     if "sharegpt" in parts:
-        n = args.num_requests or preset.num_requests
-        ds = _datasets.build(
-            "sharegpt", n, shape.vocab, bs, **preset.dataset_kw.get("sharegpt", {})
+        report["sharegpt"] = _profile_sharegpt(
+            engine, preset, settings, shape, args, limits["matmul_n"]
         )
-        s = profile_run(
-            engine,
-            ds.requests,
-            name="profile-sharegpt",
-            shape=shape,
-            finished_only=not args.every_step_outputs,
-            matmul_n=limits["matmul_n"],
-        )
-        report["sharegpt"] = s
-        print_summary(f"sharegpt ({n} requests, offline)", s)
     if "decode" in parts:
-        c = args.concurrency
-        if c > settings.max_num_seqs:
-            raise SystemExit(f"--concurrency {c} exceeds max_num_seqs={settings.max_num_seqs}")
-        ds = _datasets.random_fixed(
-            c,
-            shape.vocab,
-            input_len=min(128, settings.max_model_len // 4),
-            output_len=min(args.decode_steps + 64, settings.max_model_len * 3 // 4 - 1),
-            seed=1,
-        )
-        s = profile_run(
-            engine,
-            ds.requests,
-            name="profile-decode",
-            shape=shape,
-            max_steps=args.decode_steps,
-            skip_until_all_decode=True,
-            profile_host=True,
-            finished_only=not args.every_step_outputs,
-            matmul_n=limits["matmul_n"],
-        )
-        report["decode"] = s
-        print_summary(f"decode at {c} running requests", s)
+        report["decode"] = _profile_decode(engine, settings, shape, args, limits["matmul_n"])
     report["loadavg_end"] = os.getloadavg()
     report["goals"] = profile_goals(report, args.concurrency)
     for g in report["goals"]:

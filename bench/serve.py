@@ -1218,6 +1218,19 @@ def _num(v, width: int = 6, digits: int = 2) -> str:
 
 
 def print_table(report: dict) -> None:
+    _print_runs(report)
+    _print_comparison(report)
+    for note in report["notes"]:
+        print(f"note: {note}")
+    print("goals:")
+    for g in report["goals"]:
+        mark = {True: "OK  ", False: "MISS", None: " -- "}[g["pass"]]
+        value = "not measured" if g["value"] is None else _num(g["value"], 1, 3).strip()
+        print(f"  [{mark}] {g['goal']} {g['direction']} {g['threshold']:g}: {value}")
+
+
+def _print_runs(report: dict) -> None:
+    """The settings line and one row per server and rate run."""
     s = report["settings"]
     m = s["model"]
     params = f"{m['num_params'] / 1e6:.1f}M params, " if m["num_params"] else ""
@@ -1254,6 +1267,10 @@ def print_table(report: dict) -> None:
         "(times in ms; ok = requests that got exactly the tokens asked for; * a run of the "
         "sustained-rate search)"
     )
+
+
+def _print_comparison(report: dict) -> None:
+    """Served against offline, each server's sustained rate, and jaxserve / vLLM per rate."""
     off = report.get("offline") or {}
     c = report["comparison"]
     if off.get("output_tokens_per_s"):
@@ -1277,13 +1294,6 @@ def print_table(report: dict) -> None:
             f"{_num(row.get('itl_ms_p99_jaxserve/vllm'), 5)}, out tok/s "
             f"{_num(row.get('output_tokens_per_s_jaxserve/vllm'), 5)}"
         )
-    for note in report["notes"]:
-        print(f"note: {note}")
-    print("goals:")
-    for g in report["goals"]:
-        mark = {True: "OK  ", False: "MISS", None: " -- "}[g["pass"]]
-        value = "not measured" if g["value"] is None else _num(g["value"], 1, 3).strip()
-        print(f"  [{mark}] {g['goal']} {g['direction']} {g['threshold']:g}: {value}")
 
 
 # ---- plot -----------------------------------------------------------------------------------
@@ -1352,7 +1362,8 @@ def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def _parser() -> argparse.ArgumentParser:
+    """The command line's arguments; a None default is the preset's (parse_args fills it)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="default")
     p.add_argument("--servers", help=f"comma list of {','.join(SERVERS)} (preset's default)")
@@ -1395,6 +1406,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="write a PNG (default: the JSON's path with .png)",
     )
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = _parser()
     args = p.parse_args(argv)
     preset = PRESETS[args.preset]
     args.servers = args.servers.split(",") if args.servers else list(preset.servers)

@@ -42,6 +42,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -224,9 +225,22 @@ class Bench:
         headline comparison (jaxserve vs vLLM) close in time: jaxserve, vLLM, the jaxserve
         baselines, transformers, jaxserve again. A failing baseline is recorded, not fatal;
         the results file is rewritten after every stage."""
-        a = self.args
         print(f"machine limits ... (load {loadavg()})", flush=True)
         self.info["machine_limits"] = machine_limits(**self.preset.limits)
+        engine = self._warm_up_jaxserve()
+        for label, stage in self._stages(engine):
+            try:
+                stage()
+            except Exception as exc:  # a baseline's failure must not lose the other results
+                if label.startswith("jaxserve"):
+                    raise
+                print(f"{label}: FAILED: {exc!r}", flush=True)
+                self.info.setdefault("failed", {})[label] = repr(exc)[-2000:]
+            self.save(partial=True)
+        self.load["end"] = loadavg()
+
+    def _warm_up_jaxserve(self):
+        """Build and warm up jaxserve's engine (recording its warm-up in info["jaxserve"])."""
         print(f"jaxserve: building and warming up {self.model_dir.name} ...", flush=True)
         engine, warm_s, warm_compiles = _jaxserve_runs.build_engine(self.settings)
         first = next(iter(self.datasets.values())).requests
@@ -240,29 +254,18 @@ class Bench:
                 "widths": list(engine.runner.buckets.width_buckets),
             },
         }
+        return engine
+
+    def _stages(self, engine) -> list[tuple[str, Callable[[], None]]]:
+        """(label, run) of every stage the arguments ask for, in run_all's order."""
+        a = self.args
         mode = "poisson" if a.request_rate != float("inf") else "offline"
         common = dict(temperature=a.temperature, request_rate=a.request_rate, seed=a.seed)
 
-        def jaxserve_pass(name: str, **kw) -> None:
-            for ds_name, ds in self.datasets.items():
-                if kw.get("enable_prefix_caching") is False and not ds.ideal_prefix_hit_tokens:
-                    continue  # caching off only matters where prefixes repeat
-                self._add(ds_name, _jaxserve_runs.run(engine, ds.requests, name=name, **kw))
+        def jaxserve_pass(name: str, **kw) -> Callable[[], None]:
+            return lambda: self._jaxserve_pass(engine, name, **kw)
 
-        def hf_pass() -> None:
-            for ds_name, ds in self.datasets.items():
-                self._add(
-                    ds_name,
-                    _baselines.run_hf(
-                        str(self.model_dir),
-                        ds.requests,
-                        batch_size=a.hf_batch_size,
-                        temperature=a.temperature,
-                        seed=a.seed,
-                    ),
-                )
-
-        stages = [("jaxserve", lambda: jaxserve_pass("jaxserve", mode=mode, **common))]
+        stages = [("jaxserve", jaxserve_pass("jaxserve", mode=mode, **common))]
         if "vllm" in a.baselines:
             stages.append(("vllm", self._run_vllm))
         if "vllm-nocache" in a.baselines and any(
@@ -270,39 +273,39 @@ class Bench:
         ):
             stages.append(("vllm-nocache", lambda: self._run_vllm(enable_prefix_caching=False)))
         if "static" in a.baselines:
-            stages.append(
-                (
-                    "static",
-                    lambda: jaxserve_pass(
-                        "static", mode="static", static_batch_size=a.static_batch_size, **common
-                    ),
-                )
-            )
+            static = dict(mode="static", static_batch_size=a.static_batch_size, **common)
+            stages.append(("static", jaxserve_pass("static", **static)))
         if "nocache" in a.baselines:
-            stages.append(
-                (
-                    "nocache",
-                    lambda: jaxserve_pass(
-                        "jaxserve-nocache", mode=mode, enable_prefix_caching=False, **common
-                    ),
-                )
-            )
+            nocache = dict(mode=mode, enable_prefix_caching=False, **common)
+            stages.append(("nocache", jaxserve_pass("jaxserve-nocache", **nocache)))
         if "hf" in a.baselines:
-            stages.append(("hf", hf_pass))
+            stages.append(("hf", self._hf_pass))
         if a.bracket:
-            stages.append(
-                ("jaxserve-again", lambda: jaxserve_pass("jaxserve", mode=mode, **common))
+            stages.append(("jaxserve-again", jaxserve_pass("jaxserve", mode=mode, **common)))
+        return stages
+
+    def _jaxserve_pass(self, engine, name: str, **kw) -> None:
+        """jaxserve on every dataset (with prefix caching off: only those whose prefixes
+        repeat), each run recorded under `name`."""
+        for ds_name, ds in self.datasets.items():
+            if kw.get("enable_prefix_caching") is False and not ds.ideal_prefix_hit_tokens:
+                continue  # caching off only matters where prefixes repeat
+            self._add(ds_name, _jaxserve_runs.run(engine, ds.requests, name=name, **kw))
+
+    def _hf_pass(self) -> None:
+        """transformers on every dataset."""
+        a = self.args
+        for ds_name, ds in self.datasets.items():
+            self._add(
+                ds_name,
+                _baselines.run_hf(
+                    str(self.model_dir),
+                    ds.requests,
+                    batch_size=a.hf_batch_size,
+                    temperature=a.temperature,
+                    seed=a.seed,
+                ),
             )
-        for label, stage in stages:
-            try:
-                stage()
-            except Exception as exc:  # a baseline's failure must not lose the other results
-                if label.startswith("jaxserve"):
-                    raise
-                print(f"{label}: FAILED: {exc!r}", flush=True)
-                self.info.setdefault("failed", {})[label] = repr(exc)[-2000:]
-            self.save(partial=True)
-        self.load["end"] = loadavg()
 
     def save(self, partial: bool = False) -> dict:
         report = self.report()

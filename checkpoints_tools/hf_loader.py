@@ -178,17 +178,9 @@ def _load_tensors(
                 spec = specs[name]
                 if name in linears:
                     scale = scales.pop(scale_names[name]) if name in scale_names else None
-                    if found[name].dtype == STORED_DTYPES["fp8"]:
-                        tensor = read_fp8_tensor(file, name)
-                    else:
-                        tensor = read_tensor(f, name, file)
+                    tensor = _read_stored(f, file, name, found[name])
                     parts = quant.params(spec, tensor, scale)
-                    if spec.stack is not None:  # a MoE expert: its 8-bit slice and scale row
-                        oks = [_stack_slice(stacks, p, spec.stack, h, put) for p, h in parts]
-                        finite[name] = all(oks)
-                        continue
-                    flags = [put(path, host) for path, host in parts]
-                    finite[name] = functools.reduce(jnp.logical_and, flags)
+                    finite[name] = _place_parts(parts, spec, stacks, put)
                     continue
                 # Cast before converting: a bfloat16 target halves the transposed copy. A value
                 # beyond the target's range becomes Inf: _warn_non_finite names the tensor,
@@ -204,6 +196,29 @@ def _load_tensors(
                 del tensor
     assert not stacks, f"stacked params left incomplete: {sorted(stacks)}"  # specs list all E
     return params, finite
+
+
+def _read_stored(f: Any, file: pathlib.Path, name: str, located: Located) -> np.ndarray:
+    """A quantized linear's weight as stored, not cast (FP8 through read_fp8_tensor; int8, or
+    a float weight that the load quantizes, as read from the open file `f`)."""
+    if located.dtype == STORED_DTYPES["fp8"]:
+        return read_fp8_tensor(file, name)
+    return read_tensor(f, name, file)
+
+
+def _place_parts(
+    parts: list[tuple[tuple[str, ...], np.ndarray]],
+    spec: TensorSpec,
+    stacks: dict[tuple[str, ...], _Stack],
+    put: Callable[[tuple[str, ...], np.ndarray], jax.Array],
+) -> jax.Array | bool:
+    """Place a quantized linear's (param path, host array) parts, a MoE expert's into its
+    stacked params' buffers. Returns whether every part is all finite."""
+    if spec.stack is not None:  # a MoE expert: its 8-bit slice and scale row
+        oks = [_stack_slice(stacks, p, spec.stack, h, put) for p, h in parts]
+        return all(oks)
+    flags = [put(path, host) for path, host in parts]
+    return functools.reduce(jnp.logical_and, flags)
 
 
 def _read_scales(names: Iterable[str], found: dict[str, Located]) -> dict[str, np.ndarray]:
@@ -289,6 +304,30 @@ def config_dtype(cfg: dict[str, Any], config_file: pathlib.Path) -> object:
     return value
 
 
+def _resolve_quantized_load(
+    cfg: dict[str, Any], quantization: str | None, folder: pathlib.Path
+) -> tuple[str | None, QuantizedLoad | None]:
+    """The quantization the load applies (the argument against config.json's
+    quantization_config: quantization.resolve_quantization) and its QuantizedLoad, or
+    (None, None) for a float load."""
+    stored = read_quantization_config(cfg)
+    quantization = resolve_quantization(quantization, stored, str(folder))
+    quant = None if quantization is None else QuantizedLoad(quantization, stored)
+    return quantization, quant
+
+
+def _checked_specs(
+    folder: pathlib.Path, arch: ModelArchConfig, quant: QuantizedLoad | None
+) -> tuple[dict[str, TensorSpec], dict[str, Located]]:
+    """The tensors `arch` needs and those the folder's safetensors headers hold, checked
+    against each other (_check_tensors) before any data is read."""
+    files, searched, weight_map = weight_files(folder)
+    found = scan_headers(files)
+    specs = hf_tensor_specs(arch, found)
+    _check_tensors(specs, found, arch, searched, weight_map, quant)
+    return specs, found
+
+
 def load_hf_checkpoint(
     path: str | pathlib.Path,
     *,
@@ -330,13 +369,8 @@ def load_hf_checkpoint(
     declared = config_dtype(cfg, folder / "config.json") if dtype == "auto" else None
     np_dtype = resolve_dtype(dtype, declared)
     arch = arch_from_config(cfg, folder / "config.json")
-    stored = read_quantization_config(cfg)
-    quantization = resolve_quantization(quantization, stored, str(folder))
-    quant = None if quantization is None else QuantizedLoad(quantization, stored)
-    files, searched, weight_map = weight_files(folder)
-    found = scan_headers(files)
-    specs = hf_tensor_specs(arch, found)
-    _check_tensors(specs, found, arch, searched, weight_map, quant)
+    quantization, quant = _resolve_quantized_load(cfg, quantization, folder)
+    specs, found = _checked_specs(folder, arch, quant)
     generation_config = read_optional_json(folder / "generation_config.json")
     tokenizer = load_tokenizer(folder)
     params, finite = _load_tensors(specs, found, np_dtype, param_sharding, quant)

@@ -125,14 +125,23 @@ def hub_snapshot(
     """
     if not is_hub_id(repo_id):
         raise ValueError(f"{repo_id!r} is not a Hugging Face Hub model ID ('org/name')")
+    revision = revision or DEFAULT_REVISION
+    folder = _download(repo_id, revision, hub_cache_dir(download_dir), allow_patterns)
+    logger.info("model %r (revision %r): Hugging Face Hub snapshot %s", repo_id, revision, folder)
+    return pathlib.Path(folder)
+
+
+def _download(
+    repo_id: str, revision: str, cache: pathlib.Path, allow_patterns: tuple[str, ...]
+) -> str:
+    """snapshot_download of repo_id at revision into `cache` (from the cache alone when
+    hub_offline()), its errors raised as HubUnavailableError saying which case it is."""
     from huggingface_hub import errors, snapshot_download
 
-    revision = revision or DEFAULT_REVISION
-    cache = hub_cache_dir(download_dir)
     offline = hub_offline()
     where = f"{repo_id!r} at revision {revision!r}"
     try:
-        folder = snapshot_download(
+        return snapshot_download(
             repo_id,
             revision=revision,
             cache_dir=str(cache),
@@ -169,8 +178,6 @@ def hub_snapshot(
         raise HubUnavailableError(f"{repo_id!r} is not a valid Hub model ID ({e})") from None
     except errors.HfHubHTTPError as e:
         raise HubUnavailableError(f"the Hub refused {where}: {_first_line(e)}") from None
-    logger.info("model %r (revision %r): Hugging Face Hub snapshot %s", repo_id, revision, folder)
-    return pathlib.Path(folder)
 
 
 def _not_cached(repo_id: str, revision: str, cache: pathlib.Path, *, offline: bool = True) -> str:

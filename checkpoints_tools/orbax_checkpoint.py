@@ -149,6 +149,35 @@ def check_stored_arrays(
             )
 
 
+def _stored_quantization(
+    marker: dict[str, Any], quantization: str | None, folder: pathlib.Path
+) -> str | None:
+    """The folder's own quantization (its marker's); ValueError if `quantization` asks for
+    another (8-bit weights are stored by convert, never quantized while restoring)."""
+    stored_quantization = marker.get("quantization")
+    if quantization not in (None, stored_quantization):
+        raise ValueError(
+            f"quantization={quantization!r} but {folder} holds "
+            f"{stored_quantization or 'float'} params ({MARKER_FILE}); convert it again with "
+            f"`jaxserve convert --quantization {quantization}` or pass quantization=None"
+        )
+    return stored_quantization
+
+
+def _restore_targets(shapes: dict[str, Any], param_sharding: ParamSharding | None) -> Any:
+    """The restore target of each param: its shape and own dtype in param_sharding(its key
+    path), or on the first local device when param_sharding is None."""
+    default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+    def target(key_path: tuple[Any, ...], leaf: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+        keys = tuple(k.key for k in key_path)
+        sharding = default if param_sharding is None else param_sharding(keys)
+        # The leaf's own dtype: the load dtype, or an 8-bit weight / f32 scale (never cast).
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+
+    return jax.tree_util.tree_map_with_path(target, shapes)
+
+
 def load_orbax_checkpoint(
     path: str | pathlib.Path,
     *,
@@ -187,26 +216,12 @@ def load_orbax_checkpoint(
             raise FileNotFoundError(f"{needed}: missing from the Orbax checkpoint")
     arch = arch_from_config(read_json(config_file), config_file)
     np_dtype = resolve_dtype(dtype, marker.get("dtype"))
-    stored_quantization = marker.get("quantization")
-    if quantization not in (None, stored_quantization):
-        raise ValueError(
-            f"quantization={quantization!r} but {folder} holds "
-            f"{stored_quantization or 'float'} params ({MARKER_FILE}); convert it again with "
-            f"`jaxserve convert --quantization {quantization}` or pass quantization=None"
-        )
+    stored_quantization = _stored_quantization(marker, quantization, folder)
     shapes = get_model(arch, dtype=np_dtype, quantization=stored_quantization).param_shapes()
-    default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-
-    def target(key_path: tuple[Any, ...], leaf: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
-        keys = tuple(k.key for k in key_path)
-        sharding = default if param_sharding is None else param_sharding(keys)
-        # The leaf's own dtype: np_dtype, or an 8-bit weight / f32 scale (never cast).
-        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
-
     with ocp.StandardCheckpointer() as checkpointer:
         stored = checkpointer.metadata(params_dir.absolute()).item_metadata.tree
         check_stored_arrays(dict(stored), shapes, params_dir)
-        abstract = jax.tree_util.tree_map_with_path(target, shapes)
+        abstract = _restore_targets(shapes, param_sharding)
         params = checkpointer.restore(params_dir.absolute(), abstract)
     tokenizer = load_tokenizer(folder)
     return LoadedCheckpoint(

@@ -17,6 +17,7 @@ _LAZY = {
     "AsyncLLM": "jaxserve.engine.async_llm",
     "RequestOutputKind": "jaxserve.sampling_params",
     "SamplingParams": "jaxserve.sampling_params",
+    "StructuredOutputsParams": "jaxserve.sampling_params",
     "RequestOutput": "jaxserve.outputs",
     "CompletionOutput": "jaxserve.outputs",
     "Logprob": "jaxserve.outputs",
@@ -31,6 +32,7 @@ __all__ = [  # spelled out (not sorted(_LAZY)) so linters see the TYPE_CHECKING 
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "StructuredOutputsParams",
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -38,7 +40,11 @@ if TYPE_CHECKING:  # pragma: no cover
     from jaxserve.engine.llm import LLM
     from jaxserve.engine.llm_engine import LLMEngine
     from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
-    from jaxserve.sampling_params import RequestOutputKind, SamplingParams
+    from jaxserve.sampling_params import (
+        RequestOutputKind,
+        SamplingParams,
+        StructuredOutputsParams,
+    )
 
 
 def __getattr__(name: str) -> Any:

@@ -8,8 +8,12 @@ Per-token work is O(1): outputs are appended to lists that are never copied.
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 from jaxserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from jaxserve.structured.request_constraints import RequestConstraints
 
 
 class RequestStatus(enum.IntEnum):
@@ -71,6 +75,7 @@ class Request:
         "parent_req_id",
         "stop_token_set",
         "spec_token_ids",
+        "constraints",
     )
 
     def __init__(
@@ -82,6 +87,7 @@ class Request:
         arrival_time: float = 0.0,
         priority: int = 0,
         seed: int = 0,
+        constraints: RequestConstraints | None = None,
     ) -> None:
         if not isinstance(request_id, str):
             raise TypeError(f"Request.request_id must be a str, got {request_id!r}")
@@ -123,6 +129,9 @@ class Request:
         # (EngineCore) and consumed by the next schedule(): verified then, or dropped. Never
         # part of all_token_ids until the target accepts them.
         self.spec_token_ids: list[int] = []
+        # Structured outputs and bad words: the per-step mask and the matcher that follows the
+        # outputs (jaxserve/structured/); None for an unconstrained request.
+        self.constraints = constraints
 
     @property
     def num_tokens(self) -> int:

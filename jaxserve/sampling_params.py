@@ -6,6 +6,16 @@ import difflib
 import enum
 from dataclasses import dataclass, field, fields, replace
 
+from jaxserve.sampling_constraints import (
+    StructuredOutputsParams,
+    check_allowed_token_ids,
+    check_bad_words,
+    check_logit_bias,
+    check_structured_outputs,
+)
+
+__all__ = ["RequestOutputKind", "SamplingParams", "StructuredOutputsParams"]
+
 MAX_LOGPROBS = 20  # top-N logprobs cap, as in vLLM's default max_logprobs
 # Stop token ids a request with min_tokens > 0 may name: each is banned until min_tokens
 # outputs, and the sampler's ban list has one fixed width (this cap plus the model's EOS ids),
@@ -72,6 +82,13 @@ class SamplingParams:
     # Streaming (AsyncLLM.generate, LLM.stream); LLM.generate returns final outputs whatever
     # this says, as vLLM's LLM does.
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # What may be sampled (sampling_constraints.py): a grammar, a bias per token id, the only
+    # ids allowed, words never produced. Token ids are checked against the vocabulary, and a
+    # grammar compiled, when the request is queued.
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     # Normalised views filled by __post_init__.
     stop_strings: tuple[str, ...] = field(default=(), init=False, repr=False)
     all_stop_token_ids: frozenset[int] = field(default=frozenset(), init=False, repr=False)
@@ -91,6 +108,10 @@ class SamplingParams:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"SamplingParams.{name} must be a bool, got {value!r}")
+        self.structured_outputs = check_structured_outputs(self.structured_outputs)
+        self.logit_bias = check_logit_bias(self.logit_bias)
+        self.allowed_token_ids = check_allowed_token_ids(self.allowed_token_ids)
+        self.bad_words = check_bad_words(self.bad_words)
         if not isinstance(self.output_kind, RequestOutputKind):
             raise TypeError(
                 "SamplingParams.output_kind must be a RequestOutputKind "
@@ -184,6 +205,11 @@ class SamplingParams:
                 if isinstance(self.stop_token_ids, (list, tuple, set, frozenset))
                 else self.stop_token_ids
             ),
+            logit_bias=dict(self.logit_bias)
+            if isinstance(self.logit_bias, dict)
+            else self.logit_bias,
+            allowed_token_ids=_copy_list(self.allowed_token_ids),
+            bad_words=_copy_list(self.bad_words),
         )
 
     @staticmethod
@@ -211,6 +237,16 @@ class SamplingParams:
         return frozenset(ids)
 
     @property
+    def has_constraints(self) -> bool:
+        """Whether a grammar, a bias, an allowed list or bad words restrict the sampling."""
+        return (
+            self.structured_outputs is not None
+            or bool(self.logit_bias)
+            or self.allowed_token_ids is not None
+            or bool(self.bad_words)
+        )
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
@@ -218,6 +254,10 @@ class SamplingParams:
     def num_logprobs(self) -> int:
         """Top-N logprobs asked for per sampled token (0 when only the sampled one or none)."""
         return self.logprobs or 0
+
+
+def _copy_list(value: object) -> object:
+    return list(value) if isinstance(value, (list, tuple)) else value
 
 
 _FIELD_NAMES = tuple(f.name for f in fields(SamplingParams))

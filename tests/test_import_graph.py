@@ -36,6 +36,10 @@ HOST_MODULES = [
     "jaxserve.core.sched.spec_tokens",
     "jaxserve.speculative_config",
     "jaxserve.spec_decode",
+    "jaxserve.sampling_constraints",
+    "jaxserve.structured.manager",
+    "jaxserve.structured.step_masks",
+    "jaxserve.structured.llguidance_backend",
 ]
 
 # folder -> first-party packages it may import (besides itself).
@@ -87,13 +91,22 @@ def test_dependency_direction(folder: str) -> None:
 
 # Inside jaxserve/, from the bottom up: what each layer may not import (docs/architecture.md,
 # section 2); "cli" is the package jaxserve/cli/. Imports inside functions count too.
-HOST_DATA = ("config", "speculative_config", "sampling_params", "request", "outputs")
+HOST_DATA = (
+    "config",
+    "speculative_config",
+    "sampling_params",
+    "sampling_constraints",
+    "request",
+    "outputs",
+)
 _ABOVE_CORE = {"engine", "runner", "aot", "entrypoints", "jobs", "ray", "cli"}
 FORBIDDEN = {
     "core": _ABOVE_CORE,
     "runner": _ABOVE_CORE - {"runner"},
     # the proposers and their policy: host side, below the engine that calls them
     "spec_decode": _ABOVE_CORE,
+    # structured outputs' grammars, matchers and per-step masks: host side, below the engine
+    "structured": _ABOVE_CORE,
     "engine": {"aot", "entrypoints", "jobs", "ray", "cli"},
     # ahead-of-time compilation: the runner's own path for a target, below the CLI
     "aot": {"engine", "entrypoints", "jobs", "ray", "cli"},

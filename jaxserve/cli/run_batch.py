@@ -19,6 +19,7 @@ import asyncio
 
 from jaxserve.checkpoints_tools.interrupt import sigint_to_asyncio
 from jaxserve.cli.flags import add_engine_flags, add_job_flags, engine_kwargs, fail
+from jaxserve.cli.serve import TOOL_PARSER_NAMES
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -42,6 +43,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         metavar="N",
         help="requests handed to the engine at once (default: 4 x max_num_seqs)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_PARSER_NAMES,
+        default=None,
+        help="the model's tool-call format, read for tool_choice 'auto' (as for serve)",
     )
     add_engine_flags(p)
 
@@ -103,4 +110,5 @@ async def _run(args, engine, lines, results):
         served_model_name=args.served_model_name or args.model,
         max_in_flight=args.max_in_flight or 4 * max_seqs,
         progress=not args.no_progress,
+        tool_call_parser=args.tool_call_parser,
     )

@@ -27,6 +27,9 @@ from jaxserve.cli.flags import (
 )
 from jaxserve.entrypoints.openai.body import DEFAULT_MAX_BODY_BYTES
 from jaxserve.entrypoints.openai.settings import ServerSettings
+from jaxserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
+
+TOOL_PARSER_NAMES = sorted(TOOL_PARSERS)
 
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -42,6 +45,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.set_defaults(run=run)
     add_model_flag(p, required=True)
+    _add_http_flags(p)
+    _add_chat_flags(p)
+    add_engine_flags(p)
+
+
+def _add_http_flags(p: argparse.ArgumentParser) -> None:
+    """Where and how the server listens, and its limits on requests."""
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument(
         "--port", type=port, default=8000, help="port to listen on (default 8000; 0: any free)"
@@ -83,13 +93,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         help=f"answer 413 to a request body over N bytes (default {DEFAULT_MAX_BODY_BYTES})",
     )
+
+
+def _add_chat_flags(p: argparse.ArgumentParser) -> None:
+    """What chat requests may bring: their own template, tool calls."""
     p.add_argument(
         "--trust-request-chat-template",
         action="store_true",
         help="let requests send their own chat_template (a jinja2 program run in a bounded "
         "sandbox); without it such a request is refused with 400, as in vLLM",
     )
-    add_engine_flags(p)
+    p.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_PARSER_NAMES,
+        default=None,
+        help="the model's tool-call format, read for tool_choice 'auto' (vLLM's names); "
+        "without it 'auto' is refused, 'required' and named functions work",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -111,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting_requests,
         max_request_body_bytes=args.max_request_body_bytes,
         trust_request_chat_template=args.trust_request_chat_template,
+        tool_call_parser=args.tool_call_parser,
         uvicorn_log_level=args.uvicorn_log_level,
         graceful_shutdown_timeout=args.graceful_shutdown_timeout,
     )

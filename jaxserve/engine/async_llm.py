@@ -157,6 +157,7 @@ class AsyncLLM:
         *,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> dict[str, Any]:
         """LLMEngine.render_chat_prompt in a worker thread: {"prompt", "prompt_token_ids"};
         raises its TypeError / ValueError / jinja2.TemplateError. Allocates nothing."""
@@ -166,6 +167,7 @@ class AsyncLLM:
                 messages,
                 chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt,
+                tools=tools,
             )
         )
 

@@ -21,6 +21,7 @@ from jaxserve.request import Request, RequestStatus
 from jaxserve.runner.step_trace import StepTrace
 from jaxserve.spec_decode import SpecDecoder
 from jaxserve.spec_decode.spec_decoder import Proposer
+from jaxserve.structured.step_masks import advance_matchers, with_finish_reasons, with_token_masks
 
 
 class Runner(Protocol):
@@ -74,6 +75,10 @@ class EngineCore:
             # The runner's own proposer (a draft model), or None: the config's.
             self.spec = SpecDecoder(config.speculative, proposer=runner.spec_proposer)
         self._proposal_s = 0.0  # host time of the last proposal (the policy counts it)
+        self._dead_ends: list[str] = []  # this step's requests that no token may continue
+        # Ids of the requests with constraints queued so far, less those gone (pruned each
+        # step): an engine without any pays nothing per step for structured outputs.
+        self._constrained: set[str] = set()
         # Called with each step's StepTrace while set (set_step_tracer); None: off.
         self.step_tracer: Callable[[StepTrace], None] | None = None
 
@@ -85,14 +90,14 @@ class EngineCore:
         if self.step_tracer is not None:
             return self._traced_step(self.step_tracer)
         step_start = time.perf_counter()
-        scheduler_output = self.scheduler.schedule()
+        scheduler_output = self._schedule()
         start = time.perf_counter()
         runner_output = self.runner.execute_model(scheduler_output)
         # The runner returns once the sampled ids are on the host: the step's wall time, which
         # "auto" preemption turns into a prefill rate (core/sched/preemption.py).
         seconds = time.perf_counter() - start
         self.scheduler.observe_step(scheduler_output.total_num_scheduled_tokens, seconds)
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self._update(scheduler_output, runner_output)
         if self.spec is not None:
             self._speculate(outputs, step_start)
         return outputs
@@ -112,17 +117,47 @@ class EngineCore:
         """``step``, timed phase by phase; the runner fills in its part of the trace."""
         trace = StepTrace()
         t0 = time.perf_counter()
-        scheduler_output = self.scheduler.schedule()
+        scheduler_output = self._schedule()
         t1 = time.perf_counter()
         runner_output = self.runner.execute_model(scheduler_output, trace)
         t2 = time.perf_counter()
         self.scheduler.observe_step(scheduler_output.total_num_scheduled_tokens, t2 - t1)
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self._update(scheduler_output, runner_output)
         if self.spec is not None:
             self._speculate(outputs, t0)
         trace.record_phases(t1 - t0, t2 - t1, time.perf_counter() - t2)
         tracer(trace)
         return outputs
+
+    def _schedule(self) -> SchedulerOutput:
+        """The scheduler's step, with the token masks of its constrained requests (and their
+        dead ends, which _update ends)."""
+        so = self.scheduler.schedule()
+        self._dead_ends = []
+        if self._constrained:
+            requests = self.scheduler.requests
+            self._constrained.intersection_update(requests)
+            so, self._dead_ends = with_token_masks(so, requests, self._constrained)
+        return so
+
+    def _update(
+        self, so: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """The scheduler learns the step; then constrained requests' matchers advance, and a
+        request whose grammar is complete finishes ("stop"), one whose matcher rejected a
+        token ends ("abort", logged)."""
+        outputs = self.scheduler.update_from_output(so, runner_output)
+        if not so.token_masks:
+            return outputs
+        complete, failed = advance_matchers(outputs, self.scheduler.requests)
+        failed = list(dict.fromkeys(failed + self._dead_ends))  # a dead end's EOS: not a stop
+        complete = [rid for rid in complete if rid not in failed]
+        if complete:
+            self.scheduler.finish_requests(complete, RequestStatus.FINISHED_STOPPED)
+        if failed:
+            self.scheduler.finish_requests(failed, RequestStatus.FINISHED_ABORTED)
+        reasons = dict.fromkeys(complete, "stop") | dict.fromkeys(failed, "abort")
+        return with_finish_reasons(outputs, reasons)
 
     # ---- requests ---------------------------------------------------------------------------
     def check_prompt_length(self, num_prompt_tokens: int) -> None:
@@ -138,6 +173,8 @@ class EngineCore:
                 parent = requests[0].request_id if i else None
                 self.scheduler.add_request(req, parent_req_id=parent)
                 added.append(req.request_id)
+                if req.constraints is not None:
+                    self._constrained.add(req.request_id)
         except BaseException:
             self.scheduler.abort_requests(added)
             raise

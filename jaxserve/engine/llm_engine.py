@@ -41,6 +41,8 @@ from jaxserve.runner.factory import build_runner
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.step_trace import StepTrace
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.structured.manager import StructuredOutputs
+from jaxserve.structured.request_constraints import ConstraintSpec
 
 _MASK63 = (1 << 63) - 1
 logger = logging.getLogger("jaxserve")
@@ -61,6 +63,8 @@ class CheckedRequest:
     text: str | None  # the prompt text, None for token ids
     token_ids: list[int]  # the prompt's token ids, in the vocabulary, within the limits
     params: SamplingParams  # the engine's validated copy
+    # The compiled grammar and bad words (structured/manager.py); None: no per-step mask.
+    constraints: ConstraintSpec | None = None
 
 
 class LLMEngine:
@@ -79,6 +83,12 @@ class LLMEngine:
             self.config.model.model,
         )
         self.core = EngineCore(self.config, runner, info.num_kv_blocks, info.host_tier)
+        self.structured = StructuredOutputs(
+            self.tokenizer,
+            info.vocab_size,
+            info.eos_token_ids,
+            speculative=self.config.speculative is not None,
+        )
         self._states: dict[str, RequestState] = {}  # user request id -> state
         self._child_of: dict[str, tuple[str, int]] = {}  # scheduler id -> (user id, index)
         self._seed_rng = np.random.default_rng(self.config.model.seed)
@@ -118,12 +128,17 @@ class LLMEngine:
         *,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> dict[str, Any]:
         """One conversation rendered with the chat template (the tokenizer's, or
-        ``chat_template``) as a prompt dict {"prompt", "prompt_token_ids"}. Allocates nothing.
-        See PromptProcessor.render_chat (engine/prompts.py)."""
+        ``chat_template``) as a prompt dict {"prompt", "prompt_token_ids"}, the template told
+        of ``tools`` when given. Allocates nothing. See PromptProcessor.render_chat
+        (engine/prompts.py)."""
         return self.prompts.render_chat(
-            messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt
+            messages,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
         )
 
     def check_request(
@@ -142,7 +157,8 @@ class LLMEngine:
         params = params.clone()
         text, token_ids = self.process_prompt(prompt)
         self.core.check_prompt_length(len(token_ids))
-        return CheckedRequest(text, token_ids, params)
+        # Last: a grammar compiles (or comes from the cache) only for a request that can run.
+        return CheckedRequest(text, token_ids, params, self.structured.check(params))
 
     def add_request(
         self,
@@ -183,7 +199,9 @@ class LLMEngine:
         params, token_ids = checked.params, checked.token_ids
         engine_ids = self._engine_ids(request_id, params.n)
         now = time.monotonic()
-        requests = self._make_requests(engine_ids, token_ids, params, priority, now)
+        requests = self._make_requests(
+            engine_ids, token_ids, params, priority, now, checked.constraints
+        )
         state = RequestState(
             request_id, engine_ids, checked.text, token_ids, params, self.tokenizer, requests, now
         )
@@ -206,6 +224,7 @@ class LLMEngine:
         params: SamplingParams,
         priority: int,
         now: float,
+        constraints: ConstraintSpec | None = None,
     ) -> list[Request]:
         base = params.seed
         if base is None:
@@ -226,6 +245,7 @@ class LLMEngine:
                     arrival_time=now,
                     priority=priority,
                     seed=base if i == 0 else mix_seed(base, i),
+                    constraints=None if constraints is None else constraints.new_state(),
                 )
             )
         return requests

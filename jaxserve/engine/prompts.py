@@ -123,9 +123,11 @@ class PromptProcessor:
         *,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> dict[str, Any]:
         """One conversation rendered with the chat template (the tokenizer's, or
         ``chat_template``) as a prompt dict {"prompt", "prompt_token_ids"}. Allocates nothing.
+        ``tools``: the JSON schemas of tools the template describes to the model.
 
         Raises:
             ValueError: no chat template, no tokenizer, or messages the template refuses.
@@ -143,6 +145,7 @@ class PromptProcessor:
             add_generation_prompt=add_generation_prompt,
             bos_token=info.bos_token or "",
             eos_token=info.eos_token or "",
+            tools=tools,
         )
         _check_unicode(text)
         check_text_length(text, self.max_model_len, self._max_token_chars)

@@ -151,11 +151,13 @@ async def run_batch(
     served_model_name: str,
     max_in_flight: int,
     progress: bool = True,
+    tool_call_parser: str | None = None,
 ) -> BatchSummary:
-    """Run every line not in ``results.done``; write each line's record as it finishes."""
+    """Run every line not in ``results.done``; write each line's record as it finishes.
+    ``tool_call_parser``: as the server's, for tool_choice "auto" (tool_parsers/)."""
     from tqdm.auto import tqdm
 
-    serving = OpenAIServing(engine, served_model_name)
+    serving = OpenAIServing(engine, served_model_name, tool_call_parser=tool_call_parser)
     todo = [item for item in lines if item.key not in results.done]
     summary = BatchSummary(total=len(lines), done_before=len(lines) - len(todo))
     bar = tqdm(total=len(lines), initial=summary.done_before, desc="Requests", disable=not progress)

@@ -19,8 +19,8 @@ Speculative decoding: a request's drafts get a logits row each plus one (spec_ro
 sampled as its own output position; the step verifies them (rejection_sampler.py; a draft
 model's sampled drafts with their q, DraftModel.q_rows_of) and ``_collect`` hands back the
 accepted drafts and one more token; a draft model runs inside the step and proposes after it
-(``spec_proposer``). Structured outputs will plug in as a per-row token mask: one more step
-input (step.py), built next to SamplingInputs.build.
+(``spec_proposer``). Token constraints: the step's masks (SchedulerOutput.token_masks) go
+into SamplingInputs.build (token_constraints.py).
 """
 
 from __future__ import annotations
@@ -260,15 +260,14 @@ class ModelRunner:
         padded_rows = self.buckets.padded_rows(padded_tokens)
         ib = self.input_batch
         num_drafts = write_drafts(ib, req_ids, so.scheduled_spec_decode_tokens)
-        batch = ib.prepare(
-            req_ids, num_scheduled, padded_tokens, padded_rows, self.buckets.padded_width,
-            num_drafts,
-        )  # fmt: skip
+        batch = ib.prepare(req_ids, num_scheduled, padded_tokens, padded_rows,
+                           self.buckets.padded_width, num_drafts)  # fmt: skip
         # One sampling row per logits row: a request's k + 1 rows sample output positions
         # pos .. pos + k, each with its own key (rejection_sampler.py).
         row_slots, row_offsets = logits_row_owners(batch.slots, batch.num_drafts)
         output_pos = ib.num_tokens[row_slots] - ib.num_prompt_tokens[row_slots] + row_offsets
-        sampling_md = self.sampling.build(row_slots, padded_rows, output_pos)
+        step_masks = {ib.slot_of[rid]: row for rid, row in so.token_masks.items()}
+        sampling_md = self.sampling.build(row_slots, padded_rows, output_pos, step_masks)
         targets = self._prompt_logprobs.targets(batch, ib)
         if trace is not None:
             trace.record_batch(batch, sampling_md.temperature, time.perf_counter() - start)

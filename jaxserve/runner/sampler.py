@@ -3,6 +3,8 @@
 Order of processing (vLLM V1):
     penalties (repetition over prompt + outputs, presence / frequency over outputs)
     -> banned tokens (min_tokens: EOS and stop ids) set to -inf
+    -> logit_bias added, then tokens outside the row's bitmask (allowed_token_ids, grammars,
+       bad words) set to -inf (token_constraints.py)
     -> greedy rows: argmax
     -> temperature -> min-p -> top-k -> top-p (on the distribution renormalised after the
        previous masks) -> inverse-CDF draw of one uniform from the row's key
@@ -47,7 +49,9 @@ from jaxserve.runner.rejection_sampler import (
     stream_uniforms,
     verify_sampled,
 )
+from jaxserve.runner.sampling_checks import check_metadata
 from jaxserve.runner.sampling_metadata import SamplingMetadata
+from jaxserve.runner.token_constraints import apply_token_constraints
 from jaxserve.sampling_params import MAX_LOGPROBS
 
 DEFAULT_FAST_TOP_K = 64
@@ -99,7 +103,7 @@ def sample(
     draw: str = "xla",
     drafts: SampledDrafts | None = None,
 ) -> SamplerOutput:
-    """Sample one token per row. Traced inside the runner's jit; all keyword args are static.
+    """Sample one token per row. Traced inside the runner's jit; fast_top_k and draw are static.
 
     Args:
         logits: f32[R, V] (any float dtype; computed in f32) at the rows that sample.
@@ -114,9 +118,10 @@ def sample(
     Raises:
         ValueError: (at trace time) a metadata field whose shape or dtype does not fit logits.
     """
-    _check_metadata(logits, md)
+    check_metadata(logits, md)
     raw = logits.astype(jnp.float32)
     x = _apply_bans(apply_penalties(raw, md), md.banned_token_ids)
+    x = apply_token_constraints(x, md.token_bitmask, md.bias_token_ids, md.bias_values)
     greedy = md.temperature <= 0.0
 
     def some_sampled() -> jax.Array:
@@ -355,40 +360,3 @@ def to_token_logprobs(
         TokenLogprobs(token_ids=i[: n + 1], logprobs=lp[: n + 1], ranks=r[: n + 1])
         for lp, i, r, n in zip(lps, ids, rks, nums, strict=True)
     ]
-
-
-_FIELD_SPECS = {  # field -> (shape: R rows, 2 seed words, W / B list widths; dtype)
-    "temperature": (("R",), jnp.float32),
-    "top_k": (("R",), jnp.int32),
-    "top_p": (("R",), jnp.float32),
-    "min_p": (("R",), jnp.float32),
-    "presence_penalty": (("R",), jnp.float32),
-    "frequency_penalty": (("R",), jnp.float32),
-    "repetition_penalty": (("R",), jnp.float32),
-    "seeds": (("R", 2), jnp.uint32),
-    "output_pos": (("R",), jnp.int32),
-    "num_logprobs": (("R",), jnp.int32),
-    "penalty_token_ids": (("R", "W"), jnp.int32),
-    "penalty_output_counts": (("R", "W"), jnp.int32),
-    "banned_token_ids": (("R", "B"), jnp.int32),
-}
-
-
-def _check_metadata(logits: jax.Array, md: SamplingMetadata) -> None:
-    """Shapes are static, so this runs once per trace and costs nothing per step."""
-    if logits.ndim != 2:
-        raise ValueError(f"sample: logits must be [R, V], got shape {tuple(logits.shape)}")
-    sizes: dict[str | int, int] = {"R": logits.shape[0], 2: 2}
-    for name in ("penalty_token_ids", "banned_token_ids"):
-        shape = np.shape(getattr(md, name))
-        sizes["W" if name == "penalty_token_ids" else "B"] = shape[1] if len(shape) == 2 else -1
-    for name, (dims, dtype) in _FIELD_SPECS.items():
-        value = getattr(md, name)
-        want = tuple(sizes[d] for d in dims)
-        shape, got = tuple(np.shape(value)), jnp.result_type(value)
-        if shape != want or got != dtype:
-            spec = "[" + ", ".join(f"{d}={sizes[d]}" if d != 2 else "2" for d in dims)
-            raise ValueError(
-                f"SamplingMetadata.{name} must be {jnp.dtype(dtype).name}{spec}] for logits of "
-                f"shape {tuple(logits.shape)}, got {jnp.dtype(got).name}{list(shape)}"
-            )

@@ -16,13 +16,15 @@ request compiles mid-run.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import jax
 import numpy as np
 
 from jaxserve.runner.penalty_lists import PenaltyLists
+from jaxserve.runner.token_constraints import ALL_ALLOWED, ConstraintRows, bitmask_words
+from jaxserve.sampling_constraints import MAX_LOGIT_BIAS_TOKENS
 from jaxserve.sampling_params import MAX_BANNED_STOP_TOKEN_IDS, SamplingParams
 
 # vLLM's _SAMPLING_EPS: a temperature below it is greedy (dividing by it would overflow f32).
@@ -57,6 +59,12 @@ class SamplingMetadata:
     penalty_output_counts: jax.Array  # i32[R, W] occurrences among outputs (0: prompt only, pad)
     # Token ids that must not be sampled (EOS and stop ids while output_pos < min_tokens); -1 pads.
     banned_token_ids: jax.Array  # i32[R, B]
+    # Token constraints (token_constraints.py), widths 0 or full with the lists above:
+    # allowed tokens (allowed_token_ids, grammars, bad words), all ones when unconstrained;
+    token_bitmask: jax.Array  # u32[R, M] M = ceil(V / 32); bit t % 32 of word t // 32
+    # logit_bias: ids (-1 pads) and the values added to their logits.
+    bias_token_ids: jax.Array  # i32[R, NB]
+    bias_values: jax.Array  # f32[R, NB]
 
     @classmethod
     def neutral(
@@ -65,8 +73,12 @@ class SamplingMetadata:
         """Host (numpy) metadata of ``num_rows`` neutral rows: greedy, no masks, no penalties.
 
         For warm-up: compiling ``sample`` with these shapes compiles the variant a real batch of
-        the same R, W and B uses (SamplingInputs.variant_widths: the two every batch can take).
+        the same R, W and B uses (SamplingInputs.variant_widths: the two every batch can take);
+        the token constraints are full width exactly when a list is.
         """
+        lists = penalty_width > 0 or ban_width > 0
+        words = bitmask_words(vocab_size) if lists else 0
+        bias_width = MAX_LOGIT_BIAS_TOKENS if lists else 0
         return cls(
             temperature=np.zeros(num_rows, np.float32),
             top_k=np.full(num_rows, vocab_size, np.int32),
@@ -81,6 +93,9 @@ class SamplingMetadata:
             penalty_token_ids=np.full((num_rows, penalty_width), -1, np.int32),
             penalty_output_counts=np.zeros((num_rows, penalty_width), np.int32),
             banned_token_ids=np.full((num_rows, ban_width), -1, np.int32),
+            token_bitmask=np.full((num_rows, words), ALL_ALLOWED, np.uint32),
+            bias_token_ids=np.full((num_rows, bias_width), -1, np.int32),
+            bias_values=np.zeros((num_rows, bias_width), np.float32),
         )
 
 
@@ -107,6 +122,10 @@ class SamplingInputs:
     request can hold) and B = ban_width = MAX_BANNED_STOP_TOKEN_IDS + the number of EOS ids
     (SamplingParams refuses more stop ids with min_tokens). Fixed widths cost a wider host gather
     and transfer in batches with penalties, i32[R, W] twice, but no compilation mid-run.
+    Token constraints (token_constraints.py: allowed ids, logit_bias, the step's grammar and
+    bad-word masks) ride in the same variant: a batch with a constrained row takes the full
+    widths of every list, and the lists' batches carry an all-ones bitmask u32[R, ceil(V / 32)]
+    and empty biases i32 / f32[R, MAX_LOGIT_BIAS_TOKENS].
 
     Row ``max_num_seqs`` is a hidden neutral slot: padding rows gather from it.
     """
@@ -149,6 +168,7 @@ class SamplingInputs:
         self._penalties = PenaltyLists(n, self.penalty_capacity)
         self._num_banned = np.zeros(n, np.int32)
         self._banned = np.zeros((n, self.ban_width), np.int32)
+        self._constraints = ConstraintRows(vocab_size)
 
     # ----- per-request updates (host, once per request or per token) -----
 
@@ -203,6 +223,7 @@ class SamplingInputs:
         self._min_tokens[slot] = params.min_tokens
         self._banned[slot, : len(banned)] = banned
         self._num_banned[slot] = len(banned)
+        self._constraints.set(slot, params)
 
     def append_output_token(self, slot: int, token: int) -> None:
         """Record a sampled token of the request in ``slot`` (only penalty slots keep them)."""
@@ -229,11 +250,16 @@ class SamplingInputs:
             buf[slot] = buf[neutral]
         self._penalties.reset(slot)
         self._num_banned[slot] = 0
+        self._constraints.reset(slot)
 
     # ----- per step -----
 
     def build(
-        self, slot_indices: np.ndarray, padded_rows: int, output_positions: np.ndarray
+        self,
+        slot_indices: np.ndarray,
+        padded_rows: int,
+        output_positions: np.ndarray,
+        step_masks: Mapping[int, np.ndarray] | None = None,
     ) -> SamplingMetadata:
         """Gather the rows that sample this step into fresh host arrays (the runner device_puts
         them; fresh so that a zero-copy device_put never aliases a buffer we later mutate).
@@ -242,11 +268,46 @@ class SamplingInputs:
             slot_indices: i32[num_rows] the slot of each sampling row, in batch order.
             padded_rows: R, the request bucket (>= num_rows); rows past num_rows are neutral.
             output_positions: i32[num_rows] output index of the token each row samples.
+            step_masks: slot -> u32[M] this step's allowed tokens of a constrained request
+                (grammars, bad words: SchedulerOutput.token_masks); None: none.
         Returns:
             SamplingMetadata of numpy arrays, R rows.
         Raises:
             ValueError: mismatched lengths, padded_rows < num_rows, a slot out of range.
         """
+        slots, pos = self._check_rows(slot_indices, padded_rows, output_positions)
+        num_rows = slots.shape[0]
+        idx = np.full(padded_rows, self.max_num_seqs, np.int64)
+        idx[:num_rows] = slots
+        padded_pos = np.zeros(padded_rows, np.int32)
+        padded_pos[:num_rows] = pos
+        lists = self._gather_lists(idx, padded_pos, slots, step_masks or {})
+        ids, counts, banned, bitmask, bias_ids, bias_values = lists
+        return SamplingMetadata(
+            temperature=self._temperature[idx],
+            top_k=self._top_k[idx],
+            top_p=self._top_p[idx],
+            min_p=self._min_p[idx],
+            presence_penalty=self._presence[idx],
+            frequency_penalty=self._frequency[idx],
+            repetition_penalty=self._repetition[idx],
+            seeds=self._seeds[idx],
+            output_pos=padded_pos,
+            num_logprobs=self._num_logprobs[idx],
+            penalty_token_ids=ids,
+            penalty_output_counts=counts,
+            banned_token_ids=banned,
+            token_bitmask=bitmask,
+            bias_token_ids=bias_ids,
+            bias_values=bias_values,
+        )
+
+    # ----- helpers -----
+
+    def _check_rows(
+        self, slot_indices: np.ndarray, padded_rows: int, output_positions: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """build's arguments checked: (slots i64[num_rows], positions i32[num_rows])."""
         slots = np.asarray(slot_indices, np.int64)
         pos = np.asarray(output_positions, np.int32)
         num_rows = slots.shape[0]
@@ -264,33 +325,30 @@ class SamplingInputs:
                 f"SamplingInputs.build: slot_indices must be in [0, {self.max_num_seqs}), "
                 f"got [{slots.min()}, {slots.max()}]"
             )
-        idx = np.full(padded_rows, self.max_num_seqs, np.int64)
-        idx[:num_rows] = slots
-        padded_pos = np.zeros(padded_rows, np.int32)
-        padded_pos[:num_rows] = pos
-        ids, counts = self._penalties.gather(idx)
-        banned = self._gather_ban_lists(idx, padded_pos)
-        if ids.shape[1] or banned.shape[1]:  # both lists, or neither: two variants per shape
-            width = self.penalty_capacity
-            ids, counts = _widen(ids, width, -1), _widen(counts, width, 0)
-            banned = _widen(banned, self.ban_width, -1)
-        return SamplingMetadata(
-            temperature=self._temperature[idx],
-            top_k=self._top_k[idx],
-            top_p=self._top_p[idx],
-            min_p=self._min_p[idx],
-            presence_penalty=self._presence[idx],
-            frequency_penalty=self._frequency[idx],
-            repetition_penalty=self._repetition[idx],
-            seeds=self._seeds[idx],
-            output_pos=padded_pos,
-            num_logprobs=self._num_logprobs[idx],
-            penalty_token_ids=ids,
-            penalty_output_counts=counts,
-            banned_token_ids=banned,
-        )
+        return slots, pos
 
-    # ----- helpers -----
+    def _gather_lists(
+        self,
+        idx: np.ndarray,
+        pos: np.ndarray,
+        slots: np.ndarray,
+        step_masks: Mapping[int, np.ndarray],
+    ) -> tuple[np.ndarray, ...]:
+        """The rows' penalty lists, ban lists and token constraints: every list at its fixed
+        width when some row has one, all at width 0 otherwise (the sampler's two variants)."""
+        padded_rows = idx.shape[0]
+        ids, counts = self._penalties.gather(idx)
+        banned = self._gather_ban_lists(idx, pos)
+        constrained = bool(step_masks) or self._constraints.any_in(slots)
+        if not (ids.shape[1] or banned.shape[1] or constrained):
+            bitmask = np.full((padded_rows, 0), ALL_ALLOWED, np.uint32)
+            bias_ids = np.full((padded_rows, 0), -1, np.int32)
+            bias_values = np.zeros((padded_rows, 0), np.float32)
+            return ids, counts, banned, bitmask, bias_ids, bias_values
+        width = self.penalty_capacity
+        ids, counts = _widen(ids, width, -1), _widen(counts, width, 0)
+        banned = _widen(banned, self.ban_width, -1)
+        return (ids, counts, banned, *self._constraints.gather(idx, step_masks))
 
     def _gather_ban_lists(self, idx: np.ndarray, pos: np.ndarray) -> np.ndarray:
         num = np.where(pos < self._min_tokens[idx], self._num_banned[idx], 0)  # i32[R]

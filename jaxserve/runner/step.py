@@ -4,8 +4,9 @@ shardings, and the AttentionMetadata the step is given.
 Nothing here holds state: ``jit_step`` and ``jit_copy`` return jitted functions that close over
 the model (never the runner), and the runner (model_runner.py) calls them with its params, KV
 pages and host arrays. The step's positional arguments are STEP_ARGS, in that order; a new
-per-step input (a structured-output token mask, a speculative-decoding draft) is one more of
-them, here: in STEP_ARGS, ``_step_fn`` and ``_step_shardings``.
+per-step input (a speculative-decoding draft) is one more of them, here: in STEP_ARGS,
+``_step_fn`` and ``_step_shardings``; per-row sampling inputs (the structured-output token
+mask) ride in SamplingMetadata instead, whose widths the sampler's variants fix.
 """
 
 from __future__ import annotations

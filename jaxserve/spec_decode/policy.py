@@ -29,7 +29,7 @@ import math
 from jaxserve.speculative_config import SpeculativeConfig
 
 PROBE_BUDGET = 0.01  # the share of throughput the probes of the slower mode may cost
-MIN_PROBE_INTERVAL, MAX_PROBE_INTERVAL = 16, 256  # steps between probes, at most / at least
+MIN_PROBE_INTERVAL, MAX_PROBE_INTERVAL = 16, 256  # the fewest and the most steps between probes
 _DECAY = 0.95  # weight of the past in the decayed sums
 
 

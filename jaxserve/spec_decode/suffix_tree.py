@@ -16,11 +16,19 @@ from collections.abc import Iterable, Sequence
 
 
 class _Node:
-    __slots__ = ("count", "children")
+    __slots__ = ("count", "children", "best")
 
     def __init__(self) -> None:
         self.count = 0
         self.children: dict[int, _Node] = {}
+        self.best: int | None = None  # the most frequent child's token (None: to be found)
+
+    def most_frequent(self) -> tuple[int, _Node]:
+        """The child with the highest count: kept up to date as counts grow, searched again
+        (once) after a removal."""
+        if self.best is None:
+            self.best = max(self.children.items(), key=lambda item: item[1].count)[0]
+        return self.best, self.children[self.best]
 
 
 class Cursor:
@@ -51,6 +59,9 @@ class SuffixTree:
                 if child is None:
                     child = node.children[token] = _Node()
                 child.count += 1
+                best = node.best
+                if best is None or (best != token and child.count > node.children[best].count):
+                    node.best = token if best is not None or len(node.children) == 1 else None
                 grown.append(child)
             # A suffix that reached max_depth tokens stops growing.
             cursor.open = grown[-(depth - 1) :] if depth > 1 else []
@@ -63,6 +74,7 @@ class SuffixTree:
             for token in tokens[start : start + self.max_depth]:
                 child = node.children[token]
                 child.count -= 1
+                node.best = None  # counts fell: search again when asked
                 if child.count == 0:
                     del node.children[token]  # and everything under it: counts only fall
                     break
@@ -78,12 +90,30 @@ class SuffixTree:
         frequent child, while the running probability stays >= min_prob. ([], 0.0) when
         nothing matches."""
         node, match = self._longest_match(context)
+        return self._walk(node, match, max_tokens, max_spec_factor, min_prob)
+
+    def propose_at(
+        self, cursor: Cursor, max_tokens: int, max_spec_factor: float, min_prob: float
+    ) -> tuple[list[int], float]:
+        """``propose`` for the sequence ``cursor`` follows in this tree, in O(max_depth): its
+        open suffixes are the candidate matches, the deepest with a continuation wins."""
+        depth = len(cursor.open)
+        for i, node in enumerate(cursor.open):  # deepest first: lengths depth, depth - 1, ...
+            if node.children:
+                return self._walk(node, depth - i, max_tokens, max_spec_factor, min_prob)
+        return [], 0.0
+
+    def _walk(
+        self, node: _Node | None, match: int, max_tokens: int, max_spec_factor: float,
+        min_prob: float,
+    ) -> tuple[list[int], float]:  # fmt: skip
+        """The most frequent path below ``node`` (a match of ``match`` tokens), as propose."""
         if node is None:
             return [], 0.0
         limit = min(max_tokens, int(max_spec_factor * match))
         out, prob, score = [], 1.0, 0.0
         while len(out) < limit and node.children:
-            token, child = max(node.children.items(), key=lambda item: item[1].count)
+            token, child = node.most_frequent()
             prob *= child.count / node.count
             if prob < min_prob:
                 break

@@ -201,6 +201,71 @@ def _tile_pass(
     return lax.fori_loop(0, tile_ends[-1], tile, out)[:num_tokens]
 
 
+def _check_options(q: jax.Array, k_pages: jax.Array, row_kernel: str, **tunables: object) -> None:
+    """Raise ValueError for a tunable (named) that is neither None nor a positive int, an
+    unknown row_kernel, or row_kernel="cpu" with a non-f32 q or pages."""
+    for name, value in tunables.items():
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if row_kernel not in ROW_KERNELS:
+        raise ValueError(f"row_kernel must be one of {ROW_KERNELS}, got {row_kernel!r}")
+    if row_kernel == "cpu" and (q.dtype != jnp.float32 or k_pages.dtype != jnp.float32):
+        raise ValueError(
+            f'row_kernel="cpu" needs float32 q and pages, got {q.dtype} and {k_pages.dtype}'
+        )
+
+
+def _chunk_tables(
+    block_tables: jax.Array,  # i32[R, B]
+    page_size: int,
+    pages_per_chunk: int | None,
+    tile_pages_per_chunk: int | None,
+) -> tuple[int, int, jax.Array]:
+    """(pages per chunk of the row pass, of the tile pass, the block table padded with page 0
+    to a width both divide); a chunk size left None comes from chunk_pages."""
+    table_width = block_tables.shape[1]
+    row_pages = pages_per_chunk or chunk_pages(ROW_CHUNK_POSITIONS, page_size, table_width)
+    tile_pages = tile_pages_per_chunk or chunk_pages(TILE_CHUNK_POSITIONS, page_size, table_width)
+    # Both chunk sizes divide the padded width (powers of two, the larger a multiple).
+    padded_width = -(-table_width // max(row_pages, tile_pages)) * max(row_pages, tile_pages)
+    table = jnp.pad(block_tables, ((0, 0), (0, padded_width - table_width)))
+    return row_pages, tile_pages, table
+
+
+def _split_rows(
+    kv_lens: jax.Array,  # i32[R]
+    cu_q_lens: jax.Array,  # i32[R + 1]
+    num_seqs: jax.Array,  # i32[1]
+    num_tokens: int,
+    tq: int,
+) -> tuple[jax.Array, ...]:
+    """Which query rows the tile pass (tiles of tq rows) and the row pass take.
+
+    Returns:
+        (real, tiles, covered, seq, q_pos, needed): real bool[R], the slots below num_seqs;
+        tiles i32[R], each sequence's tiles, covering its first covered[s] rows (i32[R]);
+        seq i32[T], each row's sequence; q_pos i32[T], its position in that sequence's
+        context; needed i32[T], the context positions a row-pass row attends to (0 for a
+        padding row or one in a tile).
+    """
+    num_slots = kv_lens.shape[0]
+    real = jnp.arange(num_slots) < num_seqs[0]
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    # Tiles take each sequence's full tiles, and its remainder when that fills more than a
+    # quarter of a tile; the rest (decodes, short chunks, small remainders) goes to the row
+    # pass, so a tile never computes more than 4x its real rows.
+    remainder = q_lens % tq
+    tiles = jnp.where(real, q_lens // tq + (remainder * 4 > tq), 0)
+    covered = jnp.minimum(tiles * tq, q_lens)  # [R] rows of each sequence in the tile pass
+    seq = token_seq_ids(cu_q_lens, num_tokens)  # i32[T]
+    rows = jnp.arange(num_tokens, dtype=jnp.int32)
+    q_pos = kv_lens[seq] - q_lens[seq] + (rows - cu_q_lens[seq])  # i32[T]
+    valid = (rows < cu_q_lens[num_seqs[0]]) & real[seq]
+    in_tile = rows - cu_q_lens[seq] < covered[seq]
+    needed = jnp.where(valid & ~in_tile, q_pos + 1, 0)
+    return real, tiles, covered, seq, q_pos, needed
+
+
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -246,45 +311,19 @@ def ragged_paged_attention_chunked(
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
         k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
-    for name, value in (
-        ("pages_per_chunk", pages_per_chunk),
-        ("rows_per_block", rows_per_block),
-        ("tile_rows", tile_rows),
-        ("tile_pages_per_chunk", tile_pages_per_chunk),
-    ):
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if row_kernel not in ROW_KERNELS:
-        raise ValueError(f"row_kernel must be one of {ROW_KERNELS}, got {row_kernel!r}")
-    if row_kernel == "cpu" and (q.dtype != jnp.float32 or k_pages.dtype != jnp.float32):
-        raise ValueError(
-            f'row_kernel="cpu" needs float32 q and pages, got {q.dtype} and {k_pages.dtype}'
-        )
+    _check_options(
+        q, k_pages, row_kernel, pages_per_chunk=pages_per_chunk, rows_per_block=rows_per_block,
+        tile_rows=tile_rows, tile_pages_per_chunk=tile_pages_per_chunk,
+    )  # fmt: skip
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
-    table_width = block_tables.shape[1]
-    row_pages = pages_per_chunk or chunk_pages(ROW_CHUNK_POSITIONS, page_size, table_width)
-    tile_pages = tile_pages_per_chunk or chunk_pages(TILE_CHUNK_POSITIONS, page_size, table_width)
-    # Both chunk sizes divide the padded width (powers of two, the larger a multiple).
-    padded_width = -(-table_width // max(row_pages, tile_pages)) * max(row_pages, tile_pages)
-    table = jnp.pad(block_tables, ((0, 0), (0, padded_width - table_width)))
-
-    num_slots = kv_lens.shape[0]
-    real = jnp.arange(num_slots) < num_seqs[0]
-    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
-    # Tiles take each sequence's full tiles, and its remainder when that fills more than a
-    # quarter of a tile; the rest (decodes, short chunks, small remainders) goes to the row
-    # pass, so a tile never computes more than 4x its real rows.
+    row_pages, tile_pages, table = _chunk_tables(
+        block_tables, page_size, pages_per_chunk, tile_pages_per_chunk
+    )
     tq = min(tile_rows, num_tokens)
-    remainder = q_lens % tq
-    tiles = jnp.where(real, q_lens // tq + (remainder * 4 > tq), 0)
-    covered = jnp.minimum(tiles * tq, q_lens)  # [R] rows of each sequence in the tile pass
-    seq = token_seq_ids(cu_q_lens, num_tokens)  # i32[T]
-    rows = jnp.arange(num_tokens, dtype=jnp.int32)
-    q_pos = kv_lens[seq] - q_lens[seq] + (rows - cu_q_lens[seq])  # i32[T]
-    valid = (rows < cu_q_lens[num_seqs[0]]) & real[seq]
-    in_tile = rows - cu_q_lens[seq] < covered[seq]
-    needed = jnp.where(valid & ~in_tile, q_pos + 1, 0)
+    real, tiles, covered, seq, q_pos, needed = _split_rows(
+        kv_lens, cu_q_lens, num_seqs, num_tokens, tq
+    )
     qg = q.reshape(num_tokens, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
     qg = qg.astype(jnp.float32)
     if k_scale is not None:

@@ -271,6 +271,40 @@ def _resolve_config(q, k_pages, block_tables, num_cores: int | None, overrides: 
     return dataclasses.replace(config, **given)
 
 
+def _out_shape(q: jax.Array, splits: int) -> object:
+    """The kernel's output: [T, N, H] in q's dtype, or with splits > 1 each split's f32
+    partials (acc [splits, T, N, H], row max and row sum [splits, T, N]) for _combine_splits."""
+    if splits == 1:
+        return jax.ShapeDtypeStruct(q.shape, q.dtype)
+    num_tokens, num_q_heads, _ = q.shape
+    return (
+        jax.ShapeDtypeStruct((splits, *q.shape), jnp.float32),
+        jax.ShapeDtypeStruct((splits, num_tokens, num_q_heads), jnp.float32),
+        jax.ShapeDtypeStruct((splits, num_tokens, num_q_heads), jnp.float32),
+    )
+
+
+def _gpu_call(
+    kernel, q: jax.Array, k_pages: jax.Array, num_slots: int, config: GpuConfig, interpret
+):
+    """The pallas_call of `kernel` on grid (query block, kv head, split): Q = cdiv(T, block_q)
+    + R + 1 query blocks (module docstring), every input whole, the page pools left in HBM."""
+    num_blocks = pl.cdiv(q.shape[0], config.block_q) + num_slots + 1
+    full = pl.no_block_spec  # whole array; Triton addresses it through one pointer
+    whole = pl.BlockSpec(memory_space=pl.ANY)  # page pools stay in HBM, gathered in the body
+    return pl.pallas_call(
+        kernel,
+        out_shape=_out_shape(q, config.num_kv_splits),
+        grid=(num_blocks, k_pages.shape[0], config.num_kv_splits),
+        in_specs=[full, full, full, full, full, whole, whole, full],
+        compiler_params=None
+        if interpret
+        else pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        name="ragged_paged_attention_gpu",
+    )
+
+
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -319,34 +353,16 @@ def ragged_paged_attention_gpu(
             H not a power of two >= 16, P not a power of two, kv_tile not a multiple of P.
     """
     validate_inputs(
-        q,
-        k_pages,
-        v_pages,
-        kv_lens,
-        block_tables,
-        cu_q_lens,
-        num_seqs,
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-        k_scale=k_scale,
-        v_scale=v_scale,
-    )
+        q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs,
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        k_scale=k_scale, v_scale=v_scale,
+    )  # fmt: skip
     overrides = dict(
-        block_q=block_q,
-        kv_tile=kv_tile,
-        num_kv_splits=num_kv_splits,
-        num_warps=num_warps,
+        block_q=block_q, kv_tile=kv_tile, num_kv_splits=num_kv_splits, num_warps=num_warps,
         num_stages=num_stages,
-    )
+    )  # fmt: skip
     config = _resolve_config(q, k_pages, block_tables, num_cores, overrides)
     _check_gpu_shapes(q, k_pages, config)
-    num_tokens, num_q_heads, _ = q.shape
-    num_kv_heads = k_pages.shape[0]
-    num_slots = block_tables.shape[0]
-    splits = config.num_kv_splits
-    num_blocks = pl.cdiv(num_tokens, config.block_q) + num_slots + 1
-
     kernel = functools.partial(
         _attention_kernel,
         sm_scale=sm_scale,
@@ -354,32 +370,12 @@ def ragged_paged_attention_gpu(
         soft_cap=soft_cap,
         block_q=config.block_q,
         kv_tile=config.kv_tile,
-        num_splits=splits,
+        num_splits=config.num_kv_splits,
     )
-    if splits == 1:
-        out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
-    else:
-        out_shape = (
-            jax.ShapeDtypeStruct((splits, *q.shape), jnp.float32),
-            jax.ShapeDtypeStruct((splits, num_tokens, num_q_heads), jnp.float32),
-            jax.ShapeDtypeStruct((splits, num_tokens, num_q_heads), jnp.float32),
-        )
-    full = pl.no_block_spec  # whole array; Triton addresses it through one pointer
-    whole = pl.BlockSpec(memory_space=pl.ANY)  # page pools stay in HBM, gathered in the body
-    result = pl.pallas_call(
-        kernel,
-        out_shape=out_shape,
-        grid=(num_blocks, num_kv_heads, splits),
-        in_specs=[full, full, full, full, full, whole, whole, full],
-        compiler_params=None
-        if interpret
-        else pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
-        interpret=interpret,
-        name="ragged_paged_attention_gpu",
-    )(
+    result = _gpu_call(kernel, q, k_pages, block_tables.shape[0], config, interpret)(
         kv_lens, block_tables, cu_q_lens, num_seqs, q, k_pages, v_pages,
         scales_or_ones(k_scale, v_scale),
     )  # fmt: skip
-    if splits == 1:
+    if config.num_kv_splits == 1:
         return result
     return _combine_splits(*result, dtype=q.dtype)

@@ -669,6 +669,80 @@ def _interpret_params(interpret: Any) -> Any:
     return InterpretGPUParams() if interpret is True else interpret
 
 
+def _refuse_fp8(k_pages: jax.Array, k_scale: jax.Array | None) -> None:
+    """Raise ValueError for FP8 pages or KV scales: this kernel reads no FP8 KV cache."""
+    if is_fp8(k_pages.dtype) or k_scale is not None:
+        raise ValueError(
+            f"the Mosaic GPU kernel cannot read an FP8 KV cache (k_pages dtype {k_pages.dtype}"
+            f"{', KV scales given' if k_scale is not None else ''}): use 'pallas_triton' or 'xla'"
+        )
+
+
+def _resolve_config(
+    q: jax.Array,
+    k_pages: jax.Array,
+    block_tables: jax.Array,
+    config: MosaicGpuConfig | None,
+    num_cores: int | None,
+) -> MosaicGpuConfig:
+    """`config`, or when None default_mosaic_gpu_config for these shapes on num_cores SMs
+    (None: DEFAULT_NUM_CORES)."""
+    if config is not None:
+        return config
+    return default_mosaic_gpu_config(
+        q.shape,
+        k_pages.shape,
+        block_tables.shape,
+        num_cores or DEFAULT_NUM_CORES,
+        k_pages.dtype.itemsize,
+    )
+
+
+def _mosaic_kernel(st: _Static, q_tiles: jax.Array, num_tiles: int, interpret_params: Any) -> Any:
+    """The plgpu.kernel of _attention_kernel on grid (tile, kv head, split) for q_tiles
+    [K, Qb * Ms + M - Ms, H]: its output in the tile layout, [K, Qb * Ms, H] in q's dtype, or
+    with splits > 1 each split's f32 partial output [splits, K, Qb * Ms, H] and log-sum-exp
+    [splits, K, Qb * Ms]."""
+    num_kv_heads, _, head_dim = q_tiles.shape
+    config = st.config
+    splits = config.num_kv_splits
+    tile_rows = num_tiles * st.rows
+    if splits == 1:
+        out_type = jax.ShapeDtypeStruct((num_kv_heads, tile_rows, head_dim), q_tiles.dtype)
+    else:
+        out_type = (
+            jax.ShapeDtypeStruct((splits, num_kv_heads, tile_rows, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((splits, num_kv_heads, tile_rows), jnp.float32),
+        )
+    return plgpu.kernel(
+        functools.partial(_attention_kernel, st=st),
+        out_type=out_type,
+        scratch_types=_scratch_types(st, head_dim, q_tiles.dtype),
+        grid=(num_tiles, num_kv_heads, splits),
+        grid_names=("tile", "kv_head", "split"),
+        compiler_params=plgpu.CompilerParams(
+            approx_math=config.approx_math, lowering_semantics=plgpu.LoweringSemantics.Lane
+        ),
+        interpret=interpret_params,
+        kernel_name="ragged_paged_attention_mosaic_gpu",
+    )
+
+
+def _token_major_output(
+    result: Any, rows: jax.Array, valid: jax.Array, q: jax.Array, splits: int
+) -> jax.Array:  # [T, N, H]
+    """The kernel's tile-layout result (merged across splits) gathered back to [T, N, H] in
+    q's dtype, with zeros on padding rows (rows, valid: _output_rows)."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    if splits == 1:
+        out = result[:, rows]  # [K, T, G, H]
+    else:
+        partial_out, lse = result
+        out = _combine_splits(partial_out[:, :, rows], lse[:, :, rows]).astype(q.dtype)
+    out = out.transpose(1, 0, 2, 3).reshape(num_tokens, num_q_heads, head_dim)
+    return jnp.where(valid[:, None, None], out, jnp.zeros((), q.dtype))
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "sliding_window", "soft_cap", "config", "num_cores", "interpret"),
@@ -713,36 +787,16 @@ def ragged_paged_attention_mosaic_gpu(
             tile; a config over the SMEM budget; FP8 pages or KV scales.
     """
     validate_inputs(
-        q,
-        k_pages,
-        v_pages,
-        kv_lens,
-        block_tables,
-        cu_q_lens,
-        num_seqs,
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-        k_scale=k_scale,
-        v_scale=v_scale,
-    )
-    if is_fp8(k_pages.dtype) or k_scale is not None:
-        raise ValueError(
-            f"the Mosaic GPU kernel cannot read an FP8 KV cache (k_pages dtype {k_pages.dtype}"
-            f"{', KV scales given' if k_scale is not None else ''}): use 'pallas_triton' or 'xla'"
-        )
+        q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs,
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        k_scale=k_scale, v_scale=v_scale,
+    )  # fmt: skip
+    _refuse_fp8(k_pages, k_scale)
     interpret_params = _interpret_params(interpret)
-    num_tokens, num_q_heads, head_dim = q.shape
+    num_tokens, num_q_heads, _ = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
     width = block_tables.shape[1]
-    if config is None:
-        config = default_mosaic_gpu_config(
-            q.shape,
-            k_pages.shape,
-            block_tables.shape,
-            num_cores or DEFAULT_NUM_CORES,
-            k_pages.dtype.itemsize,
-        )
+    config = _resolve_config(q, k_pages, block_tables, config, num_cores)
     _check_supported(q, k_pages, config)
     group = num_q_heads // num_kv_heads
     st = _Static(
@@ -768,35 +822,9 @@ def ragged_paged_attention_mosaic_gpu(
         sliding_window=sliding_window,
     )
     q_tiles = _gather_query_tiles(q, plan, num_kv_heads=num_kv_heads, block_q=config.block_q)
-    num_tiles = plan.meta.shape[0]
-    splits = config.num_kv_splits
-    tile_rows = num_tiles * st.rows
-    if splits == 1:
-        out_type = jax.ShapeDtypeStruct((num_kv_heads, tile_rows, head_dim), q.dtype)
-    else:
-        out_type = (
-            jax.ShapeDtypeStruct((splits, num_kv_heads, tile_rows, head_dim), jnp.float32),
-            jax.ShapeDtypeStruct((splits, num_kv_heads, tile_rows), jnp.float32),
-        )
-    result = plgpu.kernel(
-        functools.partial(_attention_kernel, st=st),
-        out_type=out_type,
-        scratch_types=_scratch_types(st, head_dim, q.dtype),
-        grid=(num_tiles, num_kv_heads, splits),
-        grid_names=("tile", "kv_head", "split"),
-        compiler_params=plgpu.CompilerParams(
-            approx_math=config.approx_math, lowering_semantics=plgpu.LoweringSemantics.Lane
-        ),
-        interpret=interpret_params,
-        kernel_name="ragged_paged_attention_mosaic_gpu",
-    )(plan.meta, block_tables, q_tiles, k_pages, v_pages)
+    kernel = _mosaic_kernel(st, q_tiles, plan.meta.shape[0], interpret_params)
+    result = kernel(plan.meta, block_tables, q_tiles, k_pages, v_pages)
     rows, valid = _output_rows(
         cu_q_lens, num_seqs, plan, num_tokens=num_tokens, group=group, block_q=config.block_q
     )
-    if splits == 1:
-        out = result[:, rows]  # [K, T, G, H]
-    else:
-        partial_out, lse = result
-        out = _combine_splits(partial_out[:, :, rows], lse[:, :, rows]).astype(q.dtype)
-    out = out.transpose(1, 0, 2, 3).reshape(num_tokens, num_q_heads, head_dim)
-    return jnp.where(valid[:, None, None], out, jnp.zeros((), q.dtype))
+    return _token_major_output(result, rows, valid, q, config.num_kv_splits)

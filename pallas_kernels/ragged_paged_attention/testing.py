@@ -43,12 +43,7 @@ def random_batch(
             f"pages do not fit num_slots={num_slots}, num_tokens={num_tokens}, "
             f"num_pages={num_pages}"
         )
-    for (q_len, kv_len), n in zip(seqs, needed, strict=True):
-        if not 1 <= q_len <= kv_len or n > table_width:
-            raise ValueError(
-                f"random_batch: sequence (q_len={q_len}, kv_len={kv_len}) needs 1 <= q_len <= "
-                f"kv_len and at most table_width={table_width} pages of {page_size}"
-            )
+    _check_sequences(seqs, needed, table_width=table_width, page_size=page_size)
     pool = (num_kv_heads, num_pages, page_size, head_dim)
     q = rng.standard_normal((num_tokens, num_q_heads, head_dim), np.float32)
     k_pages = rng.standard_normal(pool, np.float32)
@@ -71,3 +66,16 @@ def random_batch(
         jnp.asarray(cu_q_lens),
         jnp.asarray([len(seqs)], jnp.int32),
     )
+
+
+def _check_sequences(
+    seqs: Sequence[tuple[int, int]], needed: list[int], *, table_width: int, page_size: int
+) -> None:
+    """Raise ValueError naming the first (q_len, kv_len) with q_len outside [1, kv_len] or
+    needing (`needed`: its page count) more pages than the block table is wide."""
+    for (q_len, kv_len), n in zip(seqs, needed, strict=True):
+        if not 1 <= q_len <= kv_len or n > table_width:
+            raise ValueError(
+                f"random_batch: sequence (q_len={q_len}, kv_len={kv_len}) needs 1 <= q_len <= "
+                f"kv_len and at most table_width={table_width} pages of {page_size}"
+            )

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -69,17 +70,11 @@ def default_tpu_config(
     num_kv_heads, _, page_size, _ = kv_shape
     _, width = table_shape
     group = num_q_heads // num_kv_heads
-    row_align = 16 // _gcd(group, 16)  # smallest block_q making M a multiple of 16
+    row_align = 16 // math.gcd(group, 16)  # smallest block_q making M a multiple of 16
     block_q = max(row_align, (128 // group) // row_align * row_align)
     block_q = min(block_q, pl.cdiv(num_tokens, row_align) * row_align)
     pages_per_tile = max(1, min(width, 256 // page_size))
     return TpuConfig(block_q=block_q, pages_per_tile=pages_per_tile)
-
-
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return a
 
 
 def _seq_bounds(
@@ -282,6 +277,50 @@ def _check_tpu_shapes(q: jax.Array, k_pages: jax.Array, config: TpuConfig) -> No
         )
 
 
+def _resolve_config(q, k_pages, block_tables, overrides: dict) -> TpuConfig:
+    """default_tpu_config for these shapes, with the overrides that are not None."""
+    config = default_tpu_config(q.shape, k_pages.shape, block_tables.shape)
+    return dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def _tpu_call(kernel, q_t: jax.Array, k_pages: jax.Array, config: TpuConfig, group: int, interpret):
+    """The pallas_call of `kernel` on grid (kv head, query tile) over head-major q_t
+    [K, T * G, H]: 4 metadata arrays prefetched to SMEM, q and output tiles of block_q * G rows
+    in VMEM, the page pools left in HBM (the body copies them into a double buffer), the KV
+    scales in SMEM, and the body's scratch."""
+    num_kv_heads, num_rows, head_dim = q_t.shape
+    page_size = k_pages.shape[2]
+    rows = config.block_q * group
+    tile_spec = pl.BlockSpec((None, rows, head_dim), lambda h, b, *_: (h, b, 0))
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    buf = pltpu.VMEM((2, config.pages_per_tile, page_size, head_dim), k_pages.dtype)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=4,
+        grid=(num_kv_heads, pl.cdiv(num_rows // group, config.block_q)),
+        in_specs=[tile_spec, hbm, hbm, pl.BlockSpec(memory_space=pltpu.SMEM)],
+        out_specs=tile_spec,
+        scratch_shapes=[
+            buf,
+            buf,
+            pltpu.SemaphoreType.DMA((2, 2)),
+            pltpu.VMEM((rows, head_dim), jnp.float32),
+            pltpu.VMEM((rows, _LANES), jnp.float32),
+            pltpu.VMEM((rows, _LANES), jnp.float32),
+        ],
+    )
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(q_t.shape, q_t.dtype),
+        grid_spec=grid_spec,
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel"),
+            vmem_limit_bytes=config.vmem_limit_bytes,
+        ),
+        interpret=interpret,
+        name="ragged_paged_attention_tpu",
+    )
+
+
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -324,36 +363,20 @@ def ragged_paged_attention_tpu(
             block_q * (N // K) is not a multiple of 16.
     """
     validate_inputs(
-        q,
-        k_pages,
-        v_pages,
-        kv_lens,
-        block_tables,
-        cu_q_lens,
-        num_seqs,
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-        k_scale=k_scale,
-        v_scale=v_scale,
-    )
-    config = default_tpu_config(q.shape, k_pages.shape, block_tables.shape)
+        q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs,
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        k_scale=k_scale, v_scale=v_scale,
+    )  # fmt: skip
     given = dict(block_q=block_q, pages_per_tile=pages_per_tile, vmem_limit_bytes=vmem_limit_bytes)
-    config = dataclasses.replace(config, **{k: v for k, v in given.items() if v is not None})
+    config = _resolve_config(q, k_pages, block_tables, given)
     _check_tpu_shapes(q, k_pages, config)
     num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads, _, page_size, _ = k_pages.shape
+    num_kv_heads = k_pages.shape[0]
     num_slots, width = block_tables.shape
     group = num_q_heads // num_kv_heads
-    rows = config.block_q * group
-    num_q_blocks = pl.cdiv(num_tokens, config.block_q)
-
     # [T, N, H] -> [K, T * G, H]: row t * G + g of kv head k is query head k * G + g of token t.
     q_t = q.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
     q_t = q_t.reshape(num_kv_heads, num_tokens * group, head_dim)
-    tile_spec = pl.BlockSpec((None, rows, head_dim), lambda h, b, *_: (h, b, 0))
-    hbm = pl.BlockSpec(memory_space=pl.ANY)
-    buf = pltpu.VMEM((2, config.pages_per_tile, page_size, head_dim), k_pages.dtype)
     kernel = functools.partial(
         _attention_kernel,
         sm_scale=sm_scale,
@@ -364,30 +387,7 @@ def ragged_paged_attention_tpu(
         num_tokens=num_tokens,
         width=width,
     )
-    out = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct(q_t.shape, q.dtype),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
-            grid=(num_kv_heads, num_q_blocks),
-            in_specs=[tile_spec, hbm, hbm, pl.BlockSpec(memory_space=pltpu.SMEM)],
-            out_specs=tile_spec,
-            scratch_shapes=[
-                buf,
-                buf,
-                pltpu.SemaphoreType.DMA((2, 2)),
-                pltpu.VMEM((rows, head_dim), jnp.float32),
-                pltpu.VMEM((rows, _LANES), jnp.float32),
-                pltpu.VMEM((rows, _LANES), jnp.float32),
-            ],
-        ),
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel"),
-            vmem_limit_bytes=config.vmem_limit_bytes,
-        ),
-        interpret=interpret,
-        name="ragged_paged_attention_tpu",
-    )(
+    out = _tpu_call(kernel, q_t, k_pages, config, group, interpret)(
         kv_lens, block_tables.reshape(num_slots * width), cu_q_lens, num_seqs, q_t, k_pages,
         v_pages, scales_or_ones(k_scale, v_scale),
     )  # fmt: skip

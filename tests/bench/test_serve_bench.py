@@ -128,9 +128,7 @@ def test_goals_and_rates_from_numbers():
     inf = math.inf
     report = {
         "servers": {
-            "jaxserve": {
-                "runs": [_run(inf, 9000, 50), _run(1.0, 100, 20), _run(2.0, 1500, 30)]
-            },
+            "jaxserve": {"runs": [_run(inf, 9000, 50), _run(1.0, 100, 20), _run(2.0, 1500, 30)]},
             "vllm": {"runs": [_run(inf, 9000, 80), _run(1.0, 300, 30), _run(2.0, 4000, 25)]},
         },
         "offline": {"output_tokens_per_s": 110.0},

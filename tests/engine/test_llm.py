@@ -8,7 +8,18 @@ import random
 import pytest
 from engine_utils import SMALL, assert_nothing_held, random_prompts
 
-from jaxserve import LLM, LLMEngine, SamplingParams
+from jaxserve import LLM, LLMEngine, SamplingParams, StructuredOutputsParams
+
+# Token constraints (jaxserve/structured/, runner/token_constraints.py), one at random.
+_CONSTRAINTS = [
+    {},
+    {},
+    {"logit_bias": {5: 3.0, 9: -100.0}},
+    {"allowed_token_ids": [2, 5, 6, 7]},
+    {"bad_words": ["the", "France"]},
+    {"structured_outputs": StructuredOutputsParams(regex="[a-c]{1,8}")},
+    {"structured_outputs": StructuredOutputsParams(json={"type": "array", "maxItems": 2})},
+]
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +111,7 @@ def _any_sampling_params(rng: random.Random) -> SamplingParams:
         stop=rng.choice([None, ["e"]]),
         stop_token_ids=rng.choice([None, [7]]),
         ignore_eos=rng.choice([False, True]),
+        **rng.choice(_CONSTRAINTS),
     )
 
 

@@ -22,8 +22,15 @@ ENGINE = [
 MODEL = "tiny-random-llama"
 
 
-def _completion(custom_id: str, prompt, **body) -> dict:
+TOOL = {"type": "function", "function": {"name": "noop", "parameters": {
+    "type": "object", "properties": {}, "additionalProperties": False}}}  # fmt: skip
+BAD_SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}
+
+
+def _completion(custom_id: str, prompt, structured_outputs=None, **body) -> dict:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0, **body}
+    if structured_outputs is not None:
+        body["structured_outputs"] = structured_outputs
     return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions", "body": body}
 
 
@@ -69,13 +76,24 @@ def test_every_line_is_answered_and_a_rerun_has_nothing_to_do(tmp_path, capsys):
             "\n",
             "not json\n",
             {"method": "POST", "url": "/v1/completions", "body": {}},
+            # Constraints and tools, through the server's handlers.
+            _completion("choice", "Spam?", extra_choice := {"choice": ["spam", "ham"]}),
+            {"custom_id": "tool", "method": "POST", "url": "/v1/chat/completions",
+             "body": {**chat, "max_tokens": 40, "tools": [TOOL], "tool_choice": "required",
+                      "parallel_tool_calls": False}},
+            _completion("bad-schema", "x", response_format=BAD_SCHEMA),
         ],
-    )
+    )  # fmt: skip
     assert cli.main(_run_batch_args(tmp_path, inp, out)) == 0
     records = _records(out)
-    assert len(_results(out)) == len(records) == 10
+    assert len(_results(out)) == len(records) == 13
     ok = {k: r for k, r in records.items() if r["response"] and r["response"]["status_code"] == 200}
-    assert set(ok) == {"text", "ids", "chat"}
+    assert set(ok) == {"text", "ids", "chat", "choice", "tool"}
+    assert ok["choice"]["response"]["body"]["choices"][0]["text"] in extra_choice["choice"]
+    (call,) = ok["tool"]["response"]["body"]["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "noop"
+    bad = records["bad-schema"]["response"]
+    assert bad["status_code"] == 400 and bad["body"]["error"]["param"] == "response_format"
     body = ok["ids"]["response"]["body"]
     assert body["object"] == "text_completion" and len(body["choices"]) == 2
     assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 16, "total_tokens": 20}
@@ -98,7 +116,7 @@ def test_every_line_is_answered_and_a_rerun_has_nothing_to_do(tmp_path, capsys):
     assert ok["text"]["response"]["body"]["choices"][0]["text"] == expected.outputs[0].text
     capsys.readouterr()
     assert cli.main(_run_batch_args(tmp_path, inp, out)) == 0
-    assert "nothing to do: all 10 requests" in capsys.readouterr().out
+    assert "nothing to do: all 13 requests" in capsys.readouterr().out
 
 
 def test_a_repeated_custom_id_is_refused_before_anything_runs(tmp_path, capsys):

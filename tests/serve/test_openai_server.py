@@ -275,7 +275,7 @@ BAD_REQUESTS = [
     ("completions", {"prompt": PROMPT, "max_tokens": 0}, "max_tokens", "only with echo=true"),
     ("completions", {"prompt": PROMPT, "max_tokens": -1}, "max_tokens", ">= 1, got -1"),
     ("completions", {"prompt": PROMPT, "echo": True, "stream": True}, "echo", "stream"),
-    ("completions", {"prompt": PROMPT, "logit_bias": {"5": 1.0}}, "logit_bias", "not supported"),
+    ("completions", {"prompt": PROMPT, "logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
     ("completions", {"prompt": PROMPT, "best_of": 3}, "best_of", "best_of"),
     ("completions", {"prompt": PROMPT, "logprobs": 21}, "logprobs", "[0, 20], got 21"),
     ("completions", {"prompt": [1, 5000]}, "prompt", "outside the vocabulary"),
@@ -293,7 +293,7 @@ BAD_REQUESTS = [
     ),
     ("chat", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 30}, "top_logprobs", "30"),
     ("chat", {"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs", "logprobs=true"),
-    ("chat", {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools", "tool calling"),
+    ("chat", {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools[0]", "must be"),
     ("chat", {"messages": [{"role": "user"}]}, "messages[0].content", "string"),
     (
         "chat",

@@ -40,12 +40,15 @@ def _brute(seqs: list[list[int]], depth: int) -> dict[tuple[int, ...], int]:
 @given(st.lists(sequences, min_size=1, max_size=4), st.integers(1, 6), st.data())
 def test_counts_every_substring_and_forgets_a_removed_sequence(seqs, depth, data):
     tree = SuffixTree(depth)
+    cursors = []
     for seq in seqs:
-        cursor = Cursor()
+        cursors.append(cursor := Cursor())
         cut = data.draw(st.integers(0, len(seq)))  # appended in two parts, as a request grows
         tree.extend(cursor, seq[:cut])
         tree.extend(cursor, seq[cut:])
     assert _counts(tree) == _brute(seqs, depth)
+    for seq, cursor in zip(seqs, cursors, strict=True):  # the O(depth) match, from the cursor
+        assert tree.propose_at(cursor, 4, 2.0, 0.1) == tree.propose(seq, 4, 2.0, 0.1)
     gone = data.draw(st.integers(0, len(seqs) - 1))
     tree.remove(seqs[gone])
     assert _counts(tree) == _brute(seqs[:gone] + seqs[gone + 1 :], depth)

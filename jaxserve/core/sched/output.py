@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -55,6 +57,9 @@ class SchedulerOutput:
         step), and before block_copies and the forward.
     scheduled_spec_decode_tokens: req_id -> the speculative drafts it verifies this step
         (running decodes only; their num_scheduled_tokens is 1 + len(drafts)).
+    token_masks: req_id -> u32[ceil(V / 32)] tokens its sampling row may draw (bit t % 32 of
+        word t // 32), for constrained requests that sample this step (structured outputs,
+        bad words: jaxserve/structured/step_masks.py); the others are unmasked.
     """
 
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -67,6 +72,7 @@ class SchedulerOutput:
     device_to_host: list[tuple[int, int]] = field(default_factory=list)
     host_to_device: list[tuple[int, int]] = field(default_factory=list)
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    token_masks: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

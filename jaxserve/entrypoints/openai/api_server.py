@@ -75,13 +75,18 @@ def build_app(
     api_key: str | None = None,
     body_limits: BodyLimits | None = None,
     trust_request_chat_template: bool = False,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """The FastAPI app serving ``engine`` under ``served_model_name``; ``api_key`` (if given)
     guards the /v1 routes; ``body_limits`` bound what a request body may be;
-    ``trust_request_chat_template`` lets requests send their own chat template. The caller owns
+    ``trust_request_chat_template`` lets requests send their own chat template;
+    ``tool_call_parser`` names the parser of tool_choice "auto" (tool_parsers/). The caller owns
     the engine (and shuts it down)."""
     serving = OpenAIServing(
-        engine, served_model_name, trust_request_chat_template=trust_request_chat_template
+        engine,
+        served_model_name,
+        trust_request_chat_template=trust_request_chat_template,
+        tool_call_parser=tool_call_parser,
     )
     app = FastAPI(title="jaxserve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serving = serving
@@ -307,6 +312,7 @@ def run_server(engine_args: Mapping[str, Any], settings: ServerSettings) -> int:
                 api_key=api_key,
                 body_limits=limits,
                 trust_request_chat_template=settings.trust_request_chat_template,
+                tool_call_parser=settings.tool_call_parser,
             )
             _serve(app, sock, settings, f"serving {model!r} as {name!r}", api_key is not None)
         finally:

@@ -24,6 +24,7 @@ from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.entrypoints.openai.request_outputs import EventStream
 from jaxserve.entrypoints.openai.serving_chat import ChatServing
 from jaxserve.entrypoints.openai.serving_completions import CompletionServing
+from jaxserve.entrypoints.openai.tool_parsers import get_tool_parser
 
 
 class OpenAIServing:
@@ -31,14 +32,23 @@ class OpenAIServing:
     /v1/chat/completions (serving_chat.py) over ``engine``."""
 
     def __init__(
-        self, engine: AsyncLLM, served_model_name: str, *, trust_request_chat_template: bool = False
+        self,
+        engine: AsyncLLM,
+        served_model_name: str,
+        *,
+        trust_request_chat_template: bool = False,
+        tool_call_parser: str | None = None,
     ) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
         self.completions = CompletionServing(engine, served_model_name)
-        # A request's own chat_template runs only when the operator trusts clients with it.
+        # A request's own chat_template runs only when the operator trusts clients with it;
+        # tool_choice "auto" needs the parser of the model's tool-call format.
         self.chat = ChatServing(
-            engine, served_model_name, trust_request_chat_template=trust_request_chat_template
+            engine,
+            served_model_name,
+            trust_request_chat_template=trust_request_chat_template,
+            tool_parser=None if tool_call_parser is None else get_tool_parser(tool_call_parser),
         )
         self._created = int(time.time())
 

@@ -16,6 +16,7 @@ from jaxserve.entrypoints.openai.protocol import (
     echo_only,
     requested_max_tokens,
     sampling_params,
+    translate_params_errors,
     usage,
     with_max_tokens,
 )
@@ -47,7 +48,11 @@ class BaseServing:
                 param="model",
             )
 
-    def _params(self, request: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+    def _params(
+        self,
+        request: CompletionRequest | ChatCompletionRequest,
+        tool_constraint: dict | None = None,
+    ) -> SamplingParams:
         requested, _ = requested_max_tokens(request)
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         # Without a limit, each prompt gets what the context leaves (_check_prompt); until then
@@ -55,7 +60,9 @@ class BaseServing:
         max_tokens = self._max_model_len if requested is None else requested
         if isinstance(request, CompletionRequest) and echo_only(request):
             max_tokens = 1  # the engine samples one token, which the answer leaves out
-        return sampling_params(request, max_tokens=max_tokens, output_kind=kind)
+        return sampling_params(
+            request, max_tokens=max_tokens, output_kind=kind, tool_constraint=tool_constraint
+        )
 
     async def _check_prompt(
         self,
@@ -81,6 +88,9 @@ class BaseServing:
             prompt_dict = {"prompt": text, "prompt_token_ids": token_ids}
             checked = await engine.check_request(prompt_dict, params)
         except (TypeError, ValueError) as e:
+            if str(e).startswith("SamplingParams."):  # a constraint (a grammar that fails...)
+                with translate_params_errors(request):
+                    raise
             raise OpenAIError(f"{where}: {e}", param=param) from None
         if requested is not None and len(token_ids) + requested > limit:
             raise OpenAIError(

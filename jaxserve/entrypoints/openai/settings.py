@@ -22,6 +22,8 @@ class ServerSettings:
     max_waiting_requests: answer 503 to a request arriving while this many wait; None: no bound.
     max_request_body_bytes: answer 413 to a request body over this many bytes.
     trust_request_chat_template: let requests send their own chat_template.
+    tool_call_parser: the format of the model's tool calls (tool_parsers.TOOL_PARSERS), read
+        for tool_choice "auto"; None: "auto" is refused.
     uvicorn_log_level, graceful_shutdown_timeout: uvicorn's log level, and how long open
         requests may finish on SIGINT / SIGTERM before they are cut (seconds).
     """
@@ -33,5 +35,6 @@ class ServerSettings:
     max_waiting_requests: int | None = None
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     trust_request_chat_template: bool = False
+    tool_call_parser: str | None = None
     uvicorn_log_level: str = "info"
     graceful_shutdown_timeout: float = 10.0

@@ -2,9 +2,11 @@
 bodies, and the response and stream-chunk bodies. Pure data: no web framework, no engine.
 
 Every request field is declared (pydantic, ``extra="forbid"``): an unknown field is a 400 naming
-it, never ignored. Fields of OpenAI's that jaxserve cannot honour (``tools``, ``logit_bias``,
-``response_format``, ...) are refused with a 400 that says why, unless their value is the one
-that changes nothing (``logit_bias: {}``, ``tool_choice: "none"``, ``best_of`` equal to ``n``).
+it, never ignored. Fields of OpenAI's that jaxserve cannot honour (``suffix``, ``functions``,
+...) are refused with a 400 that says why, unless their value is the one that changes nothing
+(``best_of`` equal to ``n``). ``response_format``, ``logit_bias`` and vLLM's
+``structured_outputs``, ``allowed_token_ids`` and ``bad_words`` constrain the sampling
+(constraints.py); ``tools`` and ``tool_choice`` are checked in tools.py.
 Besides OpenAI's fields, every jaxserve SamplingParams field is accepted as an extra body field,
 as vLLM accepts its own (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
 ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``, ``include_stop_str_in_output``,
@@ -13,7 +15,8 @@ request field's name.
 
 The rooms: errors.py (OpenAIError, loc_path), fields.py (the fields both endpoints share, the
 parsing), completions.py and chat.py (each endpoint's request and its checks), sampling.py (a
-request's SamplingParams), responses.py (logprobs, usage and stream-chunk pieces).
+request's SamplingParams), constraints.py (what may be sampled), tools.py (tool choice),
+responses.py (logprobs, usage and stream-chunk pieces).
 """
 
 from __future__ import annotations

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from jaxserve.entrypoints.openai.protocol.errors import OpenAIError, short_repr
 from jaxserve.entrypoints.openai.protocol.fields import (
-    NO_VALUE,
     REFUSED_COMMON,
     SamplingRequest,
     StrictBody,
@@ -35,16 +35,16 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = None
     chat_template: str | None = None  # vLLM's: a jinja2 template instead of the model's
     add_generation_prompt: bool = True
+    # Tool calling (tools.py checks them).
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
 
 _REFUSED_CHAT = {
     **REFUSED_COMMON,
-    "tools": ([], "no tool calling"),
-    "tool_choice": ("none", "no tool calling"),
-    "parallel_tool_calls": (NO_VALUE, "no tool calling"),
-    "functions": ([], "no function calling"),
-    "function_call": ("none", "no function calling"),
-    "response_format": ({"type": "text"}, "no structured (JSON) output"),
+    "functions": ([], "the deprecated function calling: use tools"),
+    "function_call": ("none", "the deprecated function calling: use tool_choice"),
 }
 
 
@@ -73,26 +73,66 @@ def parse_chat_request(body: Any) -> ChatCompletionRequest:
 
 def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
     """The conversation as the chat template reads it: role, content (text parts joined with a
-    newline, as vLLM does), name and tool_call_id when given.
+    newline, as vLLM does), name and tool_call_id when given, an assistant's tool_calls (their
+    arguments as objects, as Hugging Face templates read them).
 
     Raises:
-        OpenAIError (400): content that is not text, a message with tool or function calls.
+        OpenAIError (400): content that is not text, malformed tool calls, a function_call.
     """
     messages = []
     for i, message in enumerate(request.messages):
-        for name in ("tool_calls", "function_call", "refusal"):
+        for name in ("function_call", "refusal"):
             if getattr(message, name) not in (None, []):
                 raise OpenAIError(
-                    f"messages[{i}].{name} is not supported (jaxserve does no tool calling)",
+                    f"messages[{i}].{name} is not supported (function_call is deprecated: use "
+                    "tool_calls)",
                     param=f"messages[{i}].{name}",
                 )
-        out: dict[str, Any] = {"role": message.role, "content": _message_text(i, message.content)}
+        calls = _tool_calls(i, message.tool_calls)
+        content = "" if message.content is None and calls else message.content
+        out: dict[str, Any] = {"role": message.role, "content": _message_text(i, content)}
+        if calls:
+            out["tool_calls"] = calls
         if message.name is not None:
             out["name"] = message.name
         if message.tool_call_id is not None:
             out["tool_call_id"] = message.tool_call_id
         messages.append(out)
     return messages
+
+
+def _tool_calls(i: int, calls: Any) -> list[dict[str, Any]]:
+    if calls in (None, []):
+        return []
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise OpenAIError(f"{where} must be a list, got {short_repr(calls)}", param=where)
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise OpenAIError(
+                f'{where}[{j}] must be {{"id", "type": "function", "function": {{"name", '
+                f'"arguments"}}}}, got {short_repr(call)}',
+                param=f"{where}[{j}]",
+            )
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                raise OpenAIError(
+                    f"{where}[{j}].function.arguments is not JSON: {short_repr(arguments)}",
+                    param=f"{where}[{j}].function.arguments",
+                ) from None
+        out.append(
+            {
+                "id": call.get("id"),
+                "type": "function",
+                "function": {"name": function["name"], "arguments": arguments},
+            }
+        )
+    return out
 
 
 def _message_text(i: int, content: Any) -> str:

@@ -44,13 +44,17 @@ class SamplingRequest(StrictBody):
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     prompt_logprobs: int | None = None
+    # What may be sampled (constraints.py): OpenAI's, then vLLM's extra body fields.
+    response_format: Any = None
+    logit_bias: Any = None
+    structured_outputs: Any = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
 
 # Fields jaxserve cannot honour -> (the value that changes nothing, why not).
 NO_VALUE = object()
-REFUSED_COMMON = {
-    "logit_bias": ({}, "no per-token logit bias in its sampler"),
-}
+REFUSED_COMMON: dict[str, tuple[Any, str]] = {}
 
 
 def parse_request(

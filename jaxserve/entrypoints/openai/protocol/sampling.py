@@ -10,6 +10,7 @@ from dataclasses import replace
 
 from jaxserve.entrypoints.openai.protocol.chat import ChatCompletionRequest
 from jaxserve.entrypoints.openai.protocol.completions import CompletionRequest
+from jaxserve.entrypoints.openai.protocol.constraints import constraint_fields, constraint_source
 from jaxserve.entrypoints.openai.protocol.errors import OpenAIError
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -55,8 +56,12 @@ def sampling_params(
     *,
     max_tokens: int,
     output_kind: RequestOutputKind,
+    tool_constraint: dict | None = None,
 ) -> SamplingParams:
     """The request's SamplingParams; absent fields take SamplingParams' defaults.
+
+    Args:
+        tool_constraint: the structured_outputs a tool_choice forces (tools.py), or None.
 
     Raises:
         OpenAIError (400): SamplingParams refused a value; param is the request's field.
@@ -66,6 +71,7 @@ def sampling_params(
     fields["logprobs"] = num_logprobs(request)
     fields["max_tokens"] = max_tokens
     with translate_params_errors(request):
+        fields.update(constraint_fields(request, tool_constraint))
         return SamplingParams(**fields, output_kind=output_kind)
 
 
@@ -84,7 +90,10 @@ def translate_params_errors(
     request: CompletionRequest | ChatCompletionRequest,
 ) -> Iterator[None]:
     """SamplingParams' TypeError / ValueError -> OpenAIError (400) naming the request's field."""
-    names = {"max_tokens": requested_max_tokens(request)[1]}
+    names = {
+        "max_tokens": requested_max_tokens(request)[1],
+        "structured_outputs": constraint_source(request),
+    }
     if isinstance(request, ChatCompletionRequest):
         names["logprobs"] = "top_logprobs"
     try:

@@ -1,0 +1,56 @@
+"""The interface a grammar library implements for jaxserve (llguidance_backend.py is the one
+there is; a second library is one more module with these three classes)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+
+class Matcher(Protocol):
+    """The state of one request in its grammar: which tokens may come next, and the tokens that
+    came. Owned by one request (RequestConstraints); never shared."""
+
+    def fill_bitmask(self, out: np.ndarray) -> None:
+        """Write the allowed next tokens into ``out`` (u32[bitmask_words], bit ``t % 32`` of
+        word ``t // 32`` set when token t is allowed)."""
+        ...
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance past a sampled token; False when the grammar rejects it (the matcher is then
+        in an error state for good)."""
+        ...
+
+    def is_terminated(self) -> bool:
+        """True once the grammar is complete and cannot continue (or accepted EOS)."""
+        ...
+
+    def error(self) -> str:
+        """Why the matcher failed ("" when it did not)."""
+        ...
+
+
+class CompiledGrammar(Protocol):
+    """A compiled constraint, shared by every request that asks for the same one."""
+
+    def new_matcher(self) -> Matcher:
+        """A fresh matcher at the grammar's start (cheap: a copy of a compiled one)."""
+        ...
+
+
+class StructuredOutputBackend(Protocol):
+    """A grammar library over one tokenizer."""
+
+    name: str
+    bitmask_words: int  # u32 words of a mask row the library fills: ceil(its vocab / 32)
+
+    def compile(self, kind: str, spec: str) -> CompiledGrammar:
+        """Compile one constraint; ``kind`` is a StructuredOutputsParams kind and ``spec`` its
+        canonical text (StructuredOutputsParams.cache_key).
+
+        Raises:
+            ValueError: the library's own message for a spec it cannot compile (a bad schema,
+                an unsupported keyword, a grammar or regex that does not parse).
+        """
+        ...

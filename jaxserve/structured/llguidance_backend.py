@@ -1,0 +1,108 @@
+"""The llguidance backend (https://github.com/guidance-ai/llguidance).
+
+Chosen over xgrammar (imports torch) and outlines (its kernels need numba): llguidance is a Rust
+library with a numpy bitmask API, no torch, grammars compiled lazily (the first masks are cheap
+even for large schemas), JSON schema, regex and Lark grammars in one engine.
+
+JSON is compact by default (no free whitespace between tokens, "x-guidance" in the schema may
+say otherwise): a model is otherwise free to pad forever with whitespace, and a random test
+model does.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+
+import llguidance
+import numpy as np
+from llguidance.gbnf_to_lark import gbnf_to_lark
+from tokenizers import Tokenizer
+
+_JSON_DEFAULTS = {"whitespace_flexible": False}
+
+
+class LLGuidanceMatcher:
+    """backend.Matcher over an llguidance.LLMatcher."""
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self._matcher = matcher
+
+    def fill_bitmask(self, out: np.ndarray) -> None:
+        if out.dtype != np.uint32 or out.ndim != 1 or not out.flags["C_CONTIGUOUS"]:
+            raise ValueError(f"fill_bitmask: out must be contiguous u32[words], got {out.dtype}")
+        self._matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+
+    def accept_token(self, token_id: int) -> bool:
+        return self._matcher.consume_token(token_id)
+
+    def is_terminated(self) -> bool:
+        return self._matcher.is_stopped()
+
+    def error(self) -> str:
+        return self._matcher.get_error() if self._matcher.is_error() else ""
+
+
+class LLGuidanceGrammar:
+    """backend.CompiledGrammar: a matcher at the start, copied for each request."""
+
+    def __init__(self, template: llguidance.LLMatcher) -> None:
+        self._template = template
+
+    def new_matcher(self) -> LLGuidanceMatcher:
+        return LLGuidanceMatcher(self._template.deep_copy())
+
+
+class LLGuidanceBackend:
+    """backend.StructuredOutputBackend over a Hugging Face ``tokenizers.Tokenizer``.
+
+    Args:
+        tokenizer: the engine's tokenizer.
+        vocab_size: the model's logits width V (may exceed the tokenizer's vocabulary: the
+            ids past it are never allowed).
+        eos_token_ids: the ids that end generation; the grammar allows them once complete.
+    """
+
+    name = "llguidance"
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Iterable[int]):
+        n_vocab = max(vocab_size, tokenizer.get_vocab_size(with_added_tokens=True))
+        eos = sorted(eos_token_ids)
+        self._tokenizer = llguidance.LLTokenizer(
+            tokenizer.to_str(), n_vocab=n_vocab, eos_token=eos or None
+        )
+        self.bitmask_words = (n_vocab + 31) // 32
+
+    def compile(self, kind: str, spec: str) -> LLGuidanceGrammar:
+        grammar = _grammar(kind, spec)
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+            grammar, self._tokenizer
+        )
+        if is_error:
+            raise ValueError(messages[0].strip())
+        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(matcher.get_error().strip())
+        return LLGuidanceGrammar(matcher)
+
+
+def _grammar(kind: str, spec: str) -> str:
+    """llguidance's grammar text for a StructuredOutputsParams kind and its canonical spec."""
+    from_schema = llguidance.LLMatcher.grammar_from_json_schema
+    if kind == "json":
+        try:
+            return from_schema(spec, defaults=_JSON_DEFAULTS)
+        except ValueError as e:  # not a JSON object
+            raise ValueError(f"not a JSON schema object ({e})") from None
+    if kind == "json_object":
+        return from_schema({"type": "object"}, defaults=_JSON_DEFAULTS)
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(spec)
+    if kind == "choice":
+        choices = json.loads(spec)
+        alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+        return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
+    if kind == "grammar":
+        lark = gbnf_to_lark(spec) if "::=" in spec else spec
+        return llguidance.LLMatcher.grammar_from_lark(lark)
+    raise ValueError(f"unknown structured output kind {kind!r}")

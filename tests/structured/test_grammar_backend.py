@@ -1,0 +1,168 @@
+"""The llguidance backend, the grammar compiler's cache and errors, bad words and the per-request
+matcher state, on the demo model's tokenizer: no jax."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+
+import numpy as np
+import pytest
+
+from jaxserve import SamplingParams, StructuredOutputsParams
+from jaxserve.checkpoints_tools.tiny_random import build_tiny_tokenizer
+from jaxserve.structured.bad_words import banned_next_tokens, tokenize_bad_words
+from jaxserve.structured.grammar_compiler import GrammarCompiler
+from jaxserve.structured.llguidance_backend import LLGuidanceBackend
+from jaxserve.structured.manager import StructuredOutputs
+from jaxserve.structured.request_constraints import ALL_ALLOWED
+
+EOS = 2
+V = 1061  # a logits width past the tokenizer's 1024 ids and not a multiple of 32
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def structured(tokenizer):
+    return StructuredOutputs(tokenizer, V, [EOS])
+
+
+def _allowed(row: np.ndarray) -> np.ndarray:
+    return np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))
+
+
+def _walk(spec, tokenizer, rng, max_steps=200):
+    """Sample uniformly among allowed tokens until the grammar completes: (text, ids)."""
+    state = spec.new_state()
+    ids: list[int] = []
+    for _ in range(max_steps):
+        row = np.full(state.num_words, ALL_ALLOWED, np.uint32)
+        state.fill_mask(row, ids)
+        allowed = _allowed(row)
+        assert allowed.size and allowed.max() < 1024  # never the ids past the tokenizer
+        token = int(rng.choice(allowed))
+        ids.append(token)
+        verdict = state.accept([token])
+        if verdict == "stop" or token == EOS:
+            break
+        assert verdict is None
+    return tokenizer.decode([t for t in ids if t != EOS]), ids
+
+
+def test_random_walks_through_masks_give_valid_outputs(structured, tokenizer):
+    rng = np.random.default_rng(0)
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 3, "maximum": 7},
+                       "s": {"enum": ["x", "yy"]}},
+        "required": ["n", "s"], "additionalProperties": False,
+    }  # fmt: skip
+    cases = [
+        (StructuredOutputsParams(json=schema), lambda t: json.loads(t)["n"] in range(3, 8)),
+        (StructuredOutputsParams(regex=r"[ab]{2}-[0-9]"),
+         lambda t: re.fullmatch(r"[ab]{2}-[0-9]", t)),
+        (StructuredOutputsParams(choice=["red", "green"]), lambda t: t in ("red", "green")),
+        (StructuredOutputsParams(grammar='start: "<" D ">"\nD: /[0-9]{1,2}/'),
+         lambda t: re.fullmatch(r"<[0-9]{1,2}>", t)),
+        (StructuredOutputsParams(grammar='root ::= "go" [0-9]'),  # GBNF
+         lambda t: re.fullmatch(r"go[0-9]", t)),
+    ]  # fmt: skip
+    for params, valid in cases:
+        spec = structured.check(SamplingParams(structured_outputs=params))
+        assert spec.num_words == (V + 31) // 32
+        for _ in range(3):
+            text, _ = _walk(spec, tokenizer, rng)
+            assert valid(text), (params, text)
+
+
+def test_json_object_takes_an_object_and_completes_at_its_end(structured, tokenizer):
+    spec = structured.check(SamplingParams(structured_outputs={"json_object": True}))
+    state = spec.new_state()
+    ids = tokenizer.encode('{"a":[1,{"b":null}]}', add_special_tokens=False).ids
+    assert state.accept(ids[:-1]) is None
+    assert state.accept(ids[-1:]) == "stop"
+    assert spec.new_state().accept(tokenizer.encode("[1]", add_special_tokens=False).ids) == "error"
+
+
+@pytest.mark.parametrize(
+    "params, match",
+    [
+        (StructuredOutputsParams(json={"type": "strin"}), r"structured_outputs\.json: .*strin"),
+        (StructuredOutputsParams(json={"type": "array", "uniqueItems": True}),
+         r"structured_outputs\.json: Unimplemented keys: \[\"uniqueItems\"\]"),
+        (StructuredOutputsParams(json={"$ref": "#/defs/x"}),
+         r"structured_outputs\.json: .*/defs/x"),
+        (StructuredOutputsParams(regex="[a-"), r"structured_outputs\.regex: .*regex"),
+        (StructuredOutputsParams(grammar="start: undefined_rule"),
+         r"structured_outputs\.grammar: .*undefined_rule"),
+    ],
+)  # fmt: skip
+def test_what_does_not_compile_is_refused_by_field(structured, params, match):
+    with pytest.raises(ValueError, match=match):
+        structured.check(SamplingParams(structured_outputs=params))
+
+
+def test_ids_outside_the_vocabulary_and_speculation_are_refused(tokenizer):
+    checker = StructuredOutputs(tokenizer, V, [EOS])
+    with pytest.raises(ValueError, match=r"allowed_token_ids: token id 1061 .*\[0, 1061\)"):
+        checker.check(SamplingParams(allowed_token_ids=[5, V]))
+    with pytest.raises(ValueError, match=r"logit_bias: token id 5000 .*\[0, 1061\)"):
+        checker.check(SamplingParams(logit_bias={5000: 1.0}))
+    assert checker.check(SamplingParams(logit_bias={5: 1.0}, allowed_token_ids=[5])) is None
+    spec = StructuredOutputs(tokenizer, V, [EOS], speculative=True)
+    with pytest.raises(ValueError, match="cannot be combined with speculative decoding"):
+        spec.check(SamplingParams(logit_bias={5: 1.0}))
+    assert spec.check(SamplingParams()) is None
+    no_tokenizer = StructuredOutputs(None, V, [EOS])
+    with pytest.raises(ValueError, match="structured_outputs needs a tokenizer"):
+        no_tokenizer.check(SamplingParams(structured_outputs={"regex": "a"}))
+
+
+def test_the_compiler_caches_by_kind_and_spec_and_compiles_in_threads(tokenizer):
+    compiler = GrammarCompiler(LLGuidanceBackend(tokenizer, V, [EOS]), max_workers=2)
+    a = StructuredOutputsParams(regex="[0-9]+")
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(compiler.compile(a)))
+               for _ in range(4)]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len({id(r) for r in results}) == 1 and compiler.num_compiled == 1
+    compiler.compile(StructuredOutputsParams(regex="[0-9]+"))  # equal params: cached
+    assert compiler.num_compiled == 1
+    bad = StructuredOutputsParams(regex="(")
+    for _ in range(2):  # a failure is cached too
+        with pytest.raises(ValueError, match="structured_outputs.regex"):
+            compiler.compile(bad)
+    assert compiler.num_compiled == 2
+    compiler.shutdown()
+
+
+def test_bad_words_ban_the_last_token_after_the_rest(tokenizer):
+    sequences = tokenize_bad_words(["hello world", "the"], tokenizer)
+    multi = tokenizer.encode("hello world", add_special_tokens=False).ids
+    assert len(multi) > 1 and tuple(multi) in sequences
+    single = tokenizer.encode("the", add_special_tokens=False).ids
+    assert tuple(single) in sequences
+    assert single[-1] in banned_next_tokens(sequences, [])  # a one-token word: always
+    assert multi[-1] not in banned_next_tokens([tuple(multi)], [])
+    assert banned_next_tokens([tuple(multi)], [7, *multi[:-1]]) == [multi[-1]]
+
+
+def test_bad_words_and_a_grammar_share_one_mask(structured, tokenizer):
+    (red,) = tokenizer.encode("red", add_special_tokens=False).ids
+    params = SamplingParams(structured_outputs={"choice": ["red", "green"]}, bad_words=["red"])
+    spec = structured.check(params)
+    rng = np.random.default_rng(1)
+    texts = set()
+    for _ in range(8):
+        text, ids = _walk(spec, tokenizer, rng)
+        assert red not in ids  # "red" may still come spelled in other tokens, as in vLLM
+        texts.add(text)
+    assert texts <= {"red", "green"}
