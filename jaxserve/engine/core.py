@@ -99,17 +99,20 @@ class EngineCore:
         self.scheduler.observe_step(scheduler_output.total_num_scheduled_tokens, seconds)
         outputs = self._update(scheduler_output, runner_output)
         if self.spec is not None:
-            self._speculate(outputs, step_start)
+            self._speculate(outputs, step_start, scheduler_output)
         return outputs
 
-    def _speculate(self, outputs: list[EngineCoreOutput], step_start: float) -> None:
+    def _speculate(
+        self, outputs: list[EngineCoreOutput], step_start: float, so: SchedulerOutput
+    ) -> None:
         """Feed the step to the speculation policy (tokens emitted, wall time from scheduling
-        to this point, plus the previous proposal's time), then propose the next step's
-        drafts (the policy decides whether)."""
+        to this point, plus the previous proposal's time, and what the step scheduled), then
+        propose the next step's drafts (the policy decides whether)."""
         spec, sched = self.spec, self.scheduler
         now = time.perf_counter()
         spec.observe_step(sum(len(o.new_token_ids) for o in outputs),
-                          now - step_start + self._proposal_s)  # fmt: skip
+                          now - step_start + self._proposal_s, so.num_scheduled_tokens,
+                          so.scheduled_spec_decode_tokens)  # fmt: skip
         sched.set_spec_tokens(spec.propose(sched.running))
         self._proposal_s = time.perf_counter() - now
 
@@ -124,7 +127,7 @@ class EngineCore:
         self.scheduler.observe_step(scheduler_output.total_num_scheduled_tokens, t2 - t1)
         outputs = self._update(scheduler_output, runner_output)
         if self.spec is not None:
-            self._speculate(outputs, t0)
+            self._speculate(outputs, t0, scheduler_output)
         trace.record_phases(t1 - t0, t2 - t1, time.perf_counter() - t2)
         tracer(trace)
         return outputs

@@ -79,10 +79,14 @@ class SpecPolicy:
         sums = self._rates.get((bucket, speculating))
         return None if sums is None or sums[1] <= 0.0 else sums[0] / sums[1]
 
-    def observe_step(self, num_emitted: int, seconds: float) -> None:
-        """The step just run under the last decision: tokens it emitted, its wall time."""
-        if self._pending is None or seconds <= 0.0:
+    def observe_step(self, num_emitted: int, seconds: float, weight: float = 1.0) -> None:
+        """The step just run under the last decision: tokens it emitted, its wall time, and
+        how much it counts (0..1: the decodes' share of its tokens; a step spent on prefill
+        chunks says little about speculation, and a slow one would count against whichever
+        mode it ran under). A weight w decays the past by _DECAY ** w."""
+        if self._pending is None or seconds <= 0.0 or weight <= 0.0:
             return
         sums = self._rates.setdefault(self._pending, [0.0, 0.0])
-        sums[0] = _DECAY * sums[0] + num_emitted
-        sums[1] = _DECAY * sums[1] + seconds
+        decay = _DECAY**weight
+        sums[0] = decay * sums[0] + weight * num_emitted
+        sums[1] = decay * sums[1] + weight * seconds

@@ -44,6 +44,14 @@ def host_proposer(config: SpeculativeConfig) -> Proposer:
     )
 
 
+def decode_share(num_scheduled: dict[str, int], drafts: dict[str, list[int]]) -> float:
+    """The share of a step's scheduled tokens that decodes (1 + their drafts each) took; prefill
+    chunks took the rest."""
+    total = sum(num_scheduled.values())
+    decode = sum(n for rid, n in num_scheduled.items() if n == 1 + len(drafts.get(rid, ())))
+    return decode / total if total else 0.0
+
+
 def can_speculate(params: SamplingParams) -> bool:
     """Whether a request with these parameters may carry drafts (module docstring)."""
     return (
@@ -89,6 +97,11 @@ class SpecDecoder:
         self.proposer_seconds += time.perf_counter() - start
         return drafts
 
-    def observe_step(self, num_emitted: int, seconds: float) -> None:
-        """A step's output tokens and wall time (the policy's measured throughput)."""
-        self.policy.observe_step(num_emitted, seconds)
+    def observe_step(
+        self, num_emitted: int, seconds: float, num_scheduled: dict[str, int],
+        drafts: dict[str, list[int]],
+    ) -> None:  # fmt: skip
+        """A step's output tokens and wall time (the policy's measured throughput), weighed by
+        the share of its scheduled tokens (``num_scheduled``, by request) that decodes and
+        their ``drafts`` took."""
+        self.policy.observe_step(num_emitted, seconds, decode_share(num_scheduled, drafts))

@@ -13,6 +13,7 @@ from jaxserve.spec_decode.policy import (
     SpecPolicy,
     probe_interval,
 )
+from jaxserve.spec_decode.spec_decoder import decode_share
 from jaxserve.speculative_config import SpeculativeConfig
 
 
@@ -73,3 +74,24 @@ def test_always_and_disable_by_batch_size():
     assert policy.num_drafts(8) == 4
     assert policy.num_drafts(9) == 0
     assert policy.num_drafts(0) == 0
+
+
+def test_steps_count_by_their_decode_share():
+    """A step spent on prefill chunks (weight 0) leaves the measurements as they were; a half
+    decode step counts half, and decays the past by half a step's worth."""
+    policy = _policy()
+    policy.num_drafts(3)  # speculation measured first
+    policy.observe_step(1, 5.0, weight=0.0)  # a prefill step: says nothing
+    assert policy.rate(4, True) is None
+    policy.observe_step(10, 0.1)
+    assert policy.rate(4, True) == pytest.approx(100.0)
+    policy.observe_step(10, 0.05, weight=0.5)  # the same decision's next step, half decode
+    decay = 0.95**0.5
+    assert policy.rate(4, True) == pytest.approx((decay * 10 + 5) / (decay * 0.1 + 0.025))
+
+
+def test_decode_share_of_a_step():
+    # a: decode with 2 drafts (3 tokens), b: a decode, c: a prefill chunk of 6
+    num_scheduled = {"a": 3, "b": 1, "c": 6}
+    assert decode_share(num_scheduled, {"a": [5, 6]}) == pytest.approx(0.4)
+    assert decode_share({}, {}) == 0.0
