@@ -106,6 +106,25 @@ def resolve_dtype(requested: str, declared: str | None, platform: str) -> str:
     return "bfloat16" if dtype == "float32" and platform != "cpu" else dtype
 
 
+def _target(
+    config: EngineConfig, arch: ModelArchConfig, dtype: str, kv_cache_dtype: str, facts: dict
+) -> Target:
+    """What the attention registry chooses for: the model's heads, the pages, the chip."""
+    return Target(
+        dtype=dtype,
+        num_q_heads=arch.num_heads,
+        num_kv_heads=arch.num_kv_heads,
+        head_dim=arch.head_dim,
+        page_size=config.cache.block_size,
+        # The local layers' window (full-attention layers need nothing more of a kernel).
+        sliding_window=arch.sliding_window,
+        soft_cap=arch.attn_logit_softcap,
+        tensor_parallel_size=config.runner.tensor_parallel_size,
+        kv_cache_dtype=None if kv_cache_dtype == dtype else kv_cache_dtype,
+        **facts,
+    )
+
+
 def make_plan(
     config: EngineConfig,
     mesh: jax.sharding.Mesh | Machine,
@@ -129,19 +148,7 @@ def make_plan(
     dtype = resolve_dtype(config.model.dtype, declared_dtype, platform)
     kv_cache_dtype = kv_cache_storage_dtype(config.cache.kv_cache_dtype, dtype)
     tp = config.runner.tensor_parallel_size
-    target = Target(
-        dtype=dtype,
-        num_q_heads=arch.num_heads,
-        num_kv_heads=arch.num_kv_heads,
-        head_dim=arch.head_dim,
-        page_size=config.cache.block_size,
-        # The local layers' window (full-attention layers need nothing more of a kernel).
-        sliding_window=arch.sliding_window,
-        soft_cap=arch.attn_logit_softcap,
-        tensor_parallel_size=tp,
-        kv_cache_dtype=None if kv_cache_dtype == dtype else kv_cache_dtype,
-        **facts,
-    )
+    target = _target(config, arch, dtype, kv_cache_dtype, facts)
     attention, refused = select_attention(config.runner.attention_backend, target)
     if machine.attached:
         attention, refused = _checked(attention, refused, target, config)
