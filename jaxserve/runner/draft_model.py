@@ -154,6 +154,11 @@ class DraftModel:
             return None, None, None
         return draft.params, draft.kv_caches, DraftQ(q_rows, draft.q_ids, draft.q_probs)
 
+    def took_step(self, kv_caches: list[tuple[jax.Array, jax.Array]]) -> None:
+        """The pages the target's step returned (it wrote them, donated: the old ones are
+        gone)."""
+        self.kv_caches = kv_caches
+
     def q_rows_of(self, req_ids: list[str], num_drafts: np.ndarray, padded_rows: int):
         """i32[padded_rows]: for each logits row of a step (request i owns 1 + num_drafts[i]
         rows, spec_rows.py), the q row of the sampled draft it verifies, else -1."""

@@ -311,7 +311,7 @@ class ModelRunner:
             *DraftModel.step_args(draft, q_rows),
         )
         if self.draft is not None:
-            self.draft.kv_caches = draft_kv
+            self.draft.took_step(draft_kv)
         if trace is not None:
             dispatch_s = time.perf_counter() - start
             jax.block_until_ready(out.token_ids)
