@@ -93,7 +93,8 @@ def test_a_smaller_draft_changes_no_token(models, reference):
 @pytest.mark.slow
 def test_nothing_compiles_after_warmup_with_a_draft_model(models):
     """A draft of other shapes than the target (one layer): its proposal and its own block
-    copies are warmed up."""
+    copies are warmed up, and an unseeded random request's sampled drafts (their q buffers,
+    the general-q rule) compile nothing more."""
     engine = LLMEngine(
         models[0], num_kv_blocks=48, block_size=8, max_num_seqs=4, max_num_batched_tokens=32,
         max_model_len=64, speculative_config=_draft_config(models[1]),
@@ -101,8 +102,8 @@ def test_nothing_compiles_after_warmup_with_a_draft_model(models):
     before = engine.get_stats()
     compiled = before["num_compilations"] + before["num_compilation_cache_hits"]
     for i, prompt in enumerate([[5, 6, 7] * 5, [9, 8] * 9, [3, 4, 5, 6, 7, 8]]):
-        params = SamplingParams(temperature=0.7 * (i % 2), seed=i, max_tokens=20, n=1 + (i == 2),
-                                ignore_eos=True)  # fmt: skip
+        params = SamplingParams(temperature=0.7 * (i % 2), seed=None if i == 1 else i,
+                                max_tokens=20, n=1 + (i == 2), ignore_eos=True)  # fmt: skip
         engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
     while engine.has_unfinished_requests():
         engine.step()
