@@ -26,27 +26,14 @@ import sys
 from typing import Any
 
 from jaxserve.cli.flags import add_engine_flags, add_model_flag, engine_kwargs, fail, positive_int
+from jaxserve.cli.plan import PLAN_ENGINE_FLAGS
 
 EXIT_OK = 0
 EXIT_FAILED = 1
 
-# The engine flags that shape what is compiled (flags.ENGINE_FLAGS).
-COMPILE_ENGINE_FLAGS = (
-    "dtype",
-    "quantization",
-    "kv_cache_dtype",
-    "tensor_parallel_size",
-    "max_model_len",
-    "block_size",
-    "memory_utilization",
-    "gpu_memory_utilization",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "num_kv_blocks",
-    "attention_backend",
-    "revision",
-    "download_dir",
-)
+# The engine flags that shape what is compiled: the ones a memory plan reads, and the attention
+# implementation (flags.ENGINE_FLAGS).
+COMPILE_ENGINE_FLAGS = (*PLAN_ENGINE_FLAGS, "attention_backend")
 
 
 def token_list(text: str) -> list[int]:

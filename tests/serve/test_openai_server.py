@@ -10,26 +10,13 @@ import openai
 import pytest
 from server_utils import MODEL, SMALL, client, http, metrics, running_server
 
-from jaxserve import LLM, AsyncLLM
+from jaxserve import LLM
 from jaxserve.entrypoints.openai.api_server import build_app
 
 KEY = "test-key"
 PROMPT = "The quick brown fox"
 MESSAGES = [{"role": "user", "content": "Tell me a story."}]
 GREEDY = dict(temperature=0.0, max_tokens=12, extra_body={"ignore_eos": True})
-
-
-@pytest.fixture(scope="module")
-def engine(llm_engine):
-    engine = AsyncLLM.from_engine(llm_engine, served_model_name=MODEL)
-    yield engine
-    engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def base_url(engine):
-    with running_server(build_app(engine, served_model_name=MODEL)) as url:
-        yield url
 
 
 @pytest.fixture(scope="module")

@@ -16,12 +16,9 @@ from server_utils import (
     async_client,
     metrics,
     num_aborted,
-    running_server,
     wait_engine_idle,
 )
 
-from jaxserve import AsyncLLM
-from jaxserve.entrypoints.openai.api_server import build_app
 from jaxserve.entrypoints.openai.serving import EventStream, OpenAIServing
 
 pytestmark = pytest.mark.slow  # bounded load loops against a live server
@@ -31,19 +28,6 @@ NUM_LEAVING = 8
 # A client that leaves asks for more tokens than it can get before its abort lands (it leaves
 # after its first chunk), so each one is counted as aborted, not finished.
 LONG = 110
-
-
-@pytest.fixture(scope="module")
-def engine(llm_engine):
-    engine = AsyncLLM.from_engine(llm_engine, served_model_name=MODEL)
-    yield engine
-    engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def base_url(engine):
-    with running_server(build_app(engine, served_model_name=MODEL)) as url:
-        yield url
 
 
 def assert_idle(base_url: str) -> None:

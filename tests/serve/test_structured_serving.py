@@ -12,7 +12,6 @@ import openai
 import pytest
 from server_utils import MODEL, client, running_server
 
-from jaxserve import AsyncLLM
 from jaxserve.entrypoints.openai.api_server import build_app
 
 SCHEMA = {
@@ -26,13 +25,6 @@ SCHEMA = {
     "additionalProperties": False,
 }
 MESSAGES = [{"role": "user", "content": "Give me JSON."}]
-
-
-@pytest.fixture(scope="module")
-def engine(llm_engine):
-    engine = AsyncLLM.from_engine(llm_engine, served_model_name=MODEL)
-    yield engine
-    engine.shutdown()
 
 
 @pytest.fixture(scope="module")
