@@ -36,16 +36,16 @@ from jaxserve.models import CausalLM
 from jaxserve.outputs import ModelRunnerOutput
 from jaxserve.runner.buckets import BucketSpec
 from jaxserve.runner.draft_model import DraftModel, DraftSpec
+from jaxserve.runner.in_flight import InFlightStep, collect
 from jaxserve.runner.input_batch import InputBatch, PreparedBatch
 from jaxserve.runner.kv_cache import KVAllocator, allocate_kv_caches
 from jaxserve.runner.kv_offload import KVOffloader
 from jaxserve.runner.map_budget import max_step_shapes
 from jaxserve.runner.plan import ExecutionPlan
 from jaxserve.runner.prompt_logprobs import PromptLogprobs
-from jaxserve.runner.sampler import logprobs_width
 from jaxserve.runner.sampling_metadata import SamplingInputs, SamplingMetadata
 from jaxserve.runner.sharding import ShardingPlan
-from jaxserve.runner.spec_rows import emitted_runs, logits_row_owners, write_drafts
+from jaxserve.runner.spec_rows import logits_row_owners, write_drafts
 from jaxserve.runner.step import (
     COPY_ARGS,
     STEP_ARGS,
@@ -56,6 +56,7 @@ from jaxserve.runner.step import (
 )
 from jaxserve.runner.step_compiles import StepCompiles
 from jaxserve.runner.step_trace import StepTrace
+from jaxserve.runner.token_feed import TokenFeed
 from jaxserve.runner.warmup import warm_up
 
 
@@ -130,6 +131,11 @@ class ModelRunner:
             ),
         )
         self.kv_caches = self._allocate_kv_caches()
+        # Per slot, the last token its request sampled, on device: the next step's
+        # placeholder inputs read it (token_feed.py).
+        self.last_sampled = jax.device_put(
+            np.zeros(max_num_seqs, np.int32), None if sharding is None else sharding.replicated
+        )
         self.draft = None
         if draft is not None:
             rows = tuple(sorted({self.buckets.padded_rows(t) for t in self.buckets.token_buckets}))
@@ -241,8 +247,19 @@ class ModelRunner:
     def execute_model(
         self, so: SchedulerOutput, trace: StepTrace | None = None
     ) -> ModelRunnerOutput:
-        """Run one engine step; ``trace``, when given, is filled in with the step's batch
-        shape and its host and device times (step_trace.py)."""
+        """Run one engine step and collect it; ``trace``, when given, is filled in with the
+        step's batch shape and its host and device times (step_trace.py)."""
+        return self.collect(self.dispatch(so, trace))
+
+    def collect(self, step: InFlightStep) -> ModelRunnerOutput:
+        """A dispatched step's sampled tokens (and logprobs) on the host (in_flight.py)."""
+        return collect(step, self.input_batch, self.sampling, self._num_logprobs,
+                       self._prompt_logprobs, self.vocab_size)  # fmt: skip
+
+    def dispatch(self, so: SchedulerOutput, trace: StepTrace | None = None) -> InFlightStep:
+        """Start one engine step and return without waiting for the device. Its requests'
+        samples are pending (InputBatch.num_pending) until it is collected; the next step may
+        be dispatched before that (its placeholder inputs read them on device)."""
         self._update_states(so)
         if so.device_to_host or so.host_to_device:
             # Before anything writes the pages: the step reuses the evicted blocks.
@@ -252,7 +269,7 @@ class ModelRunner:
         if so.block_copies:
             self.copy_blocks(*padded_copies(so.block_copies))
         if so.is_empty:
-            return ModelRunnerOutput()
+            return InFlightStep()
         start = time.perf_counter()
         req_ids = list(so.num_scheduled_tokens)
         num_scheduled = np.fromiter(so.num_scheduled_tokens.values(), np.int32, len(req_ids))
@@ -272,7 +289,8 @@ class ModelRunner:
         if trace is not None:
             trace.record_batch(batch, sampling_md.temperature, time.perf_counter() - start)
         out, plp, num_emitted = self.run_prepared(batch, sampling_md, targets, trace)
-        return self._collect(batch, out, plp, num_emitted)
+        ib.num_pending[batch.slots[batch.sampling_rows]] += 1
+        return InFlightStep(batch, out, plp, num_emitted)
 
     def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Copy-on-write: KV pages src[i] -> dst[i], in place (a padded count: copy_sizes)."""
@@ -299,7 +317,8 @@ class ModelRunner:
         draft, rows = self.draft, len(batch.draft_ids)
         q_rows = None if draft is None else draft.q_rows_of(batch.req_ids, batch.num_drafts, rows)
         start = time.perf_counter()
-        self.kv_caches, out, plp, num_emitted, draft_kv = self._step(
+        feed = TokenFeed(self.last_sampled, batch.from_slot, batch.sample_slot)
+        self.kv_caches, out, plp, num_emitted, draft_kv, self.last_sampled = self._step(
             self.params,
             self.kv_caches,
             batch.input_ids,
@@ -308,6 +327,7 @@ class ModelRunner:
             batch.draft_ids,
             sampling_md,
             prompt_targets,
+            feed,
             *DraftModel.step_args(draft, q_rows),
         )
         if self.draft is not None:
@@ -346,42 +366,6 @@ class ModelRunner:
                 self._prompt_logprobs.add(new.req_id, new.sampling_params.prompt_logprobs)
         for cached in so.scheduled_cached_reqs:
             ib.update_cached(cached.req_id, cached.num_computed_tokens, cached.new_block_ids)
-
-    def _collect(
-        self, batch: PreparedBatch, out: Any, plp: Any, num_emitted: Any
-    ) -> ModelRunnerOutput:
-        """Sampled tokens (and logprobs) back to the host; the persistent rows learn them. A
-        request that verified drafts gets its accepted drafts and one more token."""
-        rows = np.flatnonzero(batch.sampling_rows)  # requests that sample
-        slots = batch.slots[rows]
-        req_ids = [batch.req_ids[r] for r in rows.tolist()]
-        all_tokens = np.asarray(out.token_ids)
-        if batch.num_drafts.any():
-            first, counts, token_ids = emitted_runs(batch.num_drafts, rows, all_tokens, num_emitted)
-            self.input_batch.append_token_runs(slots, counts, token_ids)
-            self.sampling.append_output_tokens(np.repeat(slots, counts), token_ids)
-            sampled = [t.tolist() for t in np.split(token_ids, np.cumsum(counts)[:-1])]
-        else:  # one token per request: the common path, kept lean
-            first, counts, token_ids = rows, np.ones(len(rows), np.int64), all_tokens[rows]
-            self.input_batch.append_tokens(slots, token_ids)
-            self.sampling.append_output_tokens(slots, token_ids)
-            sampled = [[t] for t in token_ids.tolist()]
-        result = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
-        wanted = self._num_logprobs
-        if wanted and any(req_id in wanted for req_id in req_ids):
-            host = jax.device_get(out)
-            width = logprobs_width(self.vocab_size)
-            for i, req_id in enumerate(req_ids):
-                num = wanted.get(req_id)
-                if num is not None:
-                    start = int(first[i])
-                    result.logprobs[req_id] = [
-                        host.token_logprobs(r, min(num, width))
-                        for r in range(start, start + int(counts[i]))
-                    ]
-        if self._prompt_logprobs and self._prompt_logprobs.owed_in(batch):
-            self._prompt_logprobs.collect(batch, jax.device_get(plp), self.input_batch, result)
-        return result
 
 
 def _all_ready(arrays: Any) -> bool:
