@@ -333,9 +333,7 @@ class ModelRunner:
         if self.draft is not None:
             self.draft.took_step(draft_kv)
         if trace is not None:
-            dispatch_s = time.perf_counter() - start
-            jax.block_until_ready(out.token_ids)
-            trace.record_device(dispatch_s, time.perf_counter() - start)
+            trace.record_dispatch(time.perf_counter() - start)
         return out, plp, num_emitted
 
     def _update_states(self, so: SchedulerOutput) -> None:
