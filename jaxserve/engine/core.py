@@ -269,9 +269,12 @@ class EngineCore:
             return False
         return self.scheduler.reset_prefix_cache()
 
-    def reset_scheduler(self, *, enable_prefix_caching: bool | None = None) -> None:
+    def reset_scheduler(
+        self, *, enable_prefix_caching: bool | None = None, async_scheduling: bool | None = None
+    ) -> None:
         """A fresh scheduler (empty pool and prefix cache, zeroed counters), optionally with
-        prefix caching switched; benchmarks run several workloads on one compiled engine.
+        prefix caching or async scheduling switched; benchmarks run several workloads on one
+        compiled engine.
 
         Raises:
             RuntimeError: requests are unfinished, or the runner still holds rows.
@@ -285,7 +288,11 @@ class EngineCore:
         cache = self.config.cache
         if enable_prefix_caching is not None:
             cache = dataclasses.replace(cache, enable_prefix_caching=enable_prefix_caching)
-        self.config = dataclasses.replace(self.config, cache=cache)
+        scheduler = self.config.scheduler
+        if async_scheduling is not None:
+            scheduler = dataclasses.replace(scheduler, async_scheduling=async_scheduling)
+            self.async_scheduling = async_scheduling
+        self.config = dataclasses.replace(self.config, cache=cache, scheduler=scheduler)
         self.scheduler = self._new_scheduler(self.config)
 
     def _new_scheduler(self, config: EngineConfig) -> Scheduler:

@@ -333,7 +333,7 @@ class ModelRunner:
         if self.draft is not None:
             self.draft.took_step(draft_kv)
         if trace is not None:
-            trace.record_dispatch(time.perf_counter() - start)
+            trace.record_dispatch(start, time.perf_counter() - start)
         return out, plp, num_emitted
 
     def _update_states(self, so: SchedulerOutput) -> None:

@@ -38,7 +38,7 @@ class StepTrace:
     dispatch_s: float = 0.0  # the jitted step's call, until it returns (asynchronous dispatch)
     device_s: float = 0.0  # from when the device could start the step until its samples were ready
     device_idle_s: float = 0.0  # the device's wait for this step after the previous one ended
-    dispatched_at: float = 0.0  # time.perf_counter() when the step was enqueued
+    dispatched_at: float = 0.0  # time.perf_counter() when the jitted step was called
     ready_at: float | None = None  # ... and when its samples were ready (ReadyWatch)
     padded_tokens: int = 0  # T bucket
     padded_rows: int = 0  # R bucket
@@ -67,9 +67,11 @@ class StepTrace:
         self.kv_lens = np.array(batch.kv_lens[:rows], np.int32)
         self.all_greedy = bool((np.asarray(temperature)[:rows] <= 0).all())
 
-    def record_dispatch(self, dispatch_s: float) -> None:
-        """The jitted step's call."""
-        self.dispatch_s = dispatch_s
+    def record_dispatch(self, called_at: float, dispatch_s: float) -> None:
+        """The jitted step's call: when it began (the device may start the step from then on;
+        XLA:CPU even runs part of it in the call when the device is idle), and how long it
+        took to return."""
+        self.dispatched_at, self.dispatch_s = called_at, dispatch_s
 
     @property
     def num_tokens(self) -> int:
@@ -104,10 +106,14 @@ class ReadyWatch:
         self._thread.start()
 
     def watch(self, trace: StepTrace, step: _Ready, dispatched_at: float) -> None:
-        """A step enqueued at ``dispatched_at``: its idle time is the wait since the previous
-        step's samples were ready (0 if they were not yet, the device still busy with it)."""
+        """A dispatched step (its jitted call began at trace.dispatched_at, or, for a step that
+        ran no model, at ``dispatched_at``): its idle time is the wait from the previous
+        step's samples being ready until then (0 if they were not yet: the device was still
+        busy with it)."""
         prev, self._last = self._last, trace
-        trace.dispatched_at = dispatched_at
+        if not trace.dispatched_at:
+            trace.dispatched_at = dispatched_at
+        dispatched_at = trace.dispatched_at
         prev_ready = prev.ready_at if prev is not None else None
         trace.device_idle_s = 0.0 if prev_ready is None else max(0.0, dispatched_at - prev_ready)
         trace.ready_at = None
