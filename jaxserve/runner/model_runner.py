@@ -282,7 +282,9 @@ class ModelRunner:
         # One sampling row per logits row: a request's k + 1 rows sample output positions
         # pos .. pos + k, each with its own key (rejection_sampler.py).
         row_slots, row_offsets = logits_row_owners(batch.slots, batch.num_drafts)
-        output_pos = ib.num_tokens[row_slots] - ib.num_prompt_tokens[row_slots] + row_offsets
+        # Samples still in flight come before this step's (their ids are on the device only).
+        known = ib.num_tokens[row_slots] + ib.num_pending[row_slots]
+        output_pos = known - ib.num_prompt_tokens[row_slots] + row_offsets
         step_masks = {ib.slot_of[rid]: row for rid, row in so.token_masks.items()}
         sampling_md = self.sampling.build(row_slots, padded_rows, output_pos, step_masks)
         targets = self._prompt_logprobs.targets(batch, ib)
