@@ -42,12 +42,12 @@ RESULTS = HERE / "results"
 ORDER = (True, False, False, True)  # async on / off, ABBA
 
 
-def build(model: str, max_batch: int, max_len: int):
+def build(model: str, max_batch: int, max_len: int, budget: int):
     from jaxserve import LLMEngine
 
     blocks = max_batch * (-(-max_len // 16)) + 1
     return LLMEngine(model=model, dtype="float32", block_size=16, num_kv_blocks=blocks,
-                     max_num_seqs=max_batch, max_num_batched_tokens=max(256, max_batch),
+                     max_num_seqs=max_batch, max_num_batched_tokens=max(budget, max_batch),
                      max_model_len=max_len, enable_prefix_caching=False, seed=0)  # fmt: skip
 
 
@@ -141,6 +141,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--batches", default="1,16,64,256")
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-num-batched-tokens", type=int, default=256)
     p.add_argument("--cache", default=str(HERE / ".cache"))
     p.add_argument("--output", default=str(RESULTS / "async_scheduling.json"))
     args = p.parse_args(argv)
@@ -151,7 +152,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for name in args.models.split(","):
         print(f"{name}: building and warming up ...", flush=True)
         engine = build(model_path(name, Path(args.cache)), max(batches),
-                       args.prompt_len + args.max_tokens)  # fmt: skip
+                       args.prompt_len + args.max_tokens, args.max_num_batched_tokens)  # fmt: skip
         for batch in batches:
             results.append(dict(model=name, **measure(engine, batch, args)))
             print_table(results[-1:])
