@@ -1,15 +1,20 @@
 """ModelRunner: SchedulerOutput in, sampled tokens out; one jitted step per engine step.
 
-    execute_model(scheduler_output)
+    dispatch(scheduler_output)
         InputBatch.update(...)         persistent numpy rows, updated incrementally
         InputBatch.prepare(...)        padded host arrays for buckets (T, R, B)
         SamplingInputs.build(...)      per-row sampling settings
         step(params, kv_caches, ...)   ONE jit: forward, logits at R rows, sample; KV donated
+        -> InFlightStep                returns while the device runs the step
+    collect(in_flight_step)
         -> ModelRunnerOutput           only the sampled ids (and logprobs) come back
 
+execute_model is both at once. Between the two, the next step may be dispatched (async
+scheduling): its placeholder inputs read this step's samples on device (token_feed.py).
+
 This module keeps the runner's state (params, KV pages, the host mirrors of the batch) and the
-per-step path. The pure step, its shardings and the block copy are step.py; warm-up is
-warmup.py; prompt-logprobs bookkeeping is prompt_logprobs.py.
+per-step path. The pure step, its shardings and the block copy are step.py; collecting is
+in_flight.py; warm-up is warmup.py; prompt-logprobs bookkeeping is prompt_logprobs.py.
 
 Compiled variants are keyed by the bucket shapes and the sampler's two list widths (none, or
 penalty and ban lists); warm-up compiles every (T, R, B) in both, and the block copy at every
@@ -17,7 +22,7 @@ padded size; every compilation after warm-up is explained (step_compiles.py).
 
 Speculative decoding: a request's drafts get a logits row each plus one (spec_rows.py), each
 sampled as its own output position; the step verifies them (rejection_sampler.py; a draft
-model's sampled drafts with their q, DraftModel.q_rows_of) and ``_collect`` hands back the
+model's sampled drafts with their q, DraftModel.q_rows_of) and ``collect`` hands back the
 accepted drafts and one more token; a draft model runs inside the step and proposes after it
 (``spec_proposer``). Token constraints: the step's masks (SchedulerOutput.token_masks) go
 into SamplingInputs.build (token_constraints.py).
