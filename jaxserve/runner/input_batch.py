@@ -251,10 +251,10 @@ class InputBatch:
             num_drafts = np.zeros(num_reqs, np.int32)
         logits_indices, draft_ids = logits_rows(cu[1 : num_reqs + 1], num_drafts, input_ids,
                                                 padded_rows)  # fmt: skip
-        num_known = self.num_tokens[slots]
-        sampling_rows = seq_lens_real >= num_known + self.num_pending[slots]
+        num_known, num_pending = self.num_tokens[slots], self.num_pending[slots]
+        sampling_rows = seq_lens_real >= num_known + num_pending
         from_slot, sample_slot = feed_arrays(
-            slots, num_scheduled, pos_real, num_known, sampling_rows,
+            slots, num_scheduled, pos_real, num_known, num_pending, sampling_rows,
             np.cumsum(num_drafts + 1) - 1, padded_tokens, padded_rows,
         )  # fmt: skip
         return PreparedBatch(

@@ -66,6 +66,7 @@ def feed_arrays(
     num_scheduled: np.ndarray,
     token_positions: np.ndarray,
     num_known: np.ndarray,
+    num_pending: np.ndarray,
     sampling_rows: np.ndarray,
     last_logits_rows: np.ndarray,
     padded_tokens: int,
@@ -77,8 +78,9 @@ def feed_arrays(
         slots: i32[n] slot of each request of the step, in batch order.
         num_scheduled: i32[n] its tokens this step.
         token_positions: i32[total] position of each real token row.
-        num_known: i32[n] tokens of each request whose ids the host has (positions at or past
-            it hold a sample still in flight).
+        num_known: i32[n] tokens of each request whose ids the host has.
+        num_pending: i32[n] its samples still in flight, the tokens at the positions after
+            the known ones (past those come speculative drafts, whose ids the host has).
         sampling_rows: bool[n] the requests that sample this step.
         last_logits_rows: i32[n] each request's last logits row (the one that samples its next
             token; without drafts, its batch row).
@@ -86,7 +88,10 @@ def feed_arrays(
     total = int(num_scheduled.sum())
     from_slot = np.full(padded_tokens, -1, np.int32)
     row_slots = np.repeat(slots, num_scheduled)
-    placeholder = token_positions >= np.repeat(num_known, num_scheduled)
+    known = np.repeat(num_known, num_scheduled)
+    placeholder = (token_positions >= known) & (
+        token_positions < known + np.repeat(num_pending, num_scheduled)
+    )
     from_slot[:total] = np.where(placeholder, row_slots, -1)
     sample_slot = np.full(padded_rows, NO_SLOT, np.int32)
     sample_slot[last_logits_rows[sampling_rows]] = slots[sampling_rows]
