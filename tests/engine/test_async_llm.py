@@ -99,13 +99,13 @@ def slow_steps(engine: AsyncLLM, monkeypatch, seconds: float = 0.02) -> None:
     """Each engine step takes at least ``seconds``: a request of 100 tokens outlasts the
     test's own moves."""
     runner = engine.engine.runner
-    real = runner.execute_model
+    real = runner.dispatch
 
-    def slow(so):
+    def slow(so, trace=None):
         time.sleep(seconds)
-        return real(so)
+        return real(so, trace)
 
-    monkeypatch.setattr(runner, "execute_model", slow)
+    monkeypatch.setattr(runner, "dispatch", slow)
 
 
 def test_a_consumer_that_goes_away_aborts_its_request(engine, expected, monkeypatch):
@@ -216,16 +216,16 @@ def test_a_failed_step_fails_its_streams_and_the_engine_serves_on(expected, monk
     prompts, reference = expected
     engine = AsyncLLM("tiny-random-llama", num_kv_blocks=64, **SMALL)
     runner = engine.engine.runner
-    real = runner.execute_model
+    real = runner.dispatch
     calls = {"n": 0}
 
-    def flaky(so):
+    def flaky(so, trace=None):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("device lost")
-        return real(so)
+        return real(so, trace)
 
-    monkeypatch.setattr(runner, "execute_model", flaky)
+    monkeypatch.setattr(runner, "dispatch", flaky)
     try:
         with pytest.raises(EngineError, match="device lost"):
             run(collect(engine, prompts[0], DELTA, "doomed"))

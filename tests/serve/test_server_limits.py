@@ -87,16 +87,16 @@ def test_a_failed_engine_step_is_a_500_or_an_error_event_and_the_server_serves_o
     base_url, llm_engine, monkeypatch
 ):
     runner = llm_engine.runner
-    real = runner.execute_model
+    real = runner.dispatch
     calls = {"n": 0, "fail_at": 3}  # the stream has begun (its first token came from call 1)
 
-    def flaky(scheduler_output):
+    def flaky(scheduler_output, trace=None):
         calls["n"] += 1
         if calls["n"] == calls["fail_at"]:
             raise RuntimeError("device lost")
-        return real(scheduler_output)
+        return real(scheduler_output, trace)
 
-    monkeypatch.setattr(runner, "execute_model", flaky)
+    monkeypatch.setattr(runner, "dispatch", flaky)
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": 20, "ignore_eos": True}
     status, headers, raw = http(base_url + "/v1/completions", {**body, "stream": True})
     assert status == 200 and headers["content-type"].startswith("text/event-stream")
