@@ -18,6 +18,8 @@ pytestmark = pytest.mark.slow
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
 
+import _attention_kernel_cases  # noqa: E402
+import _attention_kernel_presets  # noqa: E402
 import attention_kernel  # noqa: E402
 
 
@@ -50,7 +52,7 @@ def test_cpu_smoke_every_backend_and_page_size(tmp_path):
         assert row["impl"] == row["backend"]
         assert row["interpret"] == (row["backend"] == "pallas_triton")
         assert row["kernel_s"] > 0 and 0 < row["fraction_of_copy"]
-        assert row["max_abs_err"] <= attention_kernel.TOLERANCE["float32"]
+        assert row["max_abs_err"] <= _attention_kernel_presets.TOLERANCE["float32"]
         assert not row.get("mismatch")
     decode_pages = {r["page_size"] for r in report["cases"] if r["kind"] == "decode"}
     assert decode_pages == {16, 32}
@@ -65,16 +67,16 @@ def test_a_kernel_that_fails_is_an_error_row():
     def broken(*args, **kwargs):
         raise RuntimeError("no kernel today")
 
-    preset = attention_kernel.PRESETS["cpu-smoke"]
-    row = attention_kernel.run_case(preset, [(1, 32)] * 2, broken, 16, None)
+    preset = _attention_kernel_presets.PRESETS["cpu-smoke"]
+    row = _attention_kernel_cases.run_case(preset, [(1, 32)] * 2, broken, 16, None)
     assert row["error_stage"] == "compile or run"
     assert row["error"] == "RuntimeError: no kernel today"
     assert "kernel_s" not in row
 
 
 def test_interpret_mode_is_refused_off_the_cpu():
-    preset = attention_kernel.PRESETS["h200-decode"]
-    target = attention_kernel.target_for(preset, 16)
+    preset = _attention_kernel_presets.PRESETS["h200-decode"]
+    target = _attention_kernel_cases.target_for(preset, 16)
     tpu = dataclasses.replace(target, platform="tpu")  # Triton on a TPU: interpret mode only
     with pytest.raises(ValueError, match="'pallas_triton' cannot run here"):
-        attention_kernel.select_backend("pallas_triton", tpu)
+        _attention_kernel_cases.select_backend("pallas_triton", tpu)

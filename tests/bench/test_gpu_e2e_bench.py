@@ -19,6 +19,7 @@ sys.path.insert(0, str(BENCH))
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+import _gpu_e2e_checkpoint  # noqa: E402
 import gpu_e2e  # noqa: E402
 
 
@@ -30,7 +31,7 @@ def test_llama3_8b_layout_is_what_jaxserve_and_transformers_load():
     from jaxserve.models import arch_config_from_hf
 
     cfg = gpu_e2e.PRESETS["llama3-8b"].model
-    shapes = dict(gpu_e2e.tensor_shapes(cfg))
+    shapes = dict(_gpu_e2e_checkpoint.tensor_shapes(cfg))
     arch = arch_config_from_hf(cfg)
     assert (arch.hidden_size, arch.num_layers, arch.num_heads, arch.num_kv_heads) == (
         4096,
@@ -54,6 +55,6 @@ def test_llama3_8b_layout_is_what_jaxserve_and_transformers_load():
 
 def test_bf16_pool_rounds_as_ml_dtypes():
     ml_dtypes = pytest.importorskip("ml_dtypes")
-    bits = gpu_e2e._bf16_pool(10001, 0.02, seed=3)
+    bits = _gpu_e2e_checkpoint.bf16_pool(10001, 0.02, seed=3)
     x = np.random.default_rng(3).standard_normal(10001, dtype=np.float32) * np.float32(0.02)
     assert np.array_equal(bits, x.astype(ml_dtypes.bfloat16).view(np.uint16))
