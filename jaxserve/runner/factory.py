@@ -17,12 +17,14 @@ the runner.
 
 from __future__ import annotations
 
+import functools
 import logging
 import pathlib
 import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from jaxserve.checkpoints_tools import LoadedCheckpoint, TokenizerInfo, load_checkpoint
@@ -44,6 +46,7 @@ from jaxserve.pallas_kernels.ragged_paged_attention.impl import AttentionImpl, h
 from jaxserve.runner.compile_cache import enable_compilation_cache
 from jaxserve.runner.draft_model import DraftSpec
 from jaxserve.runner.kv_cache import KVAllocator, allocate_kv_caches
+from jaxserve.runner.kv_calibration import calculate_kv_scales
 from jaxserve.runner.kv_offload import KVOffloader, host_kv_blocks
 from jaxserve.runner.kv_scales import kv_scales_for
 from jaxserve.runner.machine import Machine
@@ -352,13 +355,27 @@ def make_runner(
         eos_token_ids=ckpt.eos_token_ids,
         sharding=resolved.sharding,
         plan=plan,
-        kv_scales=kv_scales_for(plan.kv_cache_dtype, ckpt.path, ckpt.arch.num_layers),
+        kv_scales=_kv_scales(resolved, model, ckpt),
         kv_offload=offload,
         draft=_load_draft(resolved),
         kv_allocator=kv_allocator,
     )
     host_tier = None if offload is None else HostTier(resolved.num_host_blocks, offload.block_bytes)
     return runner, host_tier
+
+
+def _kv_scales(resolved: ResolvedModel, model: CausalLM, ckpt: LoadedCheckpoint):
+    """An FP8 KV cache's f32[L, 2] scales (kv_scales.py; None for pages in the model dtype):
+    computed from a calibration pass when the checkpoint has none and calculate_kv_scales is
+    on, unless the params are abstract (jaxserve/aot compiles: the scales are step data, their
+    values change no compiled shape)."""
+    concrete = all(isinstance(p, jax.Array) for p in jax.tree_util.tree_leaves(ckpt.params))
+    calculate = None
+    if resolved.config.cache.calculate_kv_scales and concrete:
+        calculate = functools.partial(calculate_kv_scales, model, ckpt.params, resolved.sharding)
+    return kv_scales_for(
+        resolved.plan.kv_cache_dtype, ckpt.path, ckpt.arch.num_layers, calculate=calculate
+    )
 
 
 def _host_tier(model: CausalLM, resolved: ResolvedModel) -> KVOffloader | None:
