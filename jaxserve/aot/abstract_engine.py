@@ -90,11 +90,6 @@ def build_abstract_engine(config: EngineConfig, target: AcceleratorTarget) -> Ab
 
 def _refuse_unsupported(config: EngineConfig) -> None:
     """Settings whose device state cannot be abstract yet: refused, never dropped."""
-    if config.cache.kv_offloading_size:
-        raise ValueError(
-            f"kv_offloading_size={config.cache.kv_offloading_size}: the host KV tier's copies "
-            "are not compiled ahead of time yet; compile without it (0)"
-        )
     spec = config.speculative
     if spec is not None and spec.method == "draft_model":
         raise ValueError(

@@ -86,6 +86,30 @@ def test_a_tiny_moe_with_a_sliding_window_and_fp8_kv_compiles_for_v6e_1(tmp_path
     assert report["memory_plan"]["architecture"] == "MixtralForCausalLM"
 
 
+def test_the_host_kv_tiers_copies_compile_for_v6e_1(tmp_path, capsys) -> None:
+    """--kv-offloading-size: the tier's gather (pages -> host) and scatter (host -> pages) at
+    every padded size compile too; the scatter gives the donated pages back in place, the
+    gather donates none."""
+    rc, report, output = _compile(
+        tmp_path, capsys, "v6e-1", "--kv-offloading-size", "0.01", "--token-buckets", "8"
+    )
+    assert rc == 0, output
+    buckets = report["buckets"]
+    pool = report["memory_plan"]["num_kv_blocks"] * report["memory_plan"]["kv_bytes_per_block"]
+    to_host = [b for b in buckets if b["kind"] == "to_host"]
+    from_host = [b for b in buckets if b["kind"] == "from_host"]
+    assert (
+        [b["copies"] for b in to_host]
+        == [b["copies"] for b in from_host]
+        == [1, 2, 4, 8, 16, 32, 64]
+    )
+    assert all(b["ok"] for b in buckets), [b["error"] for b in buckets if not b["ok"]]
+    assert all(b["donated_bytes"] == 0 for b in to_host)
+    for b in from_host + [b for b in buckets if b["kind"] in ("step", "copy")]:
+        assert b["donated_bytes"] == pool <= b["memory"]["alias_size_in_bytes"], b["label"]
+    assert report["totals"]["kv_aliased"] and "copy from host n=64" in output
+
+
 def test_a_token_bucket_the_engine_lacks_exits_2(tmp_path, capsys) -> None:
     rc, report, output = _compile(tmp_path, capsys, "v6e-1", "--token-buckets", "8,12")
     assert rc == 2 and report is None
