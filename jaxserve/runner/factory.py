@@ -21,6 +21,7 @@ import functools
 import logging
 import pathlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -331,10 +332,14 @@ def _load_weights(resolved: ResolvedModel) -> LoadedCheckpoint:
 
 
 def make_runner(
-    resolved: ResolvedModel, ckpt: LoadedCheckpoint, kv_allocator: KVAllocator = allocate_kv_caches
+    resolved: ResolvedModel,
+    ckpt: LoadedCheckpoint,
+    kv_allocator: KVAllocator = allocate_kv_caches,
+    load_draft: Callable[[ResolvedModel], DraftSpec | None] | None = None,
 ) -> tuple[ModelRunner, HostTier | None]:
     """The ModelRunner of a loaded checkpoint, with its host KV tier when it has one; its KV
-    pages made by ``kv_allocator`` (jaxserve/aot: abstract ones, with abstract params)."""
+    pages made by ``kv_allocator`` (jaxserve/aot: abstract ones, with abstract params), the
+    draft model (speculative decoding) by ``load_draft`` (None: its checkpoint loaded)."""
     config, plan = resolved.config, resolved.plan
     model = get_model(
         ckpt.arch,
@@ -357,7 +362,7 @@ def make_runner(
         plan=plan,
         kv_scales=_kv_scales(resolved, model, ckpt),
         kv_offload=offload,
-        draft=_load_draft(resolved),
+        draft=(load_draft or _load_draft)(resolved),
         kv_allocator=kv_allocator,
     )
     host_tier = None if offload is None else HostTier(resolved.num_host_blocks, offload.block_bytes)

@@ -110,6 +110,34 @@ def test_the_host_kv_tiers_copies_compile_for_v6e_1(tmp_path, capsys) -> None:
     assert report["totals"]["kv_aliased"] and "copy from host n=64" in output
 
 
+def test_a_draft_models_steps_compile_for_v5e_4_with_tensor_parallelism(tmp_path, capsys):
+    """--speculative-config with a draft model (the tiny llama as its own draft, from its
+    config.json alone): the step carries the draft's forward, and the draft's proposal at
+    every row bucket and its block copies compile, on 4 chips; each gives the pages it takes
+    donated back in place (the draft's own for its proposal and copies)."""
+    draft = write_tiny_llama(tmp_path / "draft")
+    spec = json.dumps({"method": "draft_model", "model": draft, "num_speculative_tokens": 2})
+    rc, report, output = _compile(
+        tmp_path, capsys, "v5e-4", "--tensor-parallel-size", "4", "--token-buckets", "8",
+        "--speculative-config", spec,
+    )  # fmt: skip
+    assert rc == 0, output
+    buckets = report["buckets"]
+    assert all(b["ok"] for b in buckets), [b["error"] for b in buckets if not b["ok"]]
+    proposals = [b for b in buckets if b["kind"] == "draft_propose"]
+    draft_copies = [b for b in buckets if b["kind"] == "draft_copy"]
+    target_copies = [b for b in buckets if b["kind"] == "copy"]
+    assert [b["rows"] for b in proposals] == [4, 8]  # the row buckets of token buckets 4, 8
+    assert [b["copies"] for b in draft_copies] == [b["copies"] for b in target_copies]
+    steps = [b for b in buckets if b["kind"] == "step"]
+    # The step donates the target's and the draft's pages (the same shapes here): twice a copy's.
+    assert all(b["donated_bytes"] == 2 * target_copies[0]["donated_bytes"] for b in steps)
+    assert all(b["donated_bytes"] == target_copies[0]["donated_bytes"] for b in draft_copies)
+    for b in buckets:
+        assert b["memory"]["alias_size_in_bytes"] >= b["donated_bytes"] > 0, b["label"]
+    assert report["totals"]["kv_aliased"] and "draft propose R=8" in output
+
+
 def test_a_token_bucket_the_engine_lacks_exits_2(tmp_path, capsys) -> None:
     rc, report, output = _compile(tmp_path, capsys, "v6e-1", "--token-buckets", "8,12")
     assert rc == 2 and report is None
