@@ -119,6 +119,29 @@ def _run(llm: Any, turns: list[list[list[int]]], params: Any) -> tuple[dict[str,
     return figures, histories
 
 
+def _chat(rng: random.Random, num_conversations: int, lengths: tuple[int, ...]) -> list:
+    """One multi-turn chat: per turn (of ``lengths[i]`` new tokens each), every conversation's
+    new ids, drawn turn by turn, conversation by conversation."""
+    return [[_random_ids(rng, n) for _ in range(num_conversations)] for n in lengths]
+
+
+def _engine_settings(
+    block_size: int, num_kv_blocks: int, max_num_seqs: int, max_num_batched_tokens: int,
+    max_model_len: int, dtype: str, warmup: bool,
+) -> dict[str, Any]:  # fmt: skip
+    """The LLM arguments every engine of a workload shares (``num_kv_blocks`` usable blocks,
+    plus the null block)."""
+    return dict(
+        block_size=block_size,
+        num_kv_blocks=num_kv_blocks + 1,  # + the null block
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        dtype=dtype,
+        warmup=warmup,
+    )
+
+
 def host_tier_workload(
     model: str = "tiny-random-llama",
     *,
@@ -154,42 +177,23 @@ def host_tier_workload(
     final_len = first_turn_tokens + num_turns * (turn_tokens + output_tokens)
     blocks_per_history = -(-final_len // block_size)
     history_blocks = num_conversations * blocks_per_history
-
-    def chat() -> list[list[list[int]]]:
-        turns = [[_random_ids(rng, first_turn_tokens) for _ in range(num_conversations)]]
-        turns += [
-            [_random_ids(rng, turn_tokens) for _ in range(num_conversations)]
-            for _ in range(num_turns - 1)
-        ]
-        return turns
-
-    workloads, warm_turns = [chat() for _ in range(repeats)], chat()
+    lengths = (first_turn_tokens, *(turn_tokens,) * (num_turns - 1))
+    *workloads, warm_turns = [_chat(rng, num_conversations, lengths) for _ in range(repeats + 1)]
     num_kv_blocks = max(int(history_blocks / prefix_to_pool), blocks_per_history + 1)
-    settings = dict(
-        block_size=block_size,
-        num_kv_blocks=num_kv_blocks + 1,  # + the null block
-        max_num_seqs=num_conversations,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=final_len + block_size,
-        dtype=dtype,
-        warmup=warmup,
-    )
+    settings = _engine_settings(
+        block_size, num_kv_blocks, num_conversations, max_num_batched_tokens,
+        final_len + block_size, dtype, warmup,
+    )  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
     engines = {"without": {}, "with": {"kv_offloading_size": host_gib}}
     compared = _compare(model, settings, engines, workloads, warm_turns, params, interleave)
     runs = {name: figures for name, (figures, _) in compared.items()}
     histories = {name: hist for name, (_, hist) in compared.items()}
+    info = {**settings, "model": model, "num_conversations": num_conversations,
+            "num_turns": num_turns, "history_blocks": history_blocks, "host_gib": host_gib,
+            "repeats": repeats, "interleave": interleave}  # fmt: skip
     return {
-        "settings": {
-            **settings,
-            "model": model,
-            "num_conversations": num_conversations,
-            "num_turns": num_turns,
-            "history_blocks": history_blocks,
-            "host_gib": host_gib,
-            "repeats": repeats,
-            "interleave": interleave,
-        },
+        "settings": info,
         "without": runs["without"],
         "with": runs["with"],
         "same_outputs": histories["with"] == histories["without"],
@@ -235,26 +239,15 @@ def preemption_workload(
     num_kv_blocks = max(
         int(num_requests * blocks_per_request / batch_to_pool), blocks_per_request + 1
     )
-    settings = dict(
-        block_size=block_size,
-        num_kv_blocks=num_kv_blocks + 1,  # + the null block
-        max_num_seqs=num_requests,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=prompt_tokens + output_tokens + block_size,
-        dtype=dtype,
-        warmup=warmup,
-    )
+    settings = _engine_settings(
+        block_size, num_kv_blocks, num_requests, max_num_batched_tokens,
+        prompt_tokens + output_tokens + block_size, dtype, warmup,
+    )  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
     result: dict[str, Any] = {
-        "settings": {
-            **settings,
-            "model": model,
-            "num_requests": num_requests,
-            "host_gib": host_gib,
-            "repeats": repeats,
-            "interleave": interleave,
-        }
-    }
+        "settings": {**settings, "model": model, "num_requests": num_requests,
+                     "host_gib": host_gib, "repeats": repeats, "interleave": interleave}
+    }  # fmt: skip
     engines = {m: {"preemption_mode": m, "kv_offloading_size": host_gib} for m in modes}
     engines["recompute_without_host_tier"] = {"preemption_mode": "recompute"}
     compared = _compare(model, settings, engines, workloads, [warm_prompts], params, interleave)

@@ -133,7 +133,10 @@ class CacheConfig:
     cpu_memory_bytes: the memory budget used on CPU, where there is no device memory to query.
     kv_cache_dtype: "auto" (the model dtype) or an FP8 KV cache, KV_CACHE_DTYPES: pages of one
         byte per value, quantized with one K and one V scale per layer (the checkpoint's
-        k_scale / v_scale tensors when it ships them, else 1.0, vLLM's default).
+        k_scale / v_scale tensors when it ships them, else calculate_kv_scales decides).
+    calculate_kv_scales: an FP8 KV cache's scales, when the checkpoint has none, computed from
+        one calibration pass when the engine is built (runner/kv_calibration.py); False: 1.0
+        (vLLM's default, whose own calculate_kv_scales uses the first prefill instead).
     kv_offloading_size: GiB of host memory for the host KV tier (0: none). Cached blocks
         evicted from the device pool are kept there and restored on a prefix hit.
     preemption_mode: "recompute" (drop a preempted request's KV), "swap" (move it to the host
@@ -147,6 +150,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     cpu_memory_bytes: int = 4 << 30
     kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = True
     kv_offloading_size: float = 0.0
     preemption_mode: str = "recompute"
 
@@ -159,13 +163,11 @@ class CacheConfig:
                 f"got {self.num_kv_blocks}"
             )
         check_memory_share("CacheConfig.memory_utilization", self.memory_utilization)
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise TypeError(
-                "CacheConfig.enable_prefix_caching must be a bool, got "
-                f"{self.enable_prefix_caching!r}"
-            )
         _positive_int("CacheConfig", "cpu_memory_bytes", self.cpu_memory_bytes)
         _choice("CacheConfig", "kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        for name in ("enable_prefix_caching", "calculate_kv_scales"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"CacheConfig.{name} must be a bool, got {getattr(self, name)!r}")
         self._check_host_tier()
 
     def _check_host_tier(self) -> None:

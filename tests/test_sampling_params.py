@@ -59,6 +59,11 @@ def test_good_sampling_params_normalise():
         (lambda: CacheConfig(block_size=0), r"CacheConfig.block_size must be >= 1, got 0"),
         (lambda: CacheConfig(num_kv_blocks=1), r"num_kv_blocks must be >= 2 .*got 1"),
         (lambda: CacheConfig(memory_utilization=1.5), r"memory_utilization must be in \(0, 1\]"),
+        (
+            lambda: CacheConfig(calculate_kv_scales="yes"),
+            r"CacheConfig.calculate_kv_scales must be a bool, got 'yes'",
+        ),
+        (lambda: CacheConfig(enable_prefix_caching=1), r"enable_prefix_caching must be a bool"),
         (lambda: SchedulerConfig(max_num_seqs=0), r"max_num_seqs must be >= 1, got 0"),
         (lambda: SchedulerConfig(max_num_batched_tokens=-5), r"max_num_batched_tokens must be"),
         (lambda: SchedulerConfig(policy="lifo"), r"policy must be one of \('fcfs', 'priority'\)"),

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import pathlib
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,12 +28,13 @@ from jaxserve.checkpoints_tools.load import load_arch
 from jaxserve.checkpoints_tools.load import resolve_model as resolve_model_source
 from jaxserve.checkpoints_tools.tokenizer import load_tokenizer
 from jaxserve.config import EngineConfig
-from jaxserve.models import ModelArchConfig, get_model
+from jaxserve.models import CausalLM, ModelArchConfig, get_model
+from jaxserve.runner.draft_model import DraftSpec
 from jaxserve.runner.factory import ResolvedModel, make_runner, resolve_model
 from jaxserve.runner.kv_cache import abstract_kv_caches
 from jaxserve.runner.machine import Machine
 from jaxserve.runner.model_runner import ModelRunner
-from jaxserve.runner.sharding import make_mesh
+from jaxserve.runner.sharding import make_mesh, plan_sharding
 
 logger = logging.getLogger("jaxserve")
 
@@ -69,11 +71,10 @@ def build_abstract_engine(config: EngineConfig, target: AcceleratorTarget) -> Ab
     """The engine of ``config`` on ``target``, from the model's config.json alone.
 
     Raises:
-        ValueError: a setting ahead-of-time compilation does not cover (named), or what the
-            engine itself would refuse (a model that does not fit, a bad flag, ...).
+        ValueError: what the engine itself would refuse (a model that does not fit, a bad
+            flag, ...).
         devices.CompilerMissing: the target's compiler is not installed.
     """
-    _refuse_unsupported(config)
     source = resolve_model_source(  # a model that cannot be read fails before any compiler
         config.model.model,
         files=CONFIG_FILES,
@@ -84,23 +85,33 @@ def build_abstract_engine(config: EngineConfig, target: AcceleratorTarget) -> Ab
     machine = target_machine(target, config.runner.tensor_parallel_size)
     resolved = resolve_model(config, machine)
     ckpt = _abstract_checkpoint(resolved, arch, source)
-    runner, _ = make_runner(resolved, ckpt, kv_allocator=abstract_kv_caches)
+    runner, _ = make_runner(
+        resolved, ckpt, kv_allocator=abstract_kv_caches, load_draft=_abstract_draft
+    )
     return AbstractEngine(target=target, resolved=resolved, arch=arch, runner=runner)
 
 
-def _refuse_unsupported(config: EngineConfig) -> None:
-    """Settings whose device state cannot be abstract yet: refused, never dropped."""
-    if config.cache.kv_offloading_size:
-        raise ValueError(
-            f"kv_offloading_size={config.cache.kv_offloading_size}: the host KV tier's copies "
-            "are not compiled ahead of time yet; compile without it (0)"
-        )
-    spec = config.speculative
-    if spec is not None and spec.method == "draft_model":
-        raise ValueError(
-            "speculative_config method 'draft_model': a draft model's steps are not compiled "
-            "ahead of time yet; compile without it, or with method 'ngram'"
-        )
+def _abstract_draft(resolved: ResolvedModel) -> DraftSpec | None:
+    """Speculative decoding's draft model as factory._load_draft makes it (its plan's dtype and
+    attention, its own ShardingPlan on the target's mesh), with abstract params: its config.json
+    was read by resolve_model (resolved.draft_arch), its weights never are."""
+    if resolved.draft_arch is None:
+        return None
+    plan, config = resolved.plan, resolved.config
+    model = get_model(resolved.draft_arch, dtype=plan.dtype, attention=plan.attention,
+                      max_model_len=config.model.max_model_len)  # fmt: skip
+    sharding = plan_sharding(model, resolved.sharding.mesh)
+    params = _abstract_params(model, sharding.param_shardings())
+    return DraftSpec(model, params, config.speculative.num_speculative_tokens, sharding)
+
+
+def _abstract_params(model: CausalLM, shardings: Any) -> Any:
+    """``model``'s params as jax.ShapeDtypeStructs placed by ``shardings``."""
+    return jax.tree_util.tree_map(
+        lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+        model.param_shapes(),
+        shardings,
+    )
 
 
 def _abstract_checkpoint(
@@ -112,11 +123,7 @@ def _abstract_checkpoint(
     config, plan = resolved.config, resolved.plan
     quantization = config.model.quantization
     model = get_model(arch, dtype=plan.dtype, quantization=quantization)
-    params = jax.tree_util.tree_map(
-        lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-        model.param_shapes(),
-        resolved.sharding.param_shardings(),
-    )
+    params = _abstract_params(model, resolved.sharding.param_shardings())
     folder = pathlib.Path(source)
     if folder.is_dir():
         tokenizer = load_tokenizer(folder)

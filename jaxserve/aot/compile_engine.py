@@ -1,7 +1,8 @@
 """compile_engine: every compilation warm-up would run on the target, compiled here.
 
 build_abstract_engine(config, target)      the runner the engine would build there
-warmup.compilations(runner, shapes)        its step buckets x sampler variants, block copies
+warmup.compilations(runner, shapes)        its step buckets x sampler variants, block copies,
+                                           the host KV tier's copies, a draft model's jobs
 compiler.compile_job(job, mesh)            each one, for the target's compile-only devices
 CompileReport                              per bucket, totals, roofline predictions
 """
@@ -50,9 +51,11 @@ def compile_engine(
     engine = build_abstract_engine(config, target)
     shapes = _shapes(engine, token_buckets)
     mesh = engine.resolved.sharding.mesh
+    draft = engine.runner.draft
+    draft_counters = () if draft is None else (draft.compiles, draft.copy_compiles)
     results = []
     for job in compilations(engine.runner, shapes):
-        result = compile_job(job, mesh)
+        result = compile_job(job, mesh, draft=any(job.compiles is c for c in draft_counters))
         results.append(result)
         if on_result is not None:
             on_result(result)

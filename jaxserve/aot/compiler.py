@@ -1,8 +1,10 @@
 """Compile each of warm-up's compilations for the target, and keep what the compiler says.
 
 The jobs are warmup.compilations(runner, shapes): the engine's own jitted step for every
-(T, R, B) bucket in both sampler variants, and the block copy at every padded size, with the
-arguments warm-up gives them (abstract params and KV pages here). Each is lowered and compiled
+(T, R, B) bucket in both sampler variants, the block copy at every padded size, and with a host
+KV tier its gather (device -> host) and scatter (host -> device) at every padded size, with a
+draft model its proposal at every row bucket and its own block copy, with the arguments warm-up
+gives them (abstract params and KV pages here). Each is lowered and compiled
 for the target's compile-only devices, one at a time; a failure is recorded (the compiler's
 message) and the next job goes on.
 
@@ -19,7 +21,10 @@ import time
 from typing import Any
 
 import jax
+import numpy as np
 
+from jaxserve.runner.draft_model import PROPOSE_ARGS
+from jaxserve.runner.kv_offload import GATHER_ARGS, SCATTER_ARGS
 from jaxserve.runner.step import COPY_ARGS, STEP_ARGS
 from jaxserve.runner.step_compiles import Compilation
 
@@ -32,16 +37,26 @@ MEMORY_FIELDS = (
     "generated_code_size_in_bytes",
 )
 _MAX_ERROR_CHARS = 2000
+# The copies' kinds, by their arguments' names, and their labels.
+_COPY_KINDS = {COPY_ARGS: "copy", GATHER_ARGS: "to_host", SCATTER_ARGS: "from_host"}
+_COPY_LABELS = {"copy": "copy", "to_host": "copy to host", "from_host": "copy from host",
+                "draft_copy": "draft copy"}  # fmt: skip
+_DONATING = ("copy", "from_host")  # the copies that take the pages donated (the gather reads)
 
 
 @dataclasses.dataclass(frozen=True)
 class BucketResult:
     """One compilation's outcome.
 
-    kind: "step" or "copy". tokens, rows, width: the step's (T, R, B); sampling_lists: the
-    sampler variant's (penalty, ban) list widths, (0, 0) without lists. copies: the block
-    copy's padded size. memory: MEMORY_FIELDS (bytes per device). flops, bytes_accessed: the
-    compiler's cost analysis (per device; a Pallas kernel without a cost estimate counts 0).
+    kind: "step", "copy" (copy-on-write), "to_host" or "from_host" (the host KV tier's
+    gather and scatter), "draft_propose" or "draft_copy" (a draft model's proposal loop and
+    block copy). tokens, rows, width: the step's (T, R, B) (rows: the proposal's too);
+    sampling_lists: the sampler variant's (penalty, ban) list widths, (0, 0) without lists.
+    copies: a copy's padded number of blocks. donated_bytes: per device, the KV pages the
+    compilation takes donated and must give back in place (0: it donates none; None: not
+    known, the pool is expected). memory: MEMORY_FIELDS (bytes per device). flops,
+    bytes_accessed: the compiler's cost analysis (per device; a Pallas kernel without a cost
+    estimate counts 0).
     xla_seconds: the compiler's own time estimate ("optimal_seconds"), where it gives one.
     """
 
@@ -53,6 +68,7 @@ class BucketResult:
     width: int | None = None
     sampling_lists: tuple[int, int] | None = None
     copies: int | None = None
+    donated_bytes: int | None = None
     lower_s: float = 0.0
     compile_s: float = 0.0
     memory: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -62,8 +78,10 @@ class BucketResult:
 
     @property
     def label(self) -> str:
-        if self.kind == "copy":
-            return f"copy n={self.copies}"
+        if self.kind in _COPY_LABELS:
+            return f"{_COPY_LABELS[self.kind]} n={self.copies}"
+        if self.kind == "draft_propose":
+            return f"draft propose R={self.rows}"
         lists = "" if self.sampling_lists == (0, 0) else f" lists={self.sampling_lists}"
         return f"step T={self.tokens} R={self.rows} B={self.width}{lists}"
 
@@ -86,14 +104,22 @@ class BucketResult:
         return out
 
 
-def describe_job(job: Compilation) -> dict[str, Any]:
+def describe_job(job: Compilation, draft: bool = False) -> dict[str, Any]:
     """What a warm-up compilation is, from its arguments: the step's (T, R, B) and sampler
-    lists, or the block copy's size."""
+    lists, a copy's kind and size, or a draft's proposal rows (``draft``: a draft model's job,
+    whose block copy is "draft_copy"); and the bytes of KV pages it takes donated."""
     args = dict(zip(job.names, job.args, strict=True))
-    if tuple(job.names) == COPY_ARGS:
-        return dict(kind="copy", copies=int(args["src"].shape[0]))
+    if tuple(job.names) == PROPOSE_ARGS:
+        return dict(kind="draft_propose", rows=int(args["tokens"].shape[0]),
+                    donated_bytes=device_bytes(args["kv_caches"]))  # fmt: skip
+    kind = _COPY_KINDS.get(tuple(job.names))
+    if kind is not None:
+        donated = device_bytes(args["kv_caches"]) if kind in _DONATING else 0
+        ids = args["block_ids" if kind != "copy" else "src"]
+        return dict(kind="draft_copy" if draft else kind, copies=int(ids.shape[0]),
+                    donated_bytes=donated)  # fmt: skip
     if tuple(job.names) != STEP_ARGS:
-        raise ValueError(f"not a step or block copy compilation: {job.names}")
+        raise ValueError(f"not a step or a copy compilation: {job.names}")
     md, sampling = args["attention_metadata"], args["sampling_metadata"]
     return dict(
         kind="step",
@@ -104,12 +130,25 @@ def describe_job(job: Compilation) -> dict[str, Any]:
             int(sampling.penalty_token_ids.shape[1]),
             int(sampling.banned_token_ids.shape[1]),
         ),
+        donated_bytes=device_bytes((args["kv_caches"], args["draft_kv_caches"])),
     )
 
 
-def compile_job(job: Compilation, mesh: jax.sharding.Mesh) -> BucketResult:
-    """Lower and compile one job for ``mesh``'s devices; a failure is a result, not raised."""
-    facts = describe_job(job)
+def device_bytes(arrays: Any) -> int:
+    """Bytes of ``arrays`` (a pytree of arrays or ShapeDtypeStructs) on one device: each
+    leaf's shard under its sharding, the whole leaf without one."""
+    total = 0
+    for leaf in jax.tree_util.tree_leaves(arrays):
+        sharding = getattr(leaf, "sharding", None)
+        shape = leaf.shape if sharding is None else sharding.shard_shape(leaf.shape)
+        total += int(np.prod(shape)) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+def compile_job(job: Compilation, mesh: jax.sharding.Mesh, draft: bool = False) -> BucketResult:
+    """Lower and compile one job for ``mesh``'s devices (``draft``: a draft model's job); a
+    failure is a result, not raised."""
+    facts = describe_job(job, draft)
     start = time.perf_counter()
     try:
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):

@@ -56,10 +56,15 @@ class CompileReport:
 
     @property
     def kv_aliased(self) -> bool:
-        """Every compiled step and copy gives its KV pages back in place (alias >= pool)."""
+        """Every compiled step and copy gives the KV pages it takes donated back in place
+        (alias >= their bytes; the pool where a result does not say)."""
         pool = self.memory.num_kv_blocks * self.memory.kv_bytes_per_block
         ok = [b for b in self.buckets if b.ok]
-        return bool(ok) and all(b.memory["alias_size_in_bytes"] >= pool for b in ok)
+        return bool(ok) and all(
+            b.memory["alias_size_in_bytes"]
+            >= (pool if b.donated_bytes is None else b.donated_bytes)
+            for b in ok
+        )
 
     @property
     def fits(self) -> bool:

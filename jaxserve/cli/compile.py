@@ -5,7 +5,9 @@
 
 Reads the model's config.json only (no weights: abstract arrays in their shardings), makes the
 execution plan and the memory plan the engine would make on the target (jaxserve/aot/), and
-compiles each step bucket in both sampler variants and each block copy with the target's real
+compiles each step bucket in both sampler variants and each block copy (and the host KV tier's
+copies, with --kv-offloading-size; a draft model's proposal and block copy, with
+--speculative-config) with the target's real
 compiler (XLA:TPU and Mosaic through libtpu, deviceless). Prints one line per compilation and
 the totals: the compiled memory against the memory plan and the target, whether the donated KV
 pages alias, and a roofline prediction of decode and prefill tokens per second. --json PATH
@@ -31,9 +33,15 @@ from jaxserve.cli.plan import PLAN_ENGINE_FLAGS
 EXIT_OK = 0
 EXIT_FAILED = 1
 
-# The engine flags that shape what is compiled: the ones a memory plan reads, and the attention
-# implementation (flags.ENGINE_FLAGS).
-COMPILE_ENGINE_FLAGS = (*PLAN_ENGINE_FLAGS, "attention_backend")
+# The engine flags that shape what is compiled: the ones a memory plan reads, the attention
+# implementation, the host KV tier (its copies) and speculative decoding (a draft model's
+# steps) (flags.ENGINE_FLAGS).
+COMPILE_ENGINE_FLAGS = (
+    *PLAN_ENGINE_FLAGS,
+    "attention_backend",
+    "kv_offloading_size",
+    "speculative_config",
+)
 
 
 def token_list(text: str) -> list[int]:

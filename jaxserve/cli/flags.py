@@ -62,7 +62,7 @@ def json_object(text: str) -> dict[str, Any]:
 
 
 # The LLM constructor arguments, in --help order. A flag whose dest is an LLM argument is passed
-# as it is when given; the last three are mapped by engine_kwargs.
+# as it is when given; those in _MAPPED are mapped by engine_kwargs.
 ENGINE_FLAGS: tuple[Flag, ...] = (
     _flag("--dtype", choices=list(DTYPES), help="the model's dtype (default: auto)"),
     _flag(
@@ -78,6 +78,12 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
         "--kv-cache-dtype",
         choices=list(KV_CACHE_DTYPES),
         help="KV cache storage: auto (the model dtype) or FP8 (fp8 = fp8_e4m3, fp8_e5m2)",
+    ),
+    _flag(
+        "--no-calculate-kv-scales",
+        action="store_true",
+        help="an FP8 KV cache whose checkpoint has no scales uses 1.0 instead of scales "
+        "computed from a calibration pass at start-up",
     ),
     _flag(
         "--kv-offloading-size",
@@ -136,7 +142,7 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
         '"num_speculative_tokens": 4}\' (greedy and seeded outputs do not change)',
     ),
 )
-_MAPPED = {"engine_seed", "no_prefix_caching", "no_warmup"}
+_MAPPED = {"engine_seed", "no_prefix_caching", "no_warmup", "no_calculate_kv_scales"}
 
 # SamplingParams fields with a command-line flag (--top-p -> top_p). Not --seed: it seeds the
 # engine, and one seed shared by every request would make equal prompts sample equal text.
@@ -182,6 +188,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["enable_prefix_caching"] = False
     if getattr(args, "no_warmup", False):
         kwargs["warmup"] = False
+    if getattr(args, "no_calculate_kv_scales", False):
+        kwargs["calculate_kv_scales"] = False
     return kwargs
 
 

@@ -31,7 +31,7 @@ from jax import lax
 
 from jaxserve.models import AttentionMetadata, CausalLM
 from jaxserve.runner.input_batch import InputBatch
-from jaxserve.runner.kv_cache import allocate_kv_caches
+from jaxserve.runner.kv_cache import KVAllocator, allocate_kv_caches
 from jaxserve.runner.rejection_sampler import (
     DRAFT_STREAM,
     draw_top_q,
@@ -92,6 +92,8 @@ class DraftModel:
         num_speculative_tokens: k, the drafts proposed per request.
         input_batch: the target runner's rows (block tables, tokens); read, never written.
         row_buckets: the padded row counts a proposal may run at (the runner's R buckets).
+        kv_allocator: makes its KV pages (kv_cache.abstract_kv_caches: compile, never run;
+            the q buffers are then abstract too).
         sharding: the draft's own ShardingPlan on the target's mesh (tensor parallelism splits
             it as it splits the target: heads, MLP columns, vocabulary, and its KV pages where
             tp divides its KV heads), or None: the default device. Every argument and result of
@@ -109,8 +111,10 @@ class DraftModel:
         input_batch: InputBatch,
         row_buckets: tuple[int, ...],
         sharding: ShardingPlan | None = None,
+        kv_allocator: KVAllocator = allocate_kv_caches,
     ) -> None:
         self.model = model
+        self._kv_allocator = kv_allocator
         self.params = params
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
@@ -175,18 +179,20 @@ class DraftModel:
     def _q_buffers(self, num_rows: int) -> tuple[jax.Array, jax.Array]:
         shapes = ((num_rows, self.num_q), jnp.int32), ((num_rows, self.num_q), jnp.float32)
         placement = None if self.sharding is None else self.sharding.replicated
+        if isinstance(self.kv_caches[0][0], jax.ShapeDtypeStruct):  # abstract pages (aot)
+            return tuple(jax.ShapeDtypeStruct(*s, sharding=placement) for s in shapes)
         return tuple(jax.device_put(jnp.zeros(*s), placement) for s in shapes)
 
     @classmethod
     def create(
         cls, spec: DraftSpec, input_batch: InputBatch, num_kv_blocks: int, block_size: int,
-        row_buckets: tuple[int, ...],
+        row_buckets: tuple[int, ...], kv_allocator: KVAllocator = allocate_kv_caches,
     ) -> DraftModel:  # fmt: skip
         """The DraftModel of a loaded draft (``spec``) for a runner's pool and rows."""
         return cls(
             spec.model, spec.params, num_kv_blocks=num_kv_blocks, block_size=block_size,
             num_speculative_tokens=spec.num_speculative_tokens, input_batch=input_batch,
-            row_buckets=row_buckets, sharding=spec.sharding,
+            row_buckets=row_buckets, sharding=spec.sharding, kv_allocator=kv_allocator,
         )  # fmt: skip
 
     def reset(self, input_batch: InputBatch, pages_ok: bool) -> None:
@@ -201,7 +207,7 @@ class DraftModel:
 
     def allocate_kv_caches(self) -> list[tuple[jax.Array, jax.Array]]:
         model = self.model
-        return allocate_kv_caches(
+        return self._kv_allocator(
             model.arch.num_layers,
             model.kv_cache_shape(self.num_kv_blocks, self.block_size),
             model.dtype,

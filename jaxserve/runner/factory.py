@@ -17,12 +17,15 @@ the runner.
 
 from __future__ import annotations
 
+import functools
 import logging
 import pathlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from jaxserve.checkpoints_tools import LoadedCheckpoint, TokenizerInfo, load_checkpoint
@@ -44,6 +47,7 @@ from jaxserve.pallas_kernels.ragged_paged_attention.impl import AttentionImpl, h
 from jaxserve.runner.compile_cache import enable_compilation_cache
 from jaxserve.runner.draft_model import DraftSpec
 from jaxserve.runner.kv_cache import KVAllocator, allocate_kv_caches
+from jaxserve.runner.kv_calibration import calculate_kv_scales
 from jaxserve.runner.kv_offload import KVOffloader, host_kv_blocks
 from jaxserve.runner.kv_scales import kv_scales_for
 from jaxserve.runner.machine import Machine
@@ -330,10 +334,14 @@ def _load_weights(resolved: ResolvedModel) -> LoadedCheckpoint:
 
 
 def make_runner(
-    resolved: ResolvedModel, ckpt: LoadedCheckpoint, kv_allocator: KVAllocator = allocate_kv_caches
+    resolved: ResolvedModel,
+    ckpt: LoadedCheckpoint,
+    kv_allocator: KVAllocator = allocate_kv_caches,
+    load_draft: Callable[[ResolvedModel], DraftSpec | None] | None = None,
 ) -> tuple[ModelRunner, HostTier | None]:
     """The ModelRunner of a loaded checkpoint, with its host KV tier when it has one; its KV
-    pages made by ``kv_allocator`` (jaxserve/aot: abstract ones, with abstract params)."""
+    pages made by ``kv_allocator`` (jaxserve/aot: abstract ones, with abstract params), the
+    draft model (speculative decoding) by ``load_draft`` (None: its checkpoint loaded)."""
     config, plan = resolved.config, resolved.plan
     model = get_model(
         ckpt.arch,
@@ -354,13 +362,27 @@ def make_runner(
         eos_token_ids=ckpt.eos_token_ids,
         sharding=resolved.sharding,
         plan=plan,
-        kv_scales=kv_scales_for(plan.kv_cache_dtype, ckpt.path, ckpt.arch.num_layers),
+        kv_scales=_kv_scales(resolved, model, ckpt),
         kv_offload=offload,
-        draft=_load_draft(resolved),
+        draft=(load_draft or _load_draft)(resolved),
         kv_allocator=kv_allocator,
     )
     host_tier = None if offload is None else HostTier(resolved.num_host_blocks, offload.block_bytes)
     return runner, host_tier
+
+
+def _kv_scales(resolved: ResolvedModel, model: CausalLM, ckpt: LoadedCheckpoint):
+    """An FP8 KV cache's f32[L, 2] scales (kv_scales.py; None for pages in the model dtype):
+    computed from a calibration pass when the checkpoint has none and calculate_kv_scales is
+    on, unless the params are abstract (jaxserve/aot compiles: the scales are step data, their
+    values change no compiled shape)."""
+    concrete = all(isinstance(p, jax.Array) for p in jax.tree_util.tree_leaves(ckpt.params))
+    calculate = None
+    if resolved.config.cache.calculate_kv_scales and concrete:
+        calculate = functools.partial(calculate_kv_scales, model, ckpt.params, resolved.sharding)
+    return kv_scales_for(
+        resolved.plan.kv_cache_dtype, ckpt.path, ckpt.arch.num_layers, calculate=calculate
+    )
 
 
 def _host_tier(model: CausalLM, resolved: ResolvedModel) -> KVOffloader | None:

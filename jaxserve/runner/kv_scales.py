@@ -1,4 +1,4 @@
-"""The per-layer scales of an FP8 KV cache: from the checkpoint when it ships them, else 1.0.
+"""The per-layer scales of an FP8 KV cache: the checkpoint's, else computed, else 1.0.
 
     scales f32[L, 2]    scales[i] = (k_scale, v_scale) of layer i: its pages hold K / k_scale
                         and V / v_scale (pallas_kernels/ragged_paged_attention/kv_quant.py)
@@ -9,9 +9,12 @@ Source, in order:
    ``model.layers.{i}.self_attn.k_scale`` and ``model.layers.{i}.self_attn.v_scale`` (f32
    scalars, shape () or [1]) in the folder's ``*.safetensors``. Read here, apart from the
    weight loader, with safetensors' own reader: a few scalars, no device.
-2. 1.0 for every layer, vLLM's default when a checkpoint has none: the cast saturates at the
-   FP8 dtype's largest finite value (448 for e4m3, 57344 for e5m2), so K / V entries beyond
-   that are clipped. Scales are not computed from the data at warm-up.
+2. Computed from the data (CacheConfig.calculate_kv_scales, the default): one calibration
+   forward pass when the engine is built, each layer's largest |K| and |V| mapped well inside
+   the FP8 range (runner/kv_calibration.py, vLLM's rule on a fixed prompt).
+3. 1.0 for every layer (calculate_kv_scales=False; vLLM's default when a checkpoint has none):
+   the cast saturates at the FP8 dtype's largest finite value (448 for e4m3, 57344 for e5m2),
+   so K / V entries beyond that are clipped, and entries below 2^-6 (e4m3) are subnormal.
 
 The scales are host numpy, sent with every step's AttentionMetadata (tiny, and so replicated
 under tensor parallelism like the rest of the metadata); they never change during the
@@ -24,6 +27,7 @@ import logging
 import math
 import pathlib
 import re
+from collections.abc import Callable
 
 import numpy as np
 
@@ -78,10 +82,15 @@ def read_kv_scales(folder: str | pathlib.Path, num_layers: int) -> np.ndarray | 
     return scales
 
 
-def kv_scales_for(kv_cache_dtype: str, folder: str | None, num_layers: int) -> np.ndarray | None:
+def kv_scales_for(
+    kv_cache_dtype: str,
+    folder: str | None,
+    num_layers: int,
+    calculate: Callable[[], np.ndarray] | None = None,
+) -> np.ndarray | None:
     """The engine's f32[L, 2] scales for a KV cache stored in `kv_cache_dtype` (a dtype name):
     None unless it is FP8; the checkpoint folder's (None: a built-in model) when it has them,
-    else ones (logged).
+    else ``calculate()`` (kv_calibration.calculate_kv_scales) when given, else ones (logged).
 
     Raises:
         ValueError: as read_kv_scales.
@@ -89,9 +98,12 @@ def kv_scales_for(kv_cache_dtype: str, folder: str | None, num_layers: int) -> n
     if not kv_cache_dtype.startswith("float8"):
         return None
     scales = None if folder is None else read_kv_scales(folder, num_layers)
+    if scales is None and calculate is not None:
+        return calculate()
     if scales is None:
         logger.info(
-            "FP8 KV cache (%s): the checkpoint has no k_scale / v_scale tensors; using 1.0",
+            "FP8 KV cache (%s): the checkpoint has no k_scale / v_scale tensors and "
+            "calculate_kv_scales is off; using 1.0",
             kv_cache_dtype,
         )
         return np.ones((num_layers, 2), np.float32)

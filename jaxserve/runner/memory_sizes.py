@@ -10,6 +10,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from jaxserve.models import TP_AXIS, CausalLM, ModelArchConfig
+from jaxserve.runner.logprob_chunks import max_chunk_rows
 
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # KV pages: the model dtypes, or an FP8 KV cache (config.FP8_STORAGE_DTYPES).
@@ -18,7 +19,8 @@ KV_DTYPE_SIZES = {**DTYPE_SIZES, "float8_e4m3fn": 1, "float8_e5m2": 1}
 # The workspace reserve (workspace_bytes). Per token of a step, in the model dtype: 4 hidden-
 # sized buffers (residual stream, normed input, attention output, MLP output), q, k, v and the
 # attention output (2 (N + K) H), and 3 MLP-sized ones (gate, up, their product). Per
-# sampling row, in f32: the logits and the sampler's working copy of them.
+# logits row, in f32: the logits and the sampler's working copy of them (or, for a chunk of
+# prompt logprobs, their log-softmax).
 _HIDDEN_BUFFERS = 4
 _MLP_BUFFERS = 3
 _LOGITS_BUFFERS = 2
@@ -65,12 +67,15 @@ def workspace_bytes(
     """The reserve for one step's live buffers besides weights and KV pages, on one device:
 
         max_num_batched_tokens x (4 D + 2 (N + K) H + 3 F) x itemsize(dtype)     activations
-      + max_num_seqs x V x 4 bytes x 2                                          f32 logits
+      + max(max_num_seqs, C) x V x 4 bytes x 2                                  f32 logits
 
-    (D hidden, N / K query / KV heads, H head_dim, F intermediate, V vocab.) Not divided by
-    tp: the logits are gathered whole for sampling, and XLA may keep more buffers alive than
-    one layer's, so the reserve errs on the generous side. It is a reserve, not a measurement;
-    prompt_logprobs (f32 logits of every token of a step) are not covered.
+    (D hidden, N / K query / KV heads, H head_dim, F intermediate, V vocab; C the rows of one
+    chunk of prompt logprobs, logprob_chunks.max_chunk_rows(max_num_batched_tokens): the step
+    computes them after sampling, one chunk at a time, so the larger of the two sets of logits
+    is live, never both.) Not divided by tp: the logits are gathered whole for sampling, and
+    XLA may keep more buffers alive than one layer's, so the reserve errs on the generous
+    side. It is a reserve, not a measurement (`jaxserve compile` measures it: docs/
+    compilation.md).
     """
     a = arch
     per_token = (
@@ -79,5 +84,6 @@ def workspace_bytes(
         + _MLP_BUFFERS * a.intermediate_size
     )
     activations = max_num_batched_tokens * per_token * DTYPE_SIZES[dtype]
-    logits = max_num_seqs * a.vocab_size * _LOGITS_ITEMSIZE * _LOGITS_BUFFERS
+    logits_rows = max(max_num_seqs, max_chunk_rows(max_num_batched_tokens))
+    logits = logits_rows * a.vocab_size * _LOGITS_ITEMSIZE * _LOGITS_BUFFERS
     return activations + logits

@@ -145,7 +145,7 @@ class ModelRunner:
         if draft is not None:
             rows = tuple(sorted({self.buckets.padded_rows(t) for t in self.buckets.token_buckets}))
             self.draft = DraftModel.create(draft, self.input_batch, num_kv_blocks, block_size,
-                                           rows)  # fmt: skip
+                                           rows, kv_allocator)  # fmt: skip
         self._init_jitted()
 
     def _init_jitted(self) -> None:

@@ -22,8 +22,9 @@ from jax import lax
 
 from jaxserve.models import AttentionMetadata, CausalLM
 from jaxserve.runner.input_batch import PreparedBatch
+from jaxserve.runner.logprob_chunks import chunked_prompt_logprobs
 from jaxserve.runner.rejection_sampler import SampledDrafts, num_emitted_per_segment
-from jaxserve.runner.sampler import logprobs_width, no_logprobs, prompt_logprobs, sample
+from jaxserve.runner.sampler import logprobs_width, no_logprobs, sample
 from jaxserve.runner.sampling_metadata import SamplingMetadata
 from jaxserve.runner.sharding import ShardingPlan
 from jaxserve.runner.token_feed import TokenFeed
@@ -115,9 +116,10 @@ def _step_fn(
 ):
     """The jitted step: forward, logits at the R sampling rows, sample, the speculative drafts'
     verification (how many tokens each segment of rows keeps; 1 per request without drafts),
-    and the prompt logprobs of the rows that owe them (the [T, V] logits only when some row
-    does: a run-time test). Placeholder input tokens are the step before's samples, read on
-    device (token_feed.py); this step's samples are recorded for the next."""
+    and the prompt logprobs of the rows that owe them (the logits of every row, in chunks
+    (logprob_chunks.py), only when some row does: a run-time test). Placeholder input tokens
+    are the step before's samples, read on device (token_feed.py); this step's samples are
+    recorded for the next."""
     input_ids = feed.inputs(input_ids)
     kv_caches, hidden = model.forward(params, kv_caches, input_ids, md)  # [T, D]
     logits = model.compute_logits(params, hidden[logits_indices])  # f32[R, V]
@@ -133,7 +135,9 @@ def _step_fn(
     num = logprobs_width(model.arch.vocab_size)
     plp = lax.cond(
         jnp.any(prompt_targets >= 0),
-        lambda: prompt_logprobs(model.compute_logits(params, hidden), prompt_targets, num=num),
+        lambda: chunked_prompt_logprobs(
+            functools.partial(model.compute_logits, params), hidden, prompt_targets, num=num
+        ),
         lambda: no_logprobs(prompt_targets.shape[0], num),
     )
     if draft is not None:  # the draft computes what the target did: its KV stays current

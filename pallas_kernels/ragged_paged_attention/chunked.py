@@ -315,36 +315,58 @@ def ragged_paged_attention_chunked(
         q, k_pages, row_kernel, pages_per_chunk=pages_per_chunk, rows_per_block=rows_per_block,
         tile_rows=tile_rows, tile_pages_per_chunk=tile_pages_per_chunk,
     )  # fmt: skip
-    num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads, _, page_size, _ = k_pages.shape
-    row_pages, tile_pages, table = _chunk_tables(
-        block_tables, page_size, pages_per_chunk, tile_pages_per_chunk
-    )
-    tq = min(tile_rows, num_tokens)
-    real, tiles, covered, seq, q_pos, needed = _split_rows(
-        kv_lens, cu_q_lens, num_seqs, num_tokens, tq
-    )
-    qg = q.reshape(num_tokens, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    qg = q.reshape(q.shape[0], k_pages.shape[0], -1, q.shape[2])  # [T, K, G, H]
     qg = qg.astype(jnp.float32)
     if k_scale is not None:
         qg = qg * k_scale  # q . (k_scale * k) as (k_scale * q) . k, in f32
+    tunables = dict(pages_per_chunk=pages_per_chunk, rows_per_block=rows_per_block,
+                    tile_rows=tile_rows, tile_pages_per_chunk=tile_pages_per_chunk)  # fmt: skip
     options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    out = _both_passes(
+        qg, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs,
+        row_kernel=row_kernel, tunables=tunables, options=options,
+    ).reshape(q.shape)  # fmt: skip
+    if v_scale is not None:
+        out = out * v_scale  # softmax . (v_scale * v) as (softmax . v) * v_scale, in f32
+    return out.astype(q.dtype)
 
+
+def _both_passes(
+    qg: jax.Array,  # f32[T, K, G, H], k_scale applied
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    row_kernel: str,
+    tunables: dict,  # pages_per_chunk, rows_per_block, tile_rows, tile_pages_per_chunk
+    options: dict,  # sm_scale, sliding_window, soft_cap
+) -> jax.Array:  # f32[T, K, G, H], before v_scale
+    """The row pass (the XLA rows or the C++ kernel) over the rows the tiles leave, then the
+    tile pass over the rest (ragged_paged_attention_chunked's arguments)."""
+    num_tokens = qg.shape[0]
+    row_pages, tile_pages, table = _chunk_tables(
+        block_tables, k_pages.shape[2], tunables["pages_per_chunk"],
+        tunables["tile_pages_per_chunk"],
+    )  # fmt: skip
+    tq = min(tunables["tile_rows"], num_tokens)
+    real, tiles, covered, seq, q_pos, needed = _split_rows(
+        kv_lens, cu_q_lens, num_seqs, num_tokens, tq
+    )
     if row_kernel == "cpu":
+        flat = qg.reshape(num_tokens, -1, qg.shape[3])  # [T, N, H]
         out = cpu_rows_attention(
-            qg.reshape(q.shape), k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs,
+            flat, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs,
             jnp.where(real, covered, 0), **options,
         ).reshape(qg.shape)  # fmt: skip
     else:
         out = _row_pass(
             qg, k_pages, v_pages, table[seq], q_pos, needed, pages=row_pages,
-            rows_per_block=rows_per_block, **options,
+            rows_per_block=tunables["rows_per_block"], **options,
         )  # fmt: skip
-    out = _tile_pass(
+    return _tile_pass(
         qg, out, k_pages, v_pages, table, kv_lens, cu_q_lens, tiles, covered, pages=tile_pages,
         tq=tq, **options,
     )  # fmt: skip
-    out = out.reshape(num_tokens, num_q_heads, head_dim)
-    if v_scale is not None:
-        out = out * v_scale  # softmax . (v_scale * v) as (softmax . v) * v_scale, in f32
-    return out.astype(q.dtype)

@@ -793,38 +793,43 @@ def ragged_paged_attention_mosaic_gpu(
     )  # fmt: skip
     _refuse_fp8(k_pages, k_scale)
     interpret_params = _interpret_params(interpret)
-    num_tokens, num_q_heads, _ = q.shape
-    num_kv_heads, num_pages, page_size, _ = k_pages.shape
-    width = block_tables.shape[1]
     config = _resolve_config(q, k_pages, block_tables, config, num_cores)
     _check_supported(q, k_pages, config)
-    group = num_q_heads // num_kv_heads
+    num_kv_heads, num_pages, page_size, _ = k_pages.shape
     st = _Static(
-        sm_scale=float(sm_scale),
-        sliding_window=sliding_window,
+        sm_scale=float(sm_scale), sliding_window=sliding_window,
         soft_cap=None if soft_cap is None else float(soft_cap),
-        group=group,
-        page_size=page_size,
-        width=width,
-        num_pages=num_pages,
-        config=config,
-        interpret=interpret_params is not None,
+        group=q.shape[1] // num_kv_heads, page_size=page_size, width=block_tables.shape[1],
+        num_pages=num_pages, config=config, interpret=interpret_params is not None,
+    )  # fmt: skip
+    return _run_kernel(
+        st, q, k_pages, v_pages, kv_lens, block_tables, cu_q_lens, num_seqs, interpret_params
     )
+
+
+def _run_kernel(
+    st: _Static,
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    interpret_params: Any,
+) -> jax.Array:  # [T, N, H]
+    """Plan the tiles, gather the query tiles, run the kernel and put its output back in token
+    order (ragged_paged_attention_mosaic_gpu's arguments, checked)."""
+    num_tokens, config = q.shape[0], st.config
     plan = _plan_tiles(
-        kv_lens,
-        cu_q_lens,
-        num_seqs,
-        num_tokens=num_tokens,
-        block_q=config.block_q,
-        block_kv=config.block_kv,
-        page_size=page_size,
-        width=width,
-        sliding_window=sliding_window,
-    )
-    q_tiles = _gather_query_tiles(q, plan, num_kv_heads=num_kv_heads, block_q=config.block_q)
+        kv_lens, cu_q_lens, num_seqs, num_tokens=num_tokens, block_q=config.block_q,
+        block_kv=config.block_kv, page_size=st.page_size, width=st.width,
+        sliding_window=st.sliding_window,
+    )  # fmt: skip
+    q_tiles = _gather_query_tiles(q, plan, num_kv_heads=k_pages.shape[0], block_q=config.block_q)
     kernel = _mosaic_kernel(st, q_tiles, plan.meta.shape[0], interpret_params)
     result = kernel(plan.meta, block_tables, q_tiles, k_pages, v_pages)
     rows, valid = _output_rows(
-        cu_q_lens, num_seqs, plan, num_tokens=num_tokens, group=group, block_q=config.block_q
+        cu_q_lens, num_seqs, plan, num_tokens=num_tokens, group=st.group, block_q=config.block_q
     )
     return _token_major_output(result, rows, valid, q, config.num_kv_splits)

@@ -1,6 +1,7 @@
 """`jaxserve compile` of tiny engines with the real TPU compiler (libtpu, deviceless): a dense
-one for v6e-1 and for v5e-4 with tensor parallelism 4 (the Mosaic kernel inside shard_map), a
-mixture of experts with a sliding window and an FP8 KV cache for v6e-1.
+one with a host KV tier for v6e-1 and one for v5e-4 with tensor parallelism 4 (the Mosaic
+kernel inside shard_map), one with a draft model at tp 4, a mixture of experts with a sliding
+window and an FP8 KV cache for v6e-1.
 Every compilation warm-up would run there compiles, the donated KV pages alias, the memory
 fits, and the report carries the plan, the memory and a roofline. One token bucket each, to
 stay fast. Skipped without libtpu (``pip install "jaxserve[tpu]"``)."""
@@ -50,20 +51,35 @@ def _check_compiled(report: dict, tp: int) -> None:
     assert [b["copies"] for b in copies] == [1, 2, 4, 8]
     assert all(b["ok"] and b["error"] is None for b in buckets), [b["error"] for b in buckets]
     pool = report["memory_plan"]["num_kv_blocks"] * report["memory_plan"]["kv_bytes_per_block"]
-    for b in buckets:
-        assert b["memory"]["alias_size_in_bytes"] >= pool  # the donated pages come back in place
+    assert all(b["donated_bytes"] == pool for b in steps + copies)
+    for b in buckets:  # the donated pages come back in place
+        assert b["memory"]["alias_size_in_bytes"] >= b["donated_bytes"], b["label"]
         assert b["compile_s"] > 0
     assert all(b["flops"] > 0 and b["roofline"]["seconds"] > 0 for b in steps)
     assert totals["ok"] and totals["fits"] and totals["kv_aliased"] and totals["num_failed"] == 0
     assert report["predicted"]["decode"]["tokens_per_s"] > 0
 
 
-def test_a_tiny_engine_compiles_for_v6e_1(tmp_path, capsys) -> None:
-    rc, report, output = _compile(tmp_path, capsys, "v6e-1", "--token-buckets", "8")
+def test_a_tiny_engine_with_a_host_kv_tier_compiles_for_v6e_1(tmp_path, capsys) -> None:
+    """With --kv-offloading-size the tier's gather (pages -> host) and scatter (host ->
+    pages) at every padded size compile too; the scatter gives the donated pages back in
+    place, the gather donates none."""
+    rc, report, output = _compile(
+        tmp_path, capsys, "v6e-1", "--kv-offloading-size", "0.01", "--token-buckets", "8"
+    )
     assert rc == 0, output
     _check_compiled(report, tp=1)
     assert report["target"]["device_kind"] == "TPU v6 lite"
     assert "verdict: OK" in output and "predicted decode (roofline)" in output
+    buckets = report["buckets"]
+    pool = report["memory_plan"]["num_kv_blocks"] * report["memory_plan"]["kv_bytes_per_block"]
+    to_host = [b for b in buckets if b["kind"] == "to_host"]
+    from_host = [b for b in buckets if b["kind"] == "from_host"]
+    sizes = [1, 2, 4, 8, 16, 32, 64]
+    assert [b["copies"] for b in to_host] == [b["copies"] for b in from_host] == sizes
+    assert all(b["donated_bytes"] == 0 for b in to_host)
+    assert all(b["donated_bytes"] == pool for b in from_host)
+    assert "copy from host n=64" in output
 
 
 def test_a_tiny_engine_compiles_for_v5e_4_with_tensor_parallelism(tmp_path, capsys) -> None:
@@ -84,6 +100,34 @@ def test_a_tiny_moe_with_a_sliding_window_and_fp8_kv_compiles_for_v6e_1(tmp_path
     _check_compiled(report, tp=1)
     assert report["plan"]["kv_cache_dtype"] == "float8_e4m3fn"
     assert report["memory_plan"]["architecture"] == "MixtralForCausalLM"
+
+
+def test_a_draft_models_steps_compile_for_v5e_4_with_tensor_parallelism(tmp_path, capsys):
+    """--speculative-config with a draft model (the tiny llama as its own draft, from its
+    config.json alone): the step carries the draft's forward, and the draft's proposal at
+    every row bucket and its block copies compile, on 4 chips; each gives the pages it takes
+    donated back in place (the draft's own for its proposal and copies)."""
+    draft = write_tiny_llama(tmp_path / "draft")
+    spec = json.dumps({"method": "draft_model", "model": draft, "num_speculative_tokens": 2})
+    rc, report, output = _compile(
+        tmp_path, capsys, "v5e-4", "--tensor-parallel-size", "4", "--token-buckets", "8",
+        "--speculative-config", spec,
+    )  # fmt: skip
+    assert rc == 0, output
+    buckets = report["buckets"]
+    assert all(b["ok"] for b in buckets), [b["error"] for b in buckets if not b["ok"]]
+    proposals = [b for b in buckets if b["kind"] == "draft_propose"]
+    draft_copies = [b for b in buckets if b["kind"] == "draft_copy"]
+    target_copies = [b for b in buckets if b["kind"] == "copy"]
+    assert [b["rows"] for b in proposals] == [4, 8]  # the row buckets of token buckets 4, 8
+    assert [b["copies"] for b in draft_copies] == [b["copies"] for b in target_copies]
+    steps = [b for b in buckets if b["kind"] == "step"]
+    # The step donates the target's and the draft's pages (the same shapes here): twice a copy's.
+    assert all(b["donated_bytes"] == 2 * target_copies[0]["donated_bytes"] for b in steps)
+    assert all(b["donated_bytes"] == target_copies[0]["donated_bytes"] for b in draft_copies)
+    for b in buckets:
+        assert b["memory"]["alias_size_in_bytes"] >= b["donated_bytes"] > 0, b["label"]
+    assert report["totals"]["kv_aliased"] and "draft propose R=8" in output
 
 
 def test_a_token_bucket_the_engine_lacks_exits_2(tmp_path, capsys) -> None:

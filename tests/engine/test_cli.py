@@ -115,12 +115,14 @@ def test_flags_map_to_sampling_defaults_and_engine_kwargs() -> None:
     args = generate_args(
         "--prompt", "a", "--stop", "x", "--stop", "y", "--top-p", "0.5", "--ignore-eos",
         "--seed", "3", "--no-prefix-caching", "--num-kv-blocks", "32",
+        "--no-calculate-kv-scales",
     )  # fmt: skip
     assert flags.sampling_defaults(args) == {"stop": ["x", "y"], "top_p": 0.5, "ignore_eos": True}
     assert flags.engine_kwargs(args) == {
         "num_kv_blocks": 32,
         "enable_prefix_caching": False,
         "seed": 3,
+        "calculate_kv_scales": False,
     }
     requests = generate_cli.collect_requests(args)
     assert [(r.request_id, r.prompt) for r in requests] == [("0", "a")]

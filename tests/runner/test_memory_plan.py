@@ -15,6 +15,7 @@ from jaxserve.checkpoints_tools.tiny_random import tiny_random_llama_arch
 from jaxserve.config import EngineConfig
 from jaxserve.models import ModelArchConfig
 from jaxserve.runner import factory
+from jaxserve.runner.logprob_chunks import CHUNK_ROWS
 from jaxserve.runner.memory_plan import (
     MemoryPlan,
     blocks_for_budget,
@@ -207,8 +208,16 @@ def test_workspace_scales_with_the_step_budget() -> None:
     arch = tiny_random_llama_arch()
     one = workspace_bytes(arch, "float32", max_num_batched_tokens=1, max_num_seqs=1)
     assert one == (4 * 128 + 2 * 6 * 32 + 3 * 256) * 4 + arch.vocab_size * 8
+    activations = one - arch.vocab_size * 8
+    # The logits reserve is max(max_num_seqs, rows of one prompt-logprob chunk) rows: the
+    # step computes prompt logprobs of up to CHUNK_ROWS (256) rows at a time, after sampling
+    # (logprob_chunks.py), so 64 tokens with 8 sequences reserve 64 rows of logits, not 8.
     many = workspace_bytes(arch, "float32", max_num_batched_tokens=64, max_num_seqs=8)
-    assert many == 64 * (one - arch.vocab_size * 8) + 8 * arch.vocab_size * 8
+    assert many == 64 * activations + 64 * arch.vocab_size * 8
+    big = workspace_bytes(arch, "float32", max_num_batched_tokens=2048, max_num_seqs=8)
+    assert big == 2048 * activations + CHUNK_ROWS * arch.vocab_size * 8
+    seqs = workspace_bytes(arch, "float32", max_num_batched_tokens=2048, max_num_seqs=512)
+    assert seqs == 2048 * activations + 512 * arch.vocab_size * 8
 
 
 def test_blocks_for_budget_counts_what_is_used_and_caps() -> None:
