@@ -179,6 +179,21 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kwargs
 
 
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The engine flags given in ``args`` as a command line again (for a child ``jaxserve
+    serve``: a data-parallel replica)."""
+    argv: list[str] = []
+    for flag in ENGINE_FLAGS:
+        value = getattr(args, flag.dest, None)
+        if value is None or value is False:
+            continue
+        if value is True:
+            argv.append(flag.options[0])
+        else:
+            argv += [flag.options[0], json.dumps(value) if isinstance(value, dict) else str(value)]
+    return argv
+
+
 def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling (SamplingParams defaults)")
     for flag in SAMPLING_FLAGS:
