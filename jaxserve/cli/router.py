@@ -1,4 +1,4 @@
-"""``jaxserve router``: the front of disaggregated serving (jaxserve/dist/disagg.py).
+"""``jaxserve router``: the front of disaggregated serving (jaxserve/fleet/disagg.py).
 
     jaxserve router --prefill URL [URL ...] --decode URL [URL ...] [--host 127.0.0.1]
                     [--port 8000] [--api-key KEY] [--pass-kv-transfer-params]
@@ -62,8 +62,8 @@ def run(args: argparse.Namespace) -> int:
         handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s jaxserve: %(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
-    from jaxserve.dist.disagg import build_router_app, router_pools
-    from jaxserve.dist.serve_front import serve_front
+    from jaxserve.fleet.disagg import build_router_app, router_pools
+    from jaxserve.fleet.serve_front import serve_front
     from jaxserve.entrypoints.openai.listen import api_key_of
 
     try:

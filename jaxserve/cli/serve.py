@@ -11,7 +11,7 @@ SIGTERM), 2 bad input (a flag, an empty --api-key, a port in use, a model that c
 or read), 130 interrupted before the server started (cli.main). The port is bound first, so a
 port in use is reported before the model loads.
 
-With ``--data-parallel-size N`` (N > 1) the command is a front (jaxserve/dist/): it starts N
+With ``--data-parallel-size N`` (N > 1) the command is a front (jaxserve/fleet/): it starts N
 ``jaxserve serve`` replicas on 127.0.0.1, each on its share of the cores or GPUs, and serves
 them behind one endpoint, routing each request by ``--routing``.
 """
@@ -58,8 +58,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _add_data_parallel_flags(p: argparse.ArgumentParser) -> None:
-    """N engine replicas behind this endpoint (jaxserve/dist/)."""
-    from jaxserve.dist.routing import ROUTING_POLICIES
+    """N engine replicas behind this endpoint (jaxserve/fleet/)."""
+    from jaxserve.fleet.routing import ROUTING_POLICIES
 
     g = p.add_argument_group("data parallel")
     g.add_argument(
@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_data_parallel(args: argparse.Namespace, settings: ServerSettings) -> int:
-    from jaxserve.dist.data_parallel import DataParallelConfig, run_data_parallel
+    from jaxserve.fleet.data_parallel import DataParallelConfig, run_data_parallel
 
     try:
         config = DataParallelConfig(

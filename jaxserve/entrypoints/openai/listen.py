@@ -1,4 +1,4 @@
-"""Listening for ``jaxserve serve`` and the fronts over replicas (jaxserve/dist/): the API key,
+"""Listening for ``jaxserve serve`` and the fronts over replicas (jaxserve/fleet/): the API key,
 the socket bound before anything slow is built, and uvicorn run until SIGINT or SIGTERM.
 
 Light: no jax, no engine, so a front that only forwards requests loads neither.
