@@ -62,9 +62,9 @@ def run(args: argparse.Namespace) -> int:
         handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s jaxserve: %(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
+    from jaxserve.entrypoints.openai.listen import api_key_of
     from jaxserve.fleet.disagg import build_router_app, router_pools
     from jaxserve.fleet.serve_front import serve_front
-    from jaxserve.entrypoints.openai.listen import api_key_of
 
     try:
         api_key = api_key_of(args.api_key)

@@ -15,14 +15,14 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from jaxserve.entrypoints.openai.listen import api_key_of, bind_socket
+from jaxserve.entrypoints.openai.settings import ServerSettings
 from jaxserve.fleet.backends import BackendPool
 from jaxserve.fleet.placement import detect_platform, machine_devices, plan_placements
 from jaxserve.fleet.proxy import FrontSettings, build_front_app
 from jaxserve.fleet.replicas import start_replicas, stop_replicas, wait_ready
 from jaxserve.fleet.routing import make_policy
 from jaxserve.fleet.serve_front import serve_front
-from jaxserve.entrypoints.openai.listen import api_key_of, bind_socket
-from jaxserve.entrypoints.openai.settings import ServerSettings
 
 logger = logging.getLogger("jaxserve")
 

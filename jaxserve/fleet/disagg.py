@@ -23,13 +23,13 @@ import aiohttp
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 
+from jaxserve.entrypoints.openai.body import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_DEPTH, parse_body
+from jaxserve.entrypoints.openai.protocol import OpenAIError
 from jaxserve.fleet.backends import BackendPool
 from jaxserve.fleet.forwarding import CLIENT_CLOSED, error_response, forward, unless_client_gone
 from jaxserve.fleet.metrics import CONTENT_TYPE, merge_expositions
 from jaxserve.fleet.proxy import add_error_handler, api_key_dependencies, read_body
 from jaxserve.fleet.routing import least_loaded
-from jaxserve.entrypoints.openai.body import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_DEPTH, parse_body
-from jaxserve.entrypoints.openai.protocol import OpenAIError
 
 logger = logging.getLogger("jaxserve")
 

@@ -18,8 +18,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from jaxserve.fleet.backends import Backend
 from jaxserve.entrypoints.openai.protocol import OpenAIError
+from jaxserve.fleet.backends import Backend
 
 logger = logging.getLogger("jaxserve")
 

@@ -18,13 +18,13 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 
+from jaxserve.entrypoints.openai.body import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_DEPTH, parse_body
+from jaxserve.entrypoints.openai.protocol import OpenAIError
 from jaxserve.fleet.backends import BackendPool
 from jaxserve.fleet.forwarding import CLIENT_CLOSED, error_response, forward
 from jaxserve.fleet.metrics import CONTENT_TYPE, merge_expositions
 from jaxserve.fleet.prefix_keys import PrefixKeyConfig, prefix_keys
 from jaxserve.fleet.routing import PrefixAware, RoutingPolicy
-from jaxserve.entrypoints.openai.body import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_DEPTH, parse_body
-from jaxserve.entrypoints.openai.protocol import OpenAIError
 
 
 @dataclass(frozen=True)
