@@ -89,6 +89,17 @@ class PrefixStats:
     rebalanced: int = 0  # ... sent to the least loaded replica, the chosen one overloaded
 
 
+@dataclass
+class _Entry:
+    """What the prefix table knows of one key: the replica that last served a prompt through
+    it; the key that followed it there (None: the prompt ended); whether prompts went on from
+    it in different ways (a shared prefix, such as a system prompt, not one conversation's)."""
+
+    replica: int
+    next_key: bytes | None = None
+    shared: bool = False
+
+
 class PrefixAware:
     """The replica that holds the request's longest cached prefix, as SGLang's cache-aware
     router, with consistent hashing for prompts it has not seen and a load guard.
@@ -96,13 +107,14 @@ class PrefixAware:
     The table maps a prefix key to the replica that last served a prompt with that prefix
     (that replica's prefix cache holds those blocks, unless it evicted them since): an LRU of
     at most ``max_entries`` keys. A request walks its keys from the first until a miss; the
-    deepest hit names the replica, if it covers at least ``min_match_ratio`` of the keys (a
-    shared system prompt alone should not pull every conversation to one replica). Otherwise
-    the hash ring (``virtual_nodes`` points per replica) maps the deepest key, so distinct
-    prompts spread evenly and a replica joining or leaving moves only its share. Either choice
-    is overridden by the least loaded replica when it is overloaded: its score is over both
-    ``abs_margin`` plus and ``rel_margin`` times the lightest one's. Every key of the request
-    then records the replica that got it.
+    deepest hit names the replica, unless the request leaves the known path at a shared key
+    (prompts already branched there: a system prompt every conversation starts with should
+    not pull them all to one replica). Otherwise the hash ring (``virtual_nodes`` points per
+    replica) maps the request's deepest key, so distinct prompts spread evenly and a replica
+    joining or leaving moves only its share. Either choice gives way to the least loaded
+    replica when it is overloaded: its score is over both ``abs_margin`` plus and
+    ``rel_margin`` times the lightest one's. Every key of the request then records the replica
+    that got it.
     """
 
     def __init__(
@@ -110,7 +122,6 @@ class PrefixAware:
         num_replicas: int,
         *,
         max_entries: int = 1 << 16,
-        min_match_ratio: float = 0.5,
         abs_margin: float = 8.0,
         rel_margin: float = 1.5,
         virtual_nodes: int = 64,
@@ -119,16 +130,11 @@ class PrefixAware:
             raise ValueError(f"PrefixAware: num_replicas must be >= 1, got {num_replicas}")
         if max_entries < 1:
             raise ValueError(f"PrefixAware: max_entries must be >= 1, got {max_entries}")
-        if not 0.0 <= min_match_ratio <= 1.0:
-            raise ValueError(
-                f"PrefixAware: min_match_ratio must be in [0, 1], got {min_match_ratio}"
-            )
         self.max_entries = max_entries
-        self.min_match_ratio = min_match_ratio
         self.abs_margin = abs_margin
         self.rel_margin = rel_margin
         self.stats = PrefixStats()
-        self._table: OrderedDict[bytes, int] = OrderedDict()
+        self._table: OrderedDict[bytes, _Entry] = OrderedDict()
         points = [
             (_ring_point(f"replica-{r}-{v}".encode()), r)
             for r in range(num_replicas)
@@ -152,24 +158,35 @@ class PrefixAware:
         if self._overloaded(loads[chosen], loads[lightest]):
             chosen = lightest
             self.stats.rebalanced += 1
-        for key in keys:
-            self._table[key] = chosen
-            self._table.move_to_end(key)
-        while len(self._table) > self.max_entries:
-            self._table.popitem(last=False)
+        self._record(keys, chosen)
         return chosen
 
     def _longest_match(self, keys: Sequence[bytes], loads: Sequence[ReplicaLoad]) -> int | None:
-        found, depth = None, 0
-        for i, key in enumerate(keys):
-            replica = self._table.get(key)
-            if replica is None:
-                break
-            if loads[replica].healthy:
-                found, depth = replica, i + 1
-        if found is None or depth < self.min_match_ratio * len(keys):
+        depth = 0
+        while depth < len(keys) and keys[depth] in self._table:
+            depth += 1
+        if depth == 0:
             return None
-        return found
+        last = self._table[keys[depth - 1]]
+        branches = depth < len(keys) and last.next_key not in (None, keys[depth])
+        if (last.shared and depth < len(keys)) or branches:
+            return None  # a prefix many prompts share, not this one's own
+        return last.replica if loads[last.replica].healthy else None
+
+    def _record(self, keys: Sequence[bytes], replica: int) -> None:
+        for i, key in enumerate(keys):
+            follower = keys[i + 1] if i + 1 < len(keys) else None
+            entry = self._table.get(key)
+            if entry is None:
+                self._table[key] = _Entry(replica, follower)
+            else:
+                entry.replica = replica
+                if follower is not None and entry.next_key not in (None, follower):
+                    entry.shared = True
+                entry.next_key = follower or entry.next_key
+                self._table.move_to_end(key)
+        while len(self._table) > self.max_entries:
+            self._table.popitem(last=False)
 
     def _ring(self, key: bytes, loads: Sequence[ReplicaLoad]) -> int:
         """The owner of the first ring point at or after the key's, skipping unhealthy ones."""
