@@ -34,6 +34,8 @@ HOST_MODULES = [
     "jaxserve.core.sched.pending_prefixes",
     "jaxserve.core.sched.output_processor",
     "jaxserve.core.sched.spec_tokens",
+    "jaxserve.core.kv_connector.shared_storage",
+    "jaxserve.kv_transfer_config",
     "jaxserve.speculative_config",
     "jaxserve.spec_decode",
     "jaxserve.sampling_constraints",
@@ -97,6 +99,7 @@ def test_dependency_direction(folder: str) -> None:
 HOST_DATA = (
     "config",
     "speculative_config",
+    "kv_transfer_config",
     "sampling_params",
     "sampling_constraints",
     "request",

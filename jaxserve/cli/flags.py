@@ -129,6 +129,14 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
         help='speculative decoding, vLLM\'s keys, e.g. \'{"method": "ngram", '
         '"num_speculative_tokens": 4}\' (greedy and seeded outputs do not change)',
     ),
+    _flag(
+        "--kv-transfer-config",
+        type=json_object,
+        metavar="JSON",
+        help="share KV blocks with other engines, vLLM's keys, e.g. '{\"kv_connector\": "
+        '"SharedStorageConnector", "kv_role": "kv_producer"}\' (disaggregated prefill: '
+        "producers save their prompts' blocks, consumers load them)",
+    ),
 )
 _MAPPED = {"engine_seed", "no_prefix_caching", "no_warmup"}
 
