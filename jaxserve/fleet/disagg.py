@@ -53,12 +53,13 @@ def build_router_app(
     *,
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    pass_kv_transfer_params: bool = True,
+    pass_kv_transfer_params: bool = False,
 ) -> FastAPI:
     """The router's app over the ``prefill`` and ``decode`` pools (polled while it runs).
 
-    pass_kv_transfer_params: send ``kv_transfer_params`` to the servers (False for servers
-    without a KV connector, which refuse the field)."""
+    pass_kv_transfer_params: send vLLM's ``kv_transfer_params`` to the servers (for servers
+    that take them; jaxserve's connector finds blocks by their prefix hash and needs none, and
+    its server refuses the field)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
