@@ -42,6 +42,8 @@ speed drifts between runs minutes apart by more than serving costs).
     python bench/serve.py --preset queueing      # the same with max_num_seqs 32: a queue forms
     python bench/serve.py --preset tiny --vllm-python ''    # built-in tiny model, < 2 min
     python bench/serve.py --rates 0.5,1,2 --num-requests 64 --plot
+    python bench/serve.py --preset tiny --data-parallel-size 2   # prefix vs round-robin routing
+    python bench/serve.py --preset tiny --disagg                 # colocated vs disaggregated
 
 Writes bench/results/serve.json (--output), and with --plot a PNG beside it (p99 TTFT and
 output throughput against the rate). vLLM runs from its own interpreter (--vllm-python, a venv
@@ -53,6 +55,7 @@ every generated token streams as non-empty text and no server holds text back.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -60,6 +63,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import _serve_fleet  # noqa: E402
+from _machine import git_state, loadavg, machine  # noqa: E402
 from _serve_bench import ServeBench  # noqa: E402
 from _serve_offline import offline_worker  # noqa: E402
 from _serve_presets import CACHE, DEFAULT_VLLM_PYTHON, PRESETS, RESULTS, SERVERS  # noqa: E402
@@ -120,6 +125,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--log-dir", help="server logs (default <cache>/serve-logs)")
     p.add_argument("--output", help="results JSON (default bench/results/<preset file>)")
     p.add_argument(
+        "--data-parallel-size",
+        type=int,
+        help="instead: a multi-turn chat workload on one engine and on N replicas routed by "
+        "prefix and by round-robin (prefix hit rate, throughput, TTFT; bench/_serve_fleet.py)",
+    )
+    p.add_argument(
+        "--disagg",
+        action="store_true",
+        help="instead: decodes under a burst of long prompts, colocated against a producer and "
+        "a consumer behind jaxserve router (ITL, TTFT; bench/_serve_fleet.py)",
+    )
+    p.add_argument("--conversations", type=int, default=12, help="--data-parallel-size's")
+    p.add_argument("--num-decodes", type=int, default=4, help="--disagg's streaming decodes")
+    p.add_argument("--burst", type=int, default=4, help="--disagg's long prompts")
+    p.add_argument(
         "--plot",
         nargs="?",
         const="",
@@ -145,6 +165,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.overhead_repeats = preset.overhead_repeats
     if args.search_steps is None:
         args.search_steps = preset.search_steps
+    args.output_given = args.output is not None
     args.output = Path(args.output) if args.output else RESULTS / preset.output
     if args.plot is not None:
         args.plot = Path(args.plot) if args.plot else args.output.with_suffix(".png")
@@ -154,6 +175,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.data_parallel_size or args.disagg:
+        return fleet_main(args)
     bench = ServeBench(args, PRESETS[args.preset])
     t0 = time.perf_counter()
     try:
@@ -168,6 +191,28 @@ def main(argv: list[str] | None = None) -> dict:
         except ImportError:
             print("plot: matplotlib is not installed (pip install matplotlib); no plot")
     print(f"wrote {args.output} ({report['wall_s']:.0f} s)")
+    return report
+
+
+def fleet_main(args: argparse.Namespace) -> dict:
+    """--data-parallel-size / --disagg: the comparisons of bench/_serve_fleet.py."""
+    preset = PRESETS[args.preset]
+    if args.data_parallel_size is not None and args.data_parallel_size < 2:
+        raise SystemExit("--data-parallel-size must be >= 2")
+    t0 = time.perf_counter()
+    if args.data_parallel_size:
+        report = _serve_fleet.run_data_parallel(args, preset)
+        default = f"serve_dp{args.data_parallel_size}_{args.preset}.json"
+    else:
+        report = _serve_fleet.run_disagg(args, preset)
+        default = f"serve_disagg_{args.preset}.json"
+    report.update(preset=args.preset, machine=machine({"start": loadavg()}), git=git_state(),
+                  wall_s=time.perf_counter() - t0)  # fmt: skip
+    output = args.output if args.output_given else RESULTS / default
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(_json_safe(report), indent=2))
+    _serve_fleet.print_fleet(report)
+    print(f"wrote {output} ({report['wall_s']:.0f} s)")
     return report
 
 

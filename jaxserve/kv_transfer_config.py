@@ -19,11 +19,16 @@ from dataclasses import dataclass
 from typing import Any
 
 # vLLM's connector names for what jaxserve implements, and the short names.
-KV_CONNECTORS = {"SharedStorageConnector": "shared_storage", "shared_storage": "shared_storage"}
+KV_CONNECTORS = {
+    "SharedStorageConnector": "shared_storage",
+    "shared_storage": "shared_storage",
+    "RayStoreConnector": "ray",
+    "ray": "ray",
+}
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 KV_LOAD_FAILURE_POLICIES = ("recompute",)
 _KEYS = ("kv_connector", "kv_role", "kv_load_failure_policy", "kv_connector_extra_config")
-_EXTRA_KEYS = ("shared_storage_path", "lease_s")
+_EXTRA_KEYS = ("shared_storage_path", "lease_s", "ray_address", "ray_namespace")
 
 
 def default_storage_path() -> str:
@@ -38,6 +43,8 @@ class KVTransferConfig:
 
     kv_connector: "SharedStorageConnector" (alias "shared_storage"): one host's engines share
         a folder of block files, in shared memory by default (core/kv_connector/store.py).
+        "RayStoreConnector" (alias "ray"): the engines of one Ray cluster, on any of its hosts,
+        share a named Ray actor holding the blocks (core/kv_connector/ray_store.py).
     kv_role: "kv_producer" saves its prompts' blocks, "kv_consumer" loads them, "kv_both" does
         both.
     kv_load_failure_policy: what a consumer does with a block it cannot load (missing, expired,
@@ -48,6 +55,8 @@ class KVTransferConfig:
         default_storage_path()); each model and KV layout has a subfolder of its own.
     lease_s: seconds a saved block stays in the store for consumers (> 0); a producer deletes
         its older blocks as it saves new ones.
+    ray_address, ray_namespace: the Ray cluster to join ("auto": this host's) and the
+        namespace of the store's actor ("RayStoreConnector" only).
     """
 
     kv_connector: str = "SharedStorageConnector"
@@ -55,6 +64,8 @@ class KVTransferConfig:
     kv_load_failure_policy: str = "recompute"
     shared_storage_path: str = ""
     lease_s: float = 600.0
+    ray_address: str = "auto"
+    ray_namespace: str = "jaxserve"
 
     def __post_init__(self) -> None:
         if self.kv_connector not in KV_CONNECTORS:
@@ -80,6 +91,11 @@ class KVTransferConfig:
                 "kv_transfer_config shared_storage_path must be a string, got "
                 f"{self.shared_storage_path!r}"
             )
+
+    @property
+    def transport(self) -> str:
+        """ "shared_storage" or "ray"."""
+        return KV_CONNECTORS[self.kv_connector]
 
     @property
     def saves(self) -> bool:

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from jaxserve.core.kv_connector.base import KVConnectorMeta
+from jaxserve.core.kv_connector.ray_store import RayBlockStore
 from jaxserve.core.kv_connector.shared_storage import SharedStorageConnector
 from jaxserve.core.kv_connector.store import BlockStore
 from jaxserve.kv_transfer_config import KVTransferConfig
@@ -76,7 +77,11 @@ def make_kv_connector(
                           max_copy_bucket=staging_blocks)  # fmt: skip
     layout = f"{model_name}|{staging.block_shape}|{np.dtype(dtype).name}"
     fingerprint = hashlib.sha256(layout.encode()).hexdigest()[:16]
-    store = BlockStore(config.path, fingerprint, staging.block_shape, staging.dtype,
-                       config.lease_s)  # fmt: skip
+    if config.transport == "ray":
+        store = RayBlockStore(fingerprint, staging.block_shape, staging.dtype, config.lease_s,
+                              config.ray_address, config.ray_namespace)  # fmt: skip
+    else:
+        store = BlockStore(config.path, fingerprint, staging.block_shape, staging.dtype,
+                           config.lease_s)  # fmt: skip
     block_size = page_shape[2]
     return KVConnectorWorker(SharedStorageConnector(config, store, block_size), staging)

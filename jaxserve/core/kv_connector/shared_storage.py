@@ -31,6 +31,7 @@ from jaxserve.kv_transfer_config import KVTransferConfig
 
 if TYPE_CHECKING:  # pragma: no cover
     from jaxserve.core.kv_cache_manager import KVCacheManager
+    from jaxserve.core.kv_connector.ray_store import RayBlockStore
     from jaxserve.core.sched.output import SchedulerOutput
     from jaxserve.request import Request
 
@@ -38,11 +39,13 @@ if TYPE_CHECKING:  # pragma: no cover
 class SharedStorageConnector:
     """Args:
     config: the role and the failure policy.
-    store: the shared block files.
+    store: the shared blocks: files on this host (store.py) or a Ray actor (ray_store.py).
     block_size: tokens per block (P).
     """
 
-    def __init__(self, config: KVTransferConfig, store: BlockStore, block_size: int) -> None:
+    def __init__(
+        self, config: KVTransferConfig, store: BlockStore | RayBlockStore, block_size: int
+    ) -> None:
         self.config = config
         self.store = store
         self.block_size = block_size
@@ -58,13 +61,7 @@ class SharedStorageConnector:
         [] for a producer."""
         if not self.config.loads:
             return []
-        found = []
-        for block_hash in hashes:
-            data = self.store.read(block_hash)
-            if data is None:
-                break
-            found.append(data)
-        return found
+        return self.store.read_prefix(hashes)
 
     def queue_load(self, block_id: int, data: np.ndarray) -> None:
         """Write ``data`` into device block ``block_id`` before this step's forward."""

@@ -27,6 +27,16 @@ _HEADER_BYTES = 64
 _MAGIC = "JXKV1"
 
 
+def layout_header(block_shape: Sequence[int], dtype: np.dtype) -> bytes:
+    """The 64-byte header naming a block's format, dtype and shape (a reader of another
+    layout refuses the block)."""
+    shape = ",".join(str(int(d)) for d in block_shape)
+    header = f"{_MAGIC} {np.dtype(dtype).name} {shape}\n".encode()
+    if len(header) > _HEADER_BYTES:
+        raise ValueError(f"a block header of {len(header)} bytes does not fit")
+    return header.ljust(_HEADER_BYTES, b" ")
+
+
 class BlockStore:
     """Args:
     root: the shared folder (created if missing).
@@ -50,11 +60,7 @@ class BlockStore:
         self.dtype = np.dtype(dtype)
         self.lease_s = float(lease_s)
         self.block_bytes = math.prod(self.block_shape) * self.dtype.itemsize
-        shape = ",".join(map(str, self.block_shape))
-        header = f"{_MAGIC} {self.dtype.name} {shape}\n".encode()
-        if len(header) > _HEADER_BYTES:
-            raise ValueError(f"BlockStore: a header of {len(header)} bytes does not fit")
-        self.header = header.ljust(_HEADER_BYTES, b" ")
+        self.header = layout_header(self.block_shape, self.dtype)
         self._next_sweep = 0.0
 
     def _path(self, block_hash: BlockHash) -> str:
@@ -82,6 +88,16 @@ class BlockStore:
             return None
         data = np.frombuffer(raw, self.dtype, offset=_HEADER_BYTES)
         return data.reshape(self.block_shape)
+
+    def read_prefix(self, hashes: Sequence[BlockHash]) -> list[np.ndarray]:
+        """The leading blocks of ``hashes`` this store holds (read until the first it lacks)."""
+        found = []
+        for block_hash in hashes:
+            data = self.read(block_hash)
+            if data is None:
+                break
+            found.append(data)
+        return found
 
     def write(self, block_hash: BlockHash, data: np.ndarray) -> None:
         """Store a block (atomically: a reader sees it whole or not at all); renews its lease."""
