@@ -1,9 +1,11 @@
 """The KV connector across hosts: "RayStoreConnector" on a local two-node Ray cluster (two
-raylets on 127.0.0.1, ray.cluster_utils.Cluster). The producer engine runs in this process on
+raylets on this machine, ray.cluster_utils.Cluster). The producer engine runs in this process on
 the head node, the consumer in an actor on the other node; the blocks travel through the store
 actor. The consumer's greedy tokens equal the producer's while it loads the prompt blocks."""
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 
@@ -56,6 +58,10 @@ def test_engines_on_two_ray_nodes_share_kv_blocks():
 
     from jaxserve import LLMEngine
 
+    # This module is not importable on the workers: its actor class travels by value.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    # Two raylets on this machine (Ray binds them to the host's own address: its bootstrap
+    # rewrites 127.0.0.1 to it; nothing leaves the machine).
     cluster = Cluster(initialize_head=True,
                       head_node_args={"num_cpus": 1, "resources": {"head": 1}})  # fmt: skip
     cluster.add_node(num_cpus=1, resources={"other": 1})
