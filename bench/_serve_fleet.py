@@ -38,7 +38,7 @@ from _serve_servers import ServerProcess, free_port, jaxserve_command, prepare_m
 BUILTIN_ENGINE = dict(
     block_size=8, num_kv_blocks=48, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128
 )
-NUM_TURNS = 4
+NUM_TURNS = 6
 
 
 def _engine(preset) -> dict:

@@ -136,7 +136,7 @@ def _parser() -> argparse.ArgumentParser:
         help="instead: decodes under a burst of long prompts, colocated against a producer and "
         "a consumer behind jaxserve router (ITL, TTFT; bench/_serve_fleet.py)",
     )
-    p.add_argument("--conversations", type=int, default=12, help="--data-parallel-size's")
+    p.add_argument("--conversations", type=int, default=8, help="--data-parallel-size's")
     p.add_argument("--num-decodes", type=int, default=4, help="--disagg's streaming decodes")
     p.add_argument("--burst", type=int, default=4, help="--disagg's long prompts")
     p.add_argument(

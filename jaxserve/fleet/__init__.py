@@ -12,6 +12,9 @@ router). Modules:
     replicas.py     start, watch and stop the replica processes
     backends.py     the replicas as the front sees them: in-flight counts, polled load
     metrics.py      /metrics of every replica, labelled by replica, and their sums
-    proxy.py        the front's FastAPI app: forward, stream back, abort on disconnect
+    forwarding.py   one request to a backend, its answer streamed back, cut when the client goes
+    proxy.py        the data-parallel front's FastAPI app (and the pieces the router shares)
+    data_parallel.py  ``serve --data-parallel-size``: bind, start the replicas, serve, stop them
+    serve_front.py  a front's app under uvicorn until SIGINT / SIGTERM
     disagg.py       ``jaxserve router``: prefill on a producer, decode on a consumer
 """

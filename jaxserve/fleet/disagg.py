@@ -13,10 +13,9 @@ client's answer, and nothing reaches a consumer. Each pool picks its least loade
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
@@ -28,7 +27,12 @@ from jaxserve.entrypoints.openai.protocol import OpenAIError
 from jaxserve.fleet.backends import BackendPool
 from jaxserve.fleet.forwarding import CLIENT_CLOSED, error_response, forward, unless_client_gone
 from jaxserve.fleet.metrics import CONTENT_TYPE, merge_expositions
-from jaxserve.fleet.proxy import add_error_handler, api_key_dependencies, read_body
+from jaxserve.fleet.proxy import (
+    add_error_handler,
+    api_key_dependencies,
+    pools_lifespan,
+    read_body,
+)
 from jaxserve.fleet.routing import least_loaded
 
 logger = logging.getLogger("jaxserve")
@@ -61,46 +65,13 @@ def build_router_app(
     that take them; jaxserve's connector finds blocks by their prefix hash and needs none, and
     its server refuses the field)."""
 
-    @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        await prefill.start()
-        await decode.start()
-        await prefill.poll_once()
-        await decode.poll_once()
-        try:
-            yield
-        finally:
-            await prefill.close()
-            await decode.close()
-
     app = FastAPI(title="jaxserve-router", docs_url=None, redoc_url=None, openapi_url=None,
-                  lifespan=lifespan)  # fmt: skip
+                  lifespan=pools_lifespan(prefill, decode))  # fmt: skip
     v1 = APIRouter(prefix="/v1", dependencies=api_key_dependencies(api_key))
 
     async def route(request: Request, path: str) -> Response:
-        raw = await read_body(request, max_body_bytes)
-        if raw is None:
-            return Response(status_code=CLIENT_CLOSED)
-        try:
-            body = parse_body(raw, DEFAULT_MAX_DEPTH)
-        except OpenAIError as e:
-            return error_response(e.message, e.status_code)
-        if not isinstance(body, dict):
-            return error_response("the request body must be a JSON object", 400)
-        done, answer = await _prefill(request, prefill, path, body, pass_kv_transfer_params)
-        if not done:
-            return answer  # the client left, or the producer refused the request
-        if answer is not None and pass_kv_transfer_params:
-            body = {**body, "kv_transfer_params": answer}
-        elif pass_kv_transfer_params:
-            body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
-        try:
-            index = least_loaded(decode.loads())
-        except RuntimeError:
-            return error_response("no decode server is healthy", 503)
-        assert decode.session is not None
-        raw = json.dumps(body).encode()
-        return await forward(decode.session, decode.backends[index], request, path, raw)
+        return await _route(request, path, prefill, decode, max_body_bytes,
+                            pass_kv_transfer_params)  # fmt: skip
 
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
@@ -195,3 +166,37 @@ def router_pools(prefill_urls: Sequence[str], decode_urls: Sequence[str]) -> tup
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"{flag}: {url!r} is not an http:// or https:// URL")
     return BackendPool(prefill_urls), BackendPool(decode_urls)
+
+
+async def _route(
+    request: Request,
+    path: str,
+    prefill: BackendPool,
+    decode: BackendPool,
+    max_body_bytes: int,
+    pass_params: bool,
+) -> Response:
+    """One request: its prefill on a producer, then its decode on a consumer, streamed."""
+    raw = await read_body(request, max_body_bytes)
+    if raw is None:
+        return Response(status_code=CLIENT_CLOSED)
+    try:
+        body = parse_body(raw, DEFAULT_MAX_DEPTH)
+    except OpenAIError as e:
+        return error_response(e.message, e.status_code)
+    if not isinstance(body, dict):
+        return error_response("the request body must be a JSON object", 400)
+    done, answer = await _prefill(request, prefill, path, body, pass_params)
+    if not done:
+        return answer  # the client left, or the producer refused the request
+    if pass_params:
+        body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+        if answer is not None:
+            body["kv_transfer_params"] = answer
+    try:
+        index = least_loaded(decode.loads())
+    except RuntimeError:
+        return error_response("no decode server is healthy", 503)
+    assert decode.session is not None
+    raw = json.dumps(body).encode()
+    return await forward(decode.session, decode.backends[index], request, path, raw)

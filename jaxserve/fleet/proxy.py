@@ -13,6 +13,7 @@ import hmac
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import Response
@@ -41,18 +42,8 @@ def build_front_app(
     pool: BackendPool, policy: RoutingPolicy, settings: FrontSettings = FrontSettings()
 ) -> FastAPI:
     """The front's app over ``pool`` (polled while the app runs) routed by ``policy``."""
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        await pool.start()
-        await pool.poll_once()
-        try:
-            yield
-        finally:
-            await pool.close()
-
     app = FastAPI(title="jaxserve", docs_url=None, redoc_url=None, openapi_url=None,
-                  lifespan=lifespan)  # fmt: skip
+                  lifespan=pools_lifespan(pool))  # fmt: skip
     routed = [0] * len(pool.backends)
     v1 = APIRouter(prefix="/v1", dependencies=api_key_dependencies(settings.api_key))
 
@@ -100,6 +91,25 @@ def build_front_app(
 
     add_error_handler(app)
     return app
+
+
+def pools_lifespan(*pools: BackendPool) -> Any:
+    """An app lifespan that starts the pools' sessions and pollers (one poll done before the
+    first request) and closes them at the end."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        for pool in pools:
+            await pool.start()
+        for pool in pools:
+            await pool.poll_once()
+        try:
+            yield
+        finally:
+            for pool in pools:
+                await pool.close()
+
+    return lifespan
 
 
 def api_key_dependencies(api_key: str | None) -> list:
