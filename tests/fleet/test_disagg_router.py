@@ -94,3 +94,25 @@ def test_a_client_that_leaves_mid_decode_frees_every_block(engine_url, router_ur
     samples = wait_engine_idle(engine_url)
     assert samples[("jaxserve:kv_cache_usage_perc", ())] == 0
     assert num_aborted(engine_url) == aborted + 1
+
+
+def test_router_command_refuses_bad_urls_with_code_2(capsys):
+    import logging
+
+    from jaxserve import cli
+
+    logger = logging.getLogger("jaxserve")  # the command gives it a handler: restored below
+    handlers, level = list(logger.handlers), logger.level
+    try:
+        _bad_router_commands(cli, capsys)
+    finally:
+        logger.handlers[:] = handlers
+        logger.setLevel(level)
+
+
+def _bad_router_commands(cli, capsys) -> None:
+    assert cli.main(["router", "--prefill", "127.0.0.1:1", "--decode", "http://a:2"]) == 2
+    assert "--prefill: '127.0.0.1:1' is not an http" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        cli.main(["router", "--prefill", "http://a:1"])
+    assert info.value.code == 2 and "--decode" in capsys.readouterr().err
