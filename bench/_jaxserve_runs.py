@@ -64,9 +64,14 @@ def build_engine(settings: EngineSettings):
     return engine, time.perf_counter() - t0, compiles(engine)
 
 
-def reset_scheduler(engine, enable_prefix_caching: bool) -> None:
-    """Give the engine a fresh Scheduler (empty pool and prefix cache, zeroed counters)."""
-    engine.core.reset_scheduler(enable_prefix_caching=enable_prefix_caching)
+def reset_scheduler(
+    engine, enable_prefix_caching: bool, async_scheduling: bool | None = None
+) -> None:
+    """Give the engine a fresh Scheduler (empty pool and prefix cache, zeroed counters), with
+    async scheduling switched when given (None: as it is)."""
+    engine.core.reset_scheduler(
+        enable_prefix_caching=enable_prefix_caching, async_scheduling=async_scheduling
+    )
 
 
 @dataclass
@@ -172,13 +177,14 @@ def run(
     request_rate: float = float("inf"),
     static_batch_size: int = 16,
     seed: int = 0,
+    async_scheduling: bool | None = None,
 ) -> RunResult:
     """One timed run of `requests` on a fresh scheduler; mode: offline | poisson | static."""
     from jaxserve import SamplingParams
 
     if mode == "static":
         enable_prefix_caching = False
-    reset_scheduler(engine, enable_prefix_caching)
+    reset_scheduler(engine, enable_prefix_caching, async_scheduling)
     arrivals = poisson_arrivals(len(requests), request_rate if mode == "poisson" else np.inf, seed)
     subs = _submissions(requests, name, arrivals, static_batch_size if mode == "static" else None)
     admit = {"offline": _admit_all, "poisson": _admit_arrived}.get(mode)
@@ -209,6 +215,7 @@ def run(
     extra = {
         "mode": mode,
         "enable_prefix_caching": enable_prefix_caching,
+        "async_scheduling": engine.core.async_scheduling,
         "num_generated_tokens": num_generated,  # static batching: padded outputs included
         **_engine_stats(engine, compiles_before),
     }

@@ -278,10 +278,15 @@ class Bench:
         if "nocache" in a.baselines:
             nocache = dict(mode=mode, enable_prefix_caching=False, **common)
             stages.append(("nocache", jaxserve_pass("jaxserve-nocache", **nocache)))
+        for on in a.async_scheduling:  # the same engine with async scheduling switched
+            name = f"jaxserve-async-{'on' if on else 'off'}"
+            stages.append((name, jaxserve_pass(name, mode=mode, async_scheduling=on, **common)))
         if "hf" in a.baselines:
             stages.append(("hf", self._hf_pass))
-        if a.bracket:
-            stages.append(("jaxserve-again", jaxserve_pass("jaxserve", mode=mode, **common)))
+        if a.bracket:  # the plan's async scheduling again
+            default = engine.core.config.scheduler.async_scheduling
+            again = jaxserve_pass("jaxserve", mode=mode, async_scheduling=default, **common)
+            stages.append(("jaxserve-again", again))
         return stages
 
     def _jaxserve_pass(self, engine, name: str, **kw) -> None:
@@ -597,8 +602,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_false",
         help="do not use JAX's persistent compilation cache in <cache>/jax",
     )
+    p.add_argument(
+        "--async-scheduling",
+        default="",
+        help="comma list of on,off: jaxserve passes with async scheduling so, beside the "
+        "plan's default (named jaxserve-async-on / -off)",
+    )
     p.add_argument("--output", help="results JSON (default: bench/results/<preset file>)")
     args = p.parse_args(argv)
+    modes = [m for m in args.async_scheduling.split(",") if m]
+    if set(modes) - {"on", "off"}:
+        p.error(f"--async-scheduling takes on and off, got {args.async_scheduling!r}")
+    args.async_scheduling = [m == "on" for m in modes]
     preset = PRESETS[args.preset]
     args.datasets = args.datasets.split(",") if args.datasets else list(preset.datasets)
     if args.baselines is None:

@@ -198,18 +198,26 @@ class SchedulerConfig:
     max_num_batched_tokens: token budget of one step (T before padding).
     max_num_seqs: requests in one step (R before padding).
     max_model_len: filled in by the engine once the model is known.
+    async_scheduling: schedule and prepare the next step while the device runs this one
+        (docs/engine_step.md); None: the execution plan's choice for the platform.
     """
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     policy: str = "fcfs"
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         _positive_int("SchedulerConfig", "max_num_seqs", self.max_num_seqs)
         _positive_int("SchedulerConfig", "max_num_batched_tokens", self.max_num_batched_tokens)
         _positive_int("SchedulerConfig", "max_model_len", self.max_model_len)
         _choice("SchedulerConfig", "policy", self.policy, SCHEDULING_POLICIES)
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise TypeError(
+                "SchedulerConfig.async_scheduling must be True, False or None (the plan's "
+                f"choice), got {self.async_scheduling!r}"
+            )
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,12 @@ class Request:
     ``all_token_ids[num_computed_tokens:]`` still have to be computed (the rest of a prompt, the
     last sampled token, or everything after a preemption). ``num_tokens - num_computed_tokens``
     is therefore 1 for a running decode.
+
+    Steps in flight (scheduled, their results not yet learned): ``num_inflight_tokens`` of the
+    request's tokens are being computed by them, and ``num_output_placeholders`` of its samples
+    are being drawn by them, their ids unknown. Both are 0 between steps of a synchronous engine;
+    with async scheduling, the next step is scheduled as if the request already had those
+    tokens computed and those samples appended (docs/engine_step.md).
     """
 
     __slots__ = (
@@ -76,6 +82,8 @@ class Request:
         "stop_token_set",
         "spec_token_ids",
         "constraints",
+        "num_inflight_tokens",
+        "num_output_placeholders",
     )
 
     def __init__(
@@ -132,6 +140,10 @@ class Request:
         # Structured outputs and bad words: the per-step mask and the matcher that follows the
         # outputs (jaxserve/structured/); None for an unconstrained request.
         self.constraints = constraints
+        # Steps in flight (class docstring): set by the scheduler's schedule(), given back by
+        # its update_from_output() (or reset by a preemption).
+        self.num_inflight_tokens = 0
+        self.num_output_placeholders = 0
 
     @property
     def num_tokens(self) -> int:

@@ -99,6 +99,12 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     ),
     _flag("--max-num-seqs", type=int, help="sequences in one step"),
     _flag("--max-num-batched-tokens", type=int, help="tokens in one step"),
+    _flag(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        help="schedule and prepare the next step while the device runs this one (default: "
+        "the execution plan's choice for the platform)",
+    ),
     _flag("--attention-backend", choices=list(ATTENTION_BACKENDS)),
     _flag("--tensor-parallel-size", type=int),
     _flag("--revision", help="branch, tag or commit of a Hub model ID (default: main)"),

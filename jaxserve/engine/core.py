@@ -18,17 +18,20 @@ from jaxserve.core.sched.output import SchedulerOutput
 from jaxserve.core.sched.scheduler import Scheduler
 from jaxserve.outputs import EngineCoreOutput, ModelRunnerOutput
 from jaxserve.request import Request, RequestStatus
-from jaxserve.runner.step_trace import StepTrace
+from jaxserve.runner.step_trace import ReadyWatch, StepTrace
 from jaxserve.spec_decode import SpecDecoder
 from jaxserve.spec_decode.spec_decoder import Proposer
 from jaxserve.structured.step_masks import advance_matchers, with_finish_reasons, with_token_masks
 
 
 class Runner(Protocol):
-    def execute_model(
-        self, scheduler_output: SchedulerOutput, trace: StepTrace | None = None
-    ) -> ModelRunnerOutput:
-        """One step; ``trace``, when given, is filled in with the runner's part."""
+    def dispatch(self, scheduler_output: SchedulerOutput, trace: StepTrace | None = None) -> Any:
+        """Start one step without waiting for the device; ``trace``, when given, is filled in
+        with the runner's part. Returns a handle for ``collect``."""
+        ...
+
+    def collect(self, handle: Any) -> ModelRunnerOutput:
+        """A dispatched step's results on the host (waits for the device)."""
         ...
 
     def reset(self) -> bool: ...
@@ -45,6 +48,18 @@ class Runner(Protocol):
 
     @property
     def is_idle(self) -> bool: ...
+
+
+@dataclasses.dataclass
+class _Dispatched:
+    """A step the runner has started: what was scheduled, the runner's handle, and when."""
+
+    so: SchedulerOutput
+    dead_ends: list[str]  # its constrained requests that no token may continue
+    handle: Any
+    scheduled_at: float  # perf_counter when its scheduling began
+    dispatched_at: float  # ... and when its dispatch began
+    trace: StepTrace | None
 
 
 class EngineCore:
@@ -75,32 +90,91 @@ class EngineCore:
             # The runner's own proposer (a draft model), or None: the config's.
             self.spec = SpecDecoder(config.speculative, proposer=runner.spec_proposer)
         self._proposal_s = 0.0  # host time of the last proposal (the policy counts it)
-        self._dead_ends: list[str] = []  # this step's requests that no token may continue
+        # Async scheduling (the factory resolved None to the execution plan's choice): the
+        # step dispatched and not yet learned, and when the last one was learned.
+        self.async_scheduling = bool(config.scheduler.async_scheduling)
+        self._in_flight: _Dispatched | None = None
+        self._learned_at = 0.0
         # Ids of the requests with constraints queued so far, less those gone (pruned each
         # step): an engine without any pays nothing per step for structured outputs.
         self._constrained: set[str] = set()
         # Called with each step's StepTrace while set (set_step_tracer); None: off.
         self.step_tracer: Callable[[StepTrace], None] | None = None
+        self._ready_watch: ReadyWatch | None = None
 
     def set_step_tracer(self, tracer: Callable[[StepTrace], None] | None) -> None:
         """Hand every later step's StepTrace to ``tracer``; None turns tracing off."""
         self.step_tracer = tracer
+        if self._ready_watch is not None:
+            self._ready_watch.close()
+        self._ready_watch = ReadyWatch() if tracer is not None else None
 
     def step(self) -> list[EngineCoreOutput]:
-        if self.step_tracer is not None:
-            return self._traced_step(self.step_tracer)
-        step_start = time.perf_counter()
-        scheduler_output = self._schedule()
-        start = time.perf_counter()
-        runner_output = self.runner.execute_model(scheduler_output)
-        # The runner returns once the sampled ids are on the host: the step's wall time, which
-        # "auto" preemption turns into a prefill rate (core/sched/preemption.py).
-        seconds = time.perf_counter() - start
-        self.scheduler.observe_step(scheduler_output.total_num_scheduled_tokens, seconds)
-        outputs = self._update(scheduler_output, runner_output)
-        if self.spec is not None:
-            self._speculate(outputs, step_start, scheduler_output)
+        """One engine step: schedule, run, learn. With async scheduling (docs/engine_step.md)
+        the step it learns is the one before the step it leaves running, when it may run
+        ahead (_may_run_ahead); otherwise the next step is dispatched once this one is learned,
+        and runs while the caller processes the outputs."""
+        if not self.async_scheduling:
+            return self._finish(self._dispatch())
+        prev, self._in_flight = self._in_flight, None
+        if prev is None:
+            prev = self._dispatch()
+        if self._may_run_ahead(prev):
+            self._in_flight = self._dispatch()
+        outputs = self._finish(prev)
+        if not self.scheduler.has_unfinished_requests():
+            self._drain()  # the step in flight, if any, only has rows of finished requests
+        elif self._in_flight is None:
+            self._in_flight = self._dispatch()
         return outputs
+
+    def _may_run_ahead(self, prev: _Dispatched) -> bool:
+        """Whether the next step may be scheduled before ``prev`` is learned: not when a
+        speculative proposal or a constrained request's token mask needs prev's tokens (they
+        run one step after the other, the next dispatched as soon as prev is learned)."""
+        return self.spec is None and not self._constrained and not prev.so.token_masks
+
+    def _dispatch(self) -> _Dispatched:
+        """Schedule a step and start it on the runner without waiting for the device."""
+        trace = StepTrace() if self.step_tracer is not None else None
+        t0 = time.perf_counter()
+        so, dead_ends = self._schedule()
+        t1 = time.perf_counter()
+        handle = self.runner.dispatch(so, trace)
+        t2 = time.perf_counter()
+        if trace is not None:
+            trace.record_phases(t1 - t0, t2 - t1)
+            self._ready_watch.watch(trace, handle, t2)
+        return _Dispatched(so, dead_ends, handle, t0, t1, trace)
+
+    def _finish(self, step: _Dispatched) -> list[EngineCoreOutput]:
+        """Learn a dispatched step: its samples to the host, the scheduler updated (and the
+        speculation policy fed, the next drafts proposed)."""
+        t0 = time.perf_counter()
+        runner_output = self.runner.collect(step.handle)
+        t1 = time.perf_counter()
+        # The step's device time, about: from its dispatch, or from when the step before it
+        # was learned if later, until its samples are here. "auto" preemption turns it into a
+        # prefill rate (core/sched/preemption.py).
+        seconds = t1 - max(step.dispatched_at, self._learned_at)
+        self._learned_at = t1
+        self.scheduler.observe_step(step.so.total_num_scheduled_tokens, seconds)
+        outputs = self._update(step.so, runner_output, step.dead_ends)
+        if self.spec is not None:
+            self._speculate(outputs, step.scheduled_at, step.so)
+        if step.trace is not None:
+            step.trace.record_learned(t1 - t0, time.perf_counter() - t1)
+            step.trace.ready_event.wait(timeout=60.0)  # the watch notes it as collect returns
+            if self.step_tracer is not None:
+                self.step_tracer(step.trace)
+        return outputs
+
+    def _drain(self) -> None:
+        """Learn the step in flight, if any; its outputs are dropped (the engine has no
+        unfinished request by then, or is being reset)."""
+        prev, self._in_flight = self._in_flight, None
+        if prev is not None:
+            self._finish(prev)
 
     def _speculate(
         self, outputs: list[EngineCoreOutput], step_start: float, so: SchedulerOutput
@@ -116,35 +190,18 @@ class EngineCore:
         sched.set_spec_tokens(spec.propose(sched.running))
         self._proposal_s = time.perf_counter() - now
 
-    def _traced_step(self, tracer: Callable[[StepTrace], None]) -> list[EngineCoreOutput]:
-        """``step``, timed phase by phase; the runner fills in its part of the trace."""
-        trace = StepTrace()
-        t0 = time.perf_counter()
-        scheduler_output = self._schedule()
-        t1 = time.perf_counter()
-        runner_output = self.runner.execute_model(scheduler_output, trace)
-        t2 = time.perf_counter()
-        self.scheduler.observe_step(scheduler_output.total_num_scheduled_tokens, t2 - t1)
-        outputs = self._update(scheduler_output, runner_output)
-        if self.spec is not None:
-            self._speculate(outputs, t0, scheduler_output)
-        trace.record_phases(t1 - t0, t2 - t1, time.perf_counter() - t2)
-        tracer(trace)
-        return outputs
-
-    def _schedule(self) -> SchedulerOutput:
-        """The scheduler's step, with the token masks of its constrained requests (and their
-        dead ends, which _update ends)."""
+    def _schedule(self) -> tuple[SchedulerOutput, list[str]]:
+        """The scheduler's step, with the token masks of its constrained requests, and their
+        dead ends (which _update ends)."""
         so = self.scheduler.schedule()
-        self._dead_ends = []
-        if self._constrained:
-            requests = self.scheduler.requests
-            self._constrained.intersection_update(requests)
-            so, self._dead_ends = with_token_masks(so, requests, self._constrained)
-        return so
+        if not self._constrained:
+            return so, []
+        requests = self.scheduler.requests
+        self._constrained.intersection_update(requests)
+        return with_token_masks(so, requests, self._constrained)
 
     def _update(
-        self, so: SchedulerOutput, runner_output: ModelRunnerOutput
+        self, so: SchedulerOutput, runner_output: ModelRunnerOutput, dead_ends: list[str]
     ) -> list[EngineCoreOutput]:
         """The scheduler learns the step; then constrained requests' matchers advance, and a
         request whose grammar is complete finishes ("stop"), one whose matcher rejected a
@@ -153,7 +210,7 @@ class EngineCore:
         if not so.token_masks:
             return outputs
         complete, failed = advance_matchers(outputs, self.scheduler.requests)
-        failed = list(dict.fromkeys(failed + self._dead_ends))  # a dead end's EOS: not a stop
+        failed = list(dict.fromkeys(failed + dead_ends))  # a dead end's EOS: not a stop
         complete = [rid for rid in complete if rid not in failed]
         if complete:
             self.scheduler.finish_requests(complete, RequestStatus.FINISHED_STOPPED)
@@ -197,6 +254,7 @@ class EngineCore:
         and the KV pages agree again (pages the step left unusable are reallocated, and the
         prefix cache that described them dropped). Returns the aborted scheduler ids."""
         aborted = self.scheduler.abort_all_requests()
+        self._in_flight = None  # its results are not wanted; the runner forgets its requests
         if self.runner.reset():
             self.scheduler.reset_prefix_cache()
         return aborted
@@ -211,22 +269,30 @@ class EngineCore:
             return False
         return self.scheduler.reset_prefix_cache()
 
-    def reset_scheduler(self, *, enable_prefix_caching: bool | None = None) -> None:
+    def reset_scheduler(
+        self, *, enable_prefix_caching: bool | None = None, async_scheduling: bool | None = None
+    ) -> None:
         """A fresh scheduler (empty pool and prefix cache, zeroed counters), optionally with
-        prefix caching switched; benchmarks run several workloads on one compiled engine.
+        prefix caching or async scheduling switched; benchmarks run several workloads on one
+        compiled engine.
 
         Raises:
             RuntimeError: requests are unfinished, or the runner still holds rows.
         """
         if self.has_unfinished_requests():
             raise RuntimeError("reset_scheduler needs an idle engine")
-        self.step()  # hands the last finished ids to the runner: its batch empties
+        self._drain()
+        self._finish(self._dispatch())  # hands the last finished ids over: the batch empties
         if not self.runner.is_idle:
             raise RuntimeError("reset_scheduler needs an idle engine: the runner holds requests")
         cache = self.config.cache
         if enable_prefix_caching is not None:
             cache = dataclasses.replace(cache, enable_prefix_caching=enable_prefix_caching)
-        self.config = dataclasses.replace(self.config, cache=cache)
+        scheduler = self.config.scheduler
+        if async_scheduling is not None:
+            scheduler = dataclasses.replace(scheduler, async_scheduling=async_scheduling)
+            self.async_scheduling = async_scheduling
+        self.config = dataclasses.replace(self.config, cache=cache, scheduler=scheduler)
         self.scheduler = self._new_scheduler(self.config)
 
     def _new_scheduler(self, config: EngineConfig) -> Scheduler:

@@ -249,7 +249,9 @@ def resolve_model(config: EngineConfig, machine: Machine | None = None) -> Resol
         config,
         model=replace(model_config, max_model_len=max_model_len, quantization=quantization),
         cache=replace(config.cache, num_kv_blocks=num_kv_blocks),
-        scheduler=replace(config.scheduler, max_model_len=max_model_len),
+        scheduler=replace(
+            config.scheduler, max_model_len=max_model_len, async_scheduling=plan.async_scheduling
+        ),  # fmt: skip
         runner=replace(config.runner, attention_backend=plan.attention.name),
     )
     return ResolvedModel(

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from jaxserve.runner.spec_rows import logits_rows
+from jaxserve.runner.token_feed import empty_feed_arrays, feed_arrays
 
 
 @dataclass
@@ -31,6 +32,8 @@ class PreparedBatch:
     sampling_rows: bool[num_reqs] rows whose scheduled tokens reach the end of the known tokens
         (they sample); a mid-prefill chunk does not.
     num_drafts: i32[num_reqs] drafts each request verifies (its logits rows are 1 + that).
+    from_slot: i32[T] the slot whose sample in flight is a token row's input, -1: none; and
+    sample_slot: i32[R] the slot a logits row's sample is recorded in (token_feed.py).
     """
 
     req_ids: list[str]
@@ -47,11 +50,14 @@ class PreparedBatch:
     draft_ids: np.ndarray
     sampling_rows: np.ndarray
     num_drafts: np.ndarray
+    from_slot: np.ndarray
+    sample_slot: np.ndarray
 
     @classmethod
     def padding(cls, padded_tokens: int, padded_rows: int, width: int) -> PreparedBatch:
         """An all-padding batch of the given buckets (no real request): for warm-up."""
         zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+        from_slot, sample_slot = empty_feed_arrays(padded_tokens, padded_rows)
         return cls(
             req_ids=[],
             slots=zeros(0),
@@ -67,6 +73,8 @@ class PreparedBatch:
             draft_ids=np.full(padded_rows, -1, np.int32),
             sampling_rows=np.zeros(0, bool),
             num_drafts=zeros(0),
+            from_slot=from_slot,
+            sample_slot=sample_slot,
         )
 
     @classmethod
@@ -123,6 +131,9 @@ class InputBatch:
         self.num_tokens = np.zeros(max_num_seqs, np.int32)  # prompt + outputs known so far
         self.num_prompt_tokens = np.zeros(max_num_seqs, np.int32)
         self.num_computed = np.zeros(max_num_seqs, np.int32)  # tokens whose KV is in the cache
+        # Samples of dispatched steps not collected yet (async scheduling): they follow the
+        # known tokens, their ids on the device only (token_feed.py).
+        self.num_pending = np.zeros(max_num_seqs, np.int32)
         self.slot_of: dict[str, int] = {}
         # Lowest slots first, so a small batch stays in a compact range of rows.
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
@@ -147,6 +158,7 @@ class InputBatch:
         self.num_tokens[slot] = n
         self.num_prompt_tokens[slot] = num_prompt_tokens
         self.num_computed[slot] = num_computed_tokens
+        self.num_pending[slot] = 0
         self.block_table[slot, : len(block_ids)] = block_ids
         self.num_blocks[slot] = len(block_ids)
         self.slot_of[req_id] = slot
@@ -156,6 +168,7 @@ class InputBatch:
         slot = self.slot_of.pop(req_id, None)
         if slot is not None:
             self.num_blocks[slot] = 0
+            self.num_pending[slot] = 0
             self._free_slots.append(slot)
         return slot
 
@@ -165,9 +178,11 @@ class InputBatch:
         self.num_blocks[slot] = start + len(block_ids)
 
     def append_tokens(self, slots: np.ndarray, token_ids: np.ndarray) -> None:
-        """Append one sampled token to each given slot (vectorised)."""
+        """Append one sampled token to each given slot (vectorised): a sample in flight
+        becomes known."""
         self.token_ids[slots, self.num_tokens[slots]] = token_ids
         self.num_tokens[slots] += 1
+        self.num_pending[slots] -= 1
 
     def append_token_runs(self, slots: np.ndarray, counts: np.ndarray, token_ids: np.ndarray):
         """Append counts[i] tokens to slots[i], the runs back to back in ``token_ids``
@@ -176,6 +191,7 @@ class InputBatch:
         rows = np.repeat(slots, counts)
         self.token_ids[rows, self.num_tokens[rows] + offsets] = token_ids
         self.num_tokens[slots] += counts
+        self.num_pending[slots] -= 1
 
     def set_drafts(self, req_id: str, draft_ids: list[int]) -> None:
         """Write a request's speculative drafts after its known tokens (not counted among
@@ -235,6 +251,12 @@ class InputBatch:
             num_drafts = np.zeros(num_reqs, np.int32)
         logits_indices, draft_ids = logits_rows(cu[1 : num_reqs + 1], num_drafts, input_ids,
                                                 padded_rows)  # fmt: skip
+        num_known = self.num_tokens[slots]
+        sampling_rows = seq_lens_real >= num_known + self.num_pending[slots]
+        from_slot, sample_slot = feed_arrays(
+            slots, num_scheduled, pos_real, num_known, sampling_rows,
+            np.cumsum(num_drafts + 1) - 1, padded_tokens, padded_rows,
+        )  # fmt: skip
         return PreparedBatch(
             req_ids=req_ids,
             slots=slots,
@@ -248,6 +270,8 @@ class InputBatch:
             num_seqs=np.array([num_reqs], np.int32),
             logits_indices=logits_indices,
             draft_ids=draft_ids,
-            sampling_rows=seq_lens_real >= self.num_tokens[slots],
+            sampling_rows=sampling_rows,
             num_drafts=num_drafts,
+            from_slot=from_slot,
+            sample_slot=sample_slot,
         )

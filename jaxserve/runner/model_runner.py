@@ -1,15 +1,20 @@
 """ModelRunner: SchedulerOutput in, sampled tokens out; one jitted step per engine step.
 
-    execute_model(scheduler_output)
+    dispatch(scheduler_output)
         InputBatch.update(...)         persistent numpy rows, updated incrementally
         InputBatch.prepare(...)        padded host arrays for buckets (T, R, B)
         SamplingInputs.build(...)      per-row sampling settings
         step(params, kv_caches, ...)   ONE jit: forward, logits at R rows, sample; KV donated
+        -> InFlightStep                returns while the device runs the step
+    collect(in_flight_step)
         -> ModelRunnerOutput           only the sampled ids (and logprobs) come back
 
+execute_model is both at once. Between the two, the next step may be dispatched (async
+scheduling): its placeholder inputs read this step's samples on device (token_feed.py).
+
 This module keeps the runner's state (params, KV pages, the host mirrors of the batch) and the
-per-step path. The pure step, its shardings and the block copy are step.py; warm-up is
-warmup.py; prompt-logprobs bookkeeping is prompt_logprobs.py.
+per-step path. The pure step, its shardings and the block copy are step.py; collecting is
+in_flight.py; warm-up is warmup.py; prompt-logprobs bookkeeping is prompt_logprobs.py.
 
 Compiled variants are keyed by the bucket shapes and the sampler's two list widths (none, or
 penalty and ban lists); warm-up compiles every (T, R, B) in both, and the block copy at every
@@ -17,7 +22,7 @@ padded size; every compilation after warm-up is explained (step_compiles.py).
 
 Speculative decoding: a request's drafts get a logits row each plus one (spec_rows.py), each
 sampled as its own output position; the step verifies them (rejection_sampler.py; a draft
-model's sampled drafts with their q, DraftModel.q_rows_of) and ``_collect`` hands back the
+model's sampled drafts with their q, DraftModel.q_rows_of) and ``collect`` hands back the
 accepted drafts and one more token; a draft model runs inside the step and proposes after it
 (``spec_proposer``). Token constraints: the step's masks (SchedulerOutput.token_masks) go
 into SamplingInputs.build (token_constraints.py).
@@ -36,6 +41,7 @@ from jaxserve.models import CausalLM
 from jaxserve.outputs import ModelRunnerOutput
 from jaxserve.runner.buckets import BucketSpec
 from jaxserve.runner.draft_model import DraftModel, DraftSpec
+from jaxserve.runner.in_flight import InFlightStep, collect
 from jaxserve.runner.input_batch import InputBatch, PreparedBatch
 from jaxserve.runner.kv_cache import KVAllocator, allocate_kv_caches
 from jaxserve.runner.kv_connector_worker import KVConnectorWorker
@@ -43,10 +49,9 @@ from jaxserve.runner.kv_offload import KVOffloader
 from jaxserve.runner.map_budget import max_step_shapes
 from jaxserve.runner.plan import ExecutionPlan
 from jaxserve.runner.prompt_logprobs import PromptLogprobs
-from jaxserve.runner.sampler import logprobs_width
 from jaxserve.runner.sampling_metadata import SamplingInputs, SamplingMetadata
 from jaxserve.runner.sharding import ShardingPlan
-from jaxserve.runner.spec_rows import emitted_runs, logits_row_owners, write_drafts
+from jaxserve.runner.spec_rows import logits_row_owners, write_drafts
 from jaxserve.runner.step import (
     COPY_ARGS,
     STEP_ARGS,
@@ -57,6 +62,7 @@ from jaxserve.runner.step import (
 )
 from jaxserve.runner.step_compiles import StepCompiles
 from jaxserve.runner.step_trace import StepTrace
+from jaxserve.runner.token_feed import TokenFeed
 from jaxserve.runner.warmup import warm_up
 
 
@@ -134,6 +140,11 @@ class ModelRunner:
             ),
         )
         self.kv_caches = self._allocate_kv_caches()
+        # Per slot, the last token its request sampled, on device: the next step's
+        # placeholder inputs read it (token_feed.py).
+        self.last_sampled = jax.device_put(
+            np.zeros(max_num_seqs, np.int32), None if sharding is None else sharding.replicated
+        )
         self.draft = None
         if draft is not None:
             rows = tuple(sorted({self.buckets.padded_rows(t) for t in self.buckets.token_buckets}))
@@ -245,8 +256,19 @@ class ModelRunner:
     def execute_model(
         self, so: SchedulerOutput, trace: StepTrace | None = None
     ) -> ModelRunnerOutput:
-        """Run one engine step; ``trace``, when given, is filled in with the step's batch
-        shape and its host and device times (step_trace.py)."""
+        """Run one engine step and collect it; ``trace``, when given, is filled in with the
+        step's batch shape and its host and device times (step_trace.py)."""
+        return self.collect(self.dispatch(so, trace))
+
+    def collect(self, step: InFlightStep) -> ModelRunnerOutput:
+        """A dispatched step's sampled tokens (and logprobs) on the host (in_flight.py)."""
+        return collect(step, self.input_batch, self.sampling, self._num_logprobs,
+                       self._prompt_logprobs, self.vocab_size)  # fmt: skip
+
+    def dispatch(self, so: SchedulerOutput, trace: StepTrace | None = None) -> InFlightStep:
+        """Start one engine step and return without waiting for the device. Its requests'
+        samples are pending (InputBatch.num_pending) until it is collected; the next step may
+        be dispatched before that (its placeholder inputs read them on device)."""
         self._update_states(so)
         if so.device_to_host or so.host_to_device:
             # Before anything writes the pages: the step reuses the evicted blocks.
@@ -259,7 +281,7 @@ class ModelRunner:
         if so.block_copies:
             self.copy_blocks(*padded_copies(so.block_copies))
         if so.is_empty:
-            return ModelRunnerOutput()
+            return InFlightStep()
         start = time.perf_counter()
         req_ids = list(so.num_scheduled_tokens)
         num_scheduled = np.fromiter(so.num_scheduled_tokens.values(), np.int32, len(req_ids))
@@ -272,16 +294,21 @@ class ModelRunner:
         # One sampling row per logits row: a request's k + 1 rows sample output positions
         # pos .. pos + k, each with its own key (rejection_sampler.py).
         row_slots, row_offsets = logits_row_owners(batch.slots, batch.num_drafts)
-        output_pos = ib.num_tokens[row_slots] - ib.num_prompt_tokens[row_slots] + row_offsets
+        # Samples still in flight come before this step's (their ids are on the device only).
+        known = ib.num_tokens[row_slots] + ib.num_pending[row_slots]
+        output_pos = known - ib.num_prompt_tokens[row_slots] + row_offsets
         step_masks = {ib.slot_of[rid]: row for rid, row in so.token_masks.items()}
         sampling_md = self.sampling.build(row_slots, padded_rows, output_pos, step_masks)
         targets = self._prompt_logprobs.targets(batch, ib)
         if trace is not None:
             trace.record_batch(batch, sampling_md.temperature, time.perf_counter() - start)
         out, plp, num_emitted = self.run_prepared(batch, sampling_md, targets, trace)
-        if connector is not None and connector.saves:  # the blocks this forward completed
+        if connector is not None and connector.saves:
+            # The blocks this forward completes (the gather waits for it: a producer's step
+            # that saves does not overlap the next one's scheduling).
             self.kv_caches = self.kv_connector.save(self.kv_caches, connector)
-        return self._collect(batch, out, plp, num_emitted)
+        ib.num_pending[batch.slots[batch.sampling_rows]] += 1
+        return InFlightStep(batch, out, plp, num_emitted)
 
     def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Copy-on-write: KV pages src[i] -> dst[i], in place (a padded count: copy_sizes)."""
@@ -308,7 +335,8 @@ class ModelRunner:
         draft, rows = self.draft, len(batch.draft_ids)
         q_rows = None if draft is None else draft.q_rows_of(batch.req_ids, batch.num_drafts, rows)
         start = time.perf_counter()
-        self.kv_caches, out, plp, num_emitted, draft_kv = self._step(
+        feed = TokenFeed(self.last_sampled, batch.from_slot, batch.sample_slot)
+        self.kv_caches, out, plp, num_emitted, draft_kv, self.last_sampled = self._step(
             self.params,
             self.kv_caches,
             batch.input_ids,
@@ -317,14 +345,13 @@ class ModelRunner:
             batch.draft_ids,
             sampling_md,
             prompt_targets,
+            feed,
             *DraftModel.step_args(draft, q_rows),
         )
         if self.draft is not None:
             self.draft.took_step(draft_kv)
         if trace is not None:
-            dispatch_s = time.perf_counter() - start
-            jax.block_until_ready(out.token_ids)
-            trace.record_device(dispatch_s, time.perf_counter() - start)
+            trace.record_dispatch(start, time.perf_counter() - start)
         return out, plp, num_emitted
 
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -355,42 +382,6 @@ class ModelRunner:
                 self._prompt_logprobs.add(new.req_id, new.sampling_params.prompt_logprobs)
         for cached in so.scheduled_cached_reqs:
             ib.update_cached(cached.req_id, cached.num_computed_tokens, cached.new_block_ids)
-
-    def _collect(
-        self, batch: PreparedBatch, out: Any, plp: Any, num_emitted: Any
-    ) -> ModelRunnerOutput:
-        """Sampled tokens (and logprobs) back to the host; the persistent rows learn them. A
-        request that verified drafts gets its accepted drafts and one more token."""
-        rows = np.flatnonzero(batch.sampling_rows)  # requests that sample
-        slots = batch.slots[rows]
-        req_ids = [batch.req_ids[r] for r in rows.tolist()]
-        all_tokens = np.asarray(out.token_ids)
-        if batch.num_drafts.any():
-            first, counts, token_ids = emitted_runs(batch.num_drafts, rows, all_tokens, num_emitted)
-            self.input_batch.append_token_runs(slots, counts, token_ids)
-            self.sampling.append_output_tokens(np.repeat(slots, counts), token_ids)
-            sampled = [t.tolist() for t in np.split(token_ids, np.cumsum(counts)[:-1])]
-        else:  # one token per request: the common path, kept lean
-            first, counts, token_ids = rows, np.ones(len(rows), np.int64), all_tokens[rows]
-            self.input_batch.append_tokens(slots, token_ids)
-            self.sampling.append_output_tokens(slots, token_ids)
-            sampled = [[t] for t in token_ids.tolist()]
-        result = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
-        wanted = self._num_logprobs
-        if wanted and any(req_id in wanted for req_id in req_ids):
-            host = jax.device_get(out)
-            width = logprobs_width(self.vocab_size)
-            for i, req_id in enumerate(req_ids):
-                num = wanted.get(req_id)
-                if num is not None:
-                    start = int(first[i])
-                    result.logprobs[req_id] = [
-                        host.token_logprobs(r, min(num, width))
-                        for r in range(start, start + int(counts[i]))
-                    ]
-        if self._prompt_logprobs and self._prompt_logprobs.owed_in(batch):
-            self._prompt_logprobs.collect(batch, jax.device_get(plp), self.input_batch, result)
-        return result
 
 
 def _all_ready(arrays: Any) -> bool:

@@ -51,6 +51,11 @@ from jaxserve.runner.machine import Machine
 logger = logging.getLogger("jaxserve")
 
 # Largest |kernel - reference| accepted by the self-check, per dtype (outputs are O(1)).
+# Async scheduling by platform, when the config leaves it to the plan. On an accelerator the
+# host's per-step work (scheduling, inputs, outputs) otherwise leaves the device idle between
+# steps; on the CPU the "device" is the same cores the host work runs on (docs/benchmarks.md).
+ASYNC_SCHEDULING = {"cpu": True, "gpu": True, "tpu": True}
+
 _SELF_CHECK_TOLERANCE = {"float32": 2e-3, "bfloat16": 6e-2, "float16": 1e-2}
 
 
@@ -77,6 +82,9 @@ class ExecutionPlan:
     # Compiled executables the engine may hold (the CPU's memory-map budget: map_budget.py);
     # None: no budget (GPU, TPU).
     max_executables: int | None = None
+    # Schedule the next step while the device runs this one (the config's, or by platform:
+    # ASYNC_SCHEDULING).
+    async_scheduling: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         """The plan as plain values (get_stats()["plan"])."""
@@ -93,7 +101,7 @@ class ExecutionPlan:
             f"platform={self.platform} ({chip}), attention={self.attention.name}{mode}, "
             f"sampler_draw={self.sampler_draw}, dtype={self.dtype}, "
             f"kv_cache_dtype={self.kv_cache_dtype}, tensor_parallel_size="
-            f"{self.tensor_parallel_size}"
+            f"{self.tensor_parallel_size}, async_scheduling={self.async_scheduling}"
         )
 
 
@@ -175,7 +183,13 @@ def make_plan(
         compile_workers=1 if on_cpu else max(1, min(4, os.cpu_count() or 1)),
         attention_checked=machine.attached,
         max_executables=map_budget.max_executables() if on_cpu else None,
+        async_scheduling=_async_scheduling(config.scheduler.async_scheduling, platform),
     )
+
+
+def _async_scheduling(requested: bool | None, platform: str) -> bool:
+    """The config's choice, else the platform's (ASYNC_SCHEDULING)."""
+    return ASYNC_SCHEDULING[platform] if requested is None else requested
 
 
 def _sampler_draw(platform: str) -> str:

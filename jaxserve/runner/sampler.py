@@ -102,6 +102,7 @@ def sample(
     fast_top_k: int = DEFAULT_FAST_TOP_K,
     draw: str = "xla",
     drafts: SampledDrafts | None = None,
+    pending_outputs: jax.Array | None = None,
 ) -> SamplerOutput:
     """Sample one token per row. Traced inside the runner's jit; fast_top_k and draw are static.
 
@@ -113,6 +114,9 @@ def sample(
             where the kernel builds; the same draw up to f32 rounding of the exps).
         drafts: sampled speculative drafts, whose rows keep the general-q rule instead of
             their own draw (rejection_sampler.py; a run-time test skips it when none does).
+        pending_outputs: i32[R] per row, an output token of its request that the penalty
+            lists do not count yet (a sample of the step before, in flight: token_feed.py),
+            or -1; None: none.
     Returns:
         SamplerOutput.
     Raises:
@@ -120,7 +124,7 @@ def sample(
     """
     check_metadata(logits, md)
     raw = logits.astype(jnp.float32)
-    x = _apply_bans(apply_penalties(raw, md), md.banned_token_ids)
+    x = _apply_bans(apply_penalties(raw, md, pending_outputs), md.banned_token_ids)
     x = apply_token_constraints(x, md.token_bitmask, md.bias_token_ids, md.bias_values)
     greedy = md.temperature <= 0.0
 
@@ -170,21 +174,35 @@ def prompt_logprobs(logits: jax.Array, target_ids: jax.Array, *, num: int) -> Lo
     return _logprobs(logits.astype(jnp.float32), target_ids.astype(jnp.int32), num)
 
 
-def apply_penalties(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
+def apply_penalties(
+    logits: jax.Array, md: SamplingMetadata, pending: jax.Array | None = None
+) -> jax.Array:
     """Repetition penalty on prompt + output tokens (positive logits / rp, negative * rp), then
     logit -= frequency * count + presence * (count > 0) over output tokens. f32[R, V] -> same.
 
-    Reads and writes only the R x W listed tokens; W = 0 returns logits untouched.
+    ``pending`` (i32[R], -1: none) is one more output token per row that the lists do not
+    count yet: it adds 1 to its count, or joins the row's tokens with a count of 1.
+
+    Reads and writes only the R x W listed tokens (and a pending one); W = 0 returns logits
+    untouched.
     """
     num_rows, vocab = logits.shape
     ids = md.penalty_token_ids  # i32[R, W]
     if ids.shape[1] == 0:
         return logits
     live = ids >= 0
+    counts = md.penalty_output_counts
+    if pending is not None:
+        listed = live & (ids == pending[:, None])  # bool[R, W]
+        counts = counts + listed
+        new = (pending >= 0) & ~jnp.any(listed, axis=1)  # bool[R]: a token new to the list
+        ids = jnp.concatenate([ids, jnp.where(new, pending, -1)[:, None]], axis=1)
+        counts = jnp.concatenate([counts, new[:, None].astype(counts.dtype)], axis=1)
+        live = ids >= 0
     vals = jnp.take_along_axis(logits, jnp.where(live, ids, 0), axis=1)  # f32[R, W]
     rep = md.repetition_penalty[:, None]
     vals = jnp.where(vals > 0, vals / rep, vals * rep)
-    counts = md.penalty_output_counts.astype(jnp.float32)
+    counts = counts.astype(jnp.float32)
     vals = vals - md.frequency_penalty[:, None] * counts
     vals = vals - md.presence_penalty[:, None] * (counts > 0)
     # Padding points past the vocabulary and is dropped (a -1 would wrap to V - 1).

@@ -26,6 +26,7 @@ from jaxserve.runner.rejection_sampler import SampledDrafts, num_emitted_per_seg
 from jaxserve.runner.sampler import logprobs_width, no_logprobs, prompt_logprobs, sample
 from jaxserve.runner.sampling_metadata import SamplingMetadata
 from jaxserve.runner.sharding import ShardingPlan
+from jaxserve.runner.token_feed import TokenFeed
 
 STEP_ARGS = (  # the step's positional arguments, named for compilation explanations
     "params",
@@ -36,6 +37,7 @@ STEP_ARGS = (  # the step's positional arguments, named for compilation explanat
     "draft_ids",
     "sampling_metadata",
     "prompt_targets",
+    "token_feed",
     "draft_params",
     "draft_kv_caches",
     "draft_q",
@@ -52,10 +54,10 @@ def jit_step(
 ) -> Any:
     """The jitted step of ``model`` with the sampler's ``draw``: called with STEP_ARGS, it
     returns (kv_caches, sampler output, prompt logprobs, tokens emitted per logits segment,
-    draft_kv_caches); the KV pages are donated. With a ``draft`` model (speculative decoding's
-    "draft_model", placed by ``draft_sharding`` on the same mesh), the step also runs the draft
-    over the same batch, writing its KV pages (draft_model.py); without one, draft_params and
-    draft_kv_caches are None."""
+    draft_kv_caches, last sampled token per slot: token_feed.py); the KV pages are donated.
+    With a ``draft`` model (speculative decoding's "draft_model", placed by ``draft_sharding``
+    on the same mesh), the step also runs the draft over the same batch, writing its KV pages
+    (draft_model.py); without one, draft_params and draft_kv_caches are None."""
     draft_traces = None if draft is None else _SharedTraces(draft)
     draft_layers = 0 if draft is None else draft.arch.num_layers
     return jax.jit(
@@ -106,6 +108,7 @@ def _step_fn(
     draft_ids: jax.Array,  # i32[R] draft each logits row verifies, -1: none (rejection_sampler)
     sampling_md: SamplingMetadata,
     prompt_targets: jax.Array,  # i32[T] next prompt token per row (prompt logprobs), else -1
+    feed: TokenFeed,  # the samples of the step before, on device (async scheduling)
     draft_params: Any = None,  # the draft model's, with a draft; else None
     draft_kv_caches: Any = None,  # its KV pages (donated), with a draft; else None
     draft_q: Any = None,  # draft_model.DraftQ: its sampled drafts' q, with a draft; else None
@@ -113,7 +116,9 @@ def _step_fn(
     """The jitted step: forward, logits at the R sampling rows, sample, the speculative drafts'
     verification (how many tokens each segment of rows keeps; 1 per request without drafts),
     and the prompt logprobs of the rows that owe them (the [T, V] logits only when some row
-    does: a run-time test)."""
+    does: a run-time test). Placeholder input tokens are the step before's samples, read on
+    device (token_feed.py); this step's samples are recorded for the next."""
+    input_ids = feed.inputs(input_ids)
     kv_caches, hidden = model.forward(params, kv_caches, input_ids, md)  # [T, D]
     logits = model.compute_logits(params, hidden[logits_indices])  # f32[R, V]
     drafts = None
@@ -122,7 +127,8 @@ def _step_fn(
         drafts = SampledDrafts(
             draft_ids, draft_q.q_ids[q_row], draft_q.q_probs[q_row], draft_q.q_rows >= 0
         )
-    out = sample(logits, sampling_md, draw=draw, drafts=drafts)
+    pending = feed.pending_outputs(input_ids, logits_indices)
+    out = sample(logits, sampling_md, draw=draw, drafts=drafts, pending_outputs=pending)
     num_emitted = num_emitted_per_segment(out.token_ids, draft_ids)  # i32[R]
     num = logprobs_width(model.arch.vocab_size)
     plp = lax.cond(
@@ -133,7 +139,7 @@ def _step_fn(
     if draft is not None:  # the draft computes what the target did: its KV stays current
         draft_md = dataclasses.replace(md, rope_cos=None, rope_sin=None, kv_scales=None)
         draft_kv_caches, _ = draft.forward(draft_params, draft_kv_caches, input_ids, draft_md)
-    return kv_caches, out, plp, num_emitted, draft_kv_caches
+    return kv_caches, out, plp, num_emitted, draft_kv_caches, feed.record(out.token_ids)
 
 
 def attention_metadata(
@@ -182,10 +188,11 @@ def _step_shardings(
         draft_params, draft_kv = draft_plan.param_shardings(), draft_plan.kv_shardings(draft_layers)
     return dict(
         # params, kv_caches, input_ids, md, logits_indices, draft_ids, sampling_md,
-        # prompt_targets, draft_params, draft_kv_caches, draft_q
-        in_shardings=(plan.param_shardings(), kv, *(rep,) * 6, draft_params, draft_kv, rep),
-        # kv_caches, sampler output, prompt logprobs, tokens emitted per segment, draft KV
-        out_shardings=(kv, rep, rep, rep, draft_kv),
+        # prompt_targets, token_feed, draft_params, draft_kv_caches, draft_q
+        in_shardings=(plan.param_shardings(), kv, *(rep,) * 7, draft_params, draft_kv, rep),
+        # kv_caches, sampler output, prompt logprobs, tokens emitted per segment, draft KV,
+        # last sampled tokens
+        out_shardings=(kv, rep, rep, rep, draft_kv, rep),
     )
 
 

@@ -26,6 +26,7 @@ from jaxserve.runner.input_batch import PreparedBatch
 from jaxserve.runner.sampling_metadata import SamplingMetadata
 from jaxserve.runner.step import COPY_ARGS, STEP_ARGS, attention_metadata
 from jaxserve.runner.step_compiles import Compilation, compile_concurrently
+from jaxserve.runner.token_feed import TokenFeed
 
 if TYPE_CHECKING:
     from jaxserve.runner.model_runner import ModelRunner
@@ -141,5 +142,6 @@ def padding_step_inputs(
         batch.draft_ids,
         neutral_sampling(padded_rows, runner.vocab_size, widths),
         np.full(padded_tokens, -1, np.int32),  # no prompt-logprob targets
+        TokenFeed(runner.last_sampled, batch.from_slot, batch.sample_slot),
         *DraftModel.step_args(runner.draft, np.full(padded_rows, -1, np.int32)),
     )

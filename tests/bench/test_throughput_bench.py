@@ -42,14 +42,18 @@ def test_smoke_preset_end_to_end(tmp_path, cache):
             "--output",
             str(out),
             "--no-bracket",
+            "--async-scheduling",
+            "off",
         ]
     )
     assert json.loads(out.read_text())["preset"] == "smoke"
 
     sg = report["datasets"]["sharegpt"]
-    assert set(sg["engines"]) == {"jaxserve", "static", "hf-transformers"}
+    assert set(sg["engines"]) == {"jaxserve", "jaxserve-async-off", "static", "hf-transformers"}
     px = report["datasets"]["prefix"]
-    assert set(px["engines"]) == {"jaxserve", "jaxserve-nocache", "static", "hf-transformers"}
+    assert set(px["engines"]) == {
+        "jaxserve", "jaxserve-async-off", "jaxserve-nocache", "static", "hf-transformers"
+    }  # fmt: skip
     for d in (sg, px):
         num_out = d["dataset"]["num_output_tokens"]
         for s in d["engines"].values():

@@ -220,7 +220,8 @@ def check_invariants(sched: Scheduler, lookahead: int = 0) -> None:
         req = sched.requests[rid]
         assert req.status == RequestStatus.RUNNING, req
         num_needed = -(-req.num_computed_tokens // kv.block_size)
-        most = -(-(req.num_computed_tokens + lookahead) // kv.block_size)
+        # Tokens of steps in flight (async scheduling) have their slots too.
+        most = -(-(req.num_computed_tokens + req.num_inflight_tokens + lookahead) // kv.block_size)
         assert num_needed <= len(table) <= most, (req, len(table))
         for block in table:
             holders[block.block_id] += 1

@@ -328,7 +328,8 @@ def test_step_tracer_sees_every_step_and_the_batch_shapes(llm):
     for t in ran:
         assert t.padded_tokens >= t.num_tokens and t.padded_rows >= t.num_rows
         assert (t.kv_lens >= t.q_lens).all() and t.all_greedy
-        assert 0 < t.dispatch_s <= t.device_s <= t.execute_s <= t.total_s
+        assert 0 < t.dispatch_s <= t.execute_s <= t.total_s
+        assert t.device_s > 0 and t.device_idle_s >= 0 and t.ready_at >= t.dispatched_at
     n = len(traces)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
     assert len(traces) == n  # off again

@@ -88,7 +88,7 @@ STAGES = {
     "before the jitted step": (lambda llm: llm.engine.runner, "_step", False),
     "after the jitted step": (lambda llm: llm.engine.runner, "_step", True),
     "copy-on-write": (lambda llm: llm.engine.runner, "_copy", True),
-    "collecting samples": (lambda llm: ModelRunner, "_collect", False),
+    "collecting samples": (lambda llm: ModelRunner, "collect", False),
     "scheduler update": (lambda llm: Scheduler, "update_from_output", False),
     "inside the scheduler update": (lambda llm: KVCacheManager, "cache_blocks", True),
     "output processing": (lambda llm: RequestState, "apply", False),
@@ -312,7 +312,7 @@ def test_an_interrupted_generate_leaves_no_request_behind(llm, monkeypatch, insi
     """The reported case: an interrupted generate must not leave its requests to be run,
     silently, by the next call; whether Ctrl-C lands inside a step or between two."""
     if inside_step:
-        _inject(monkeypatch, ModelRunner, "execute_model", 4, KeyboardInterrupt(), after=False)
+        _inject(monkeypatch, ModelRunner, "dispatch", 4, KeyboardInterrupt(), after=False)
     else:
         _inject(monkeypatch, LLMEngine, "step", 4, KeyboardInterrupt(), after=True)
     with pytest.raises(KeyboardInterrupt):

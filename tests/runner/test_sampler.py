@@ -271,6 +271,37 @@ def test_apply_penalties_matches_reference() -> None:
         np.testing.assert_allclose(got[row], want, rtol=1e-6, atol=1e-6)
 
 
+def test_a_pending_output_token_counts_as_if_it_were_listed() -> None:
+    """Async scheduling: a row's sample of the step before (its id on the device only) counts
+    in the penalties exactly as if the host's lists had it: an extra count of a listed token,
+    or a new token with a count of 1; -1 changes nothing."""
+    rng = np.random.default_rng(4)
+    num_rows, vocab = 32, 16
+    md = dataclasses.replace(_random_metadata(rng, num_rows, vocab),
+                             penalty_token_ids=np.full((num_rows, 4), -1, np.int32),
+                             penalty_output_counts=np.zeros((num_rows, 4), np.int32))  # fmt: skip
+    ids = np.stack([rng.permutation(vocab)[:4] for _ in range(num_rows)])
+    ids[:, 3] = -1  # room for a new token
+    counts = np.where(ids >= 0, rng.integers(0, 3, ids.shape), 0)
+    pending = np.where(rng.random(num_rows) < 0.5, ids[:, 0], rng.integers(0, vocab, num_rows))
+    pending[::5] = -1
+    want_ids, want_counts = ids.copy(), counts.copy()
+    for row, token in enumerate(pending):
+        if token < 0:
+            continue
+        col = np.flatnonzero(ids[row] == token)
+        col = col[0] if col.size else 3
+        want_ids[row, col] = token
+        want_counts[row, col] += 1
+    logits = jnp.asarray(rng.normal(size=(num_rows, vocab)).astype(np.float32))
+    listed = dataclasses.replace(md, penalty_token_ids=ids.astype(np.int32),
+                                 penalty_output_counts=counts.astype(np.int32))  # fmt: skip
+    want = dataclasses.replace(md, penalty_token_ids=want_ids.astype(np.int32),
+                               penalty_output_counts=want_counts.astype(np.int32))  # fmt: skip
+    got = apply_penalties(logits, listed, jnp.asarray(pending, jnp.int32))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(apply_penalties(logits, want)))
+
+
 def test_logprobs_are_raw_log_softmax_with_ranks() -> None:
     rng = np.random.default_rng(3)
     md = _random_metadata(rng, 8, 16)  # penalties and temperature must not change logprobs

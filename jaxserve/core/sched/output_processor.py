@@ -32,7 +32,8 @@ def process_step(
     spec = scheduler_output.scheduled_spec_decode_tokens
     if spec:  # rejected drafts are not computed: rolled back before any block is hashed
         num_computed = computed_counts(num_computed, spec, runner_output, spec_stats)
-    crossed = advance_computed(requests, num_computed, kv.block_size if kv is not None else 0)
+    crossed = advance_computed(requests, scheduler_output.num_scheduled_tokens, num_computed,
+                               kv.block_size if kv is not None else 0)  # fmt: skip
     outputs, finished = append_samples(requests, runner_output)
     if kv is not None:
         for req in crossed:
@@ -43,11 +44,16 @@ def process_step(
 
 
 def advance_computed(
-    requests: dict[str, Request], num_computed: dict[str, int], block_size: int
+    requests: dict[str, Request],
+    num_scheduled: dict[str, int],
+    num_computed: dict[str, int],
+    block_size: int,
 ) -> list[Request]:
-    """Count a step's computed tokens (requests gone since are skipped). Returns the requests
-    a block of which just became full (none for ``block_size`` 0): the caller hashes those into
-    the prefix cache once the step's tokens are appended (a block is hashed from its tokens)."""
+    """Count a step's computed tokens (requests gone since are skipped); the step is no longer
+    in flight: its scheduled tokens, and its sample for a request it ran to the end of, leave
+    the request's in-flight counts. Returns the requests a block of which just became full
+    (none for ``block_size`` 0): the caller hashes those into the prefix cache once the step's
+    tokens are appended (a block is hashed from its tokens)."""
     crossed = []
     for rid, num in num_computed.items():
         req = requests.get(rid)
@@ -55,6 +61,9 @@ def advance_computed(
             continue
         old = req.num_computed_tokens
         req.num_computed_tokens = old + num
+        req.num_inflight_tokens -= num_scheduled[rid]
+        if old + num >= len(req.all_token_ids):  # it sampled: append_samples learns the id
+            req.num_output_placeholders -= 1
         if block_size and (old + num) // block_size != old // block_size:
             crossed.append(req)
     return crossed

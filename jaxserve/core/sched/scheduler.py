@@ -245,15 +245,21 @@ class Scheduler:
             budget = step.budget
             if budget <= 0:
                 break
-            num_computed = req.num_computed_tokens
-            num_new = min(len(req.all_token_ids) - num_computed, budget)
+            # A step in flight (async scheduling) counts as done: its tokens computed, its
+            # sample appended (a placeholder until its results are learned).
+            inflight, placeholders = req.num_inflight_tokens, req.num_output_placeholders
+            num_tokens = len(req.all_token_ids) + placeholders
+            if placeholders and num_tokens >= req.max_num_tokens:
+                continue  # the sample in flight ends it ("length"): nothing more to compute
+            num_computed = req.num_computed_tokens + inflight
+            num_new = min(num_tokens - num_computed, budget)
             table = tables[req.request_id]
             end = num_computed + num_new
             lookahead = lookahead_slots(req, end, end, self.num_lookahead_tokens)
             if end + lookahead <= len(table) * bs:
                 new_ids = []
             else:
-                new_blocks = self._allocate(req, num_new, lookahead, step)
+                new_blocks = self._allocate(req, inflight + num_new, lookahead, step)
                 if new_blocks is None:  # req itself was the victim
                     break
                 new_ids = [b.block_id for b in new_blocks]
@@ -262,9 +268,10 @@ class Scheduler:
     def _allocate(
         self, req: Request, num_new: int, lookahead: int, step: StepBatch
     ) -> list[KVCacheBlock] | None:
-        """Blocks for ``num_new`` tokens and the lookahead slots; when the pool is short, the
-        lookahead is dropped first, then lower-ranked requests preempted. Returns the new
-        blocks, or None when ``req`` itself was preempted."""
+        """Blocks for ``num_new`` tokens past the computed ones (those in flight included) and
+        the lookahead slots; when the pool is short, the lookahead is dropped first, then
+        lower-ranked requests preempted. Returns the new blocks, or None when ``req`` itself was
+        preempted."""
         allocate = self.kv_cache_manager.allocate_slots
         new_blocks = allocate(req, num_new + lookahead)
         if new_blocks is None and lookahead:
@@ -292,13 +299,16 @@ class Scheduler:
         """Preempt by swap (its blocks move to the host tier, its computed tokens are kept) or
         by recompute (the KV is dropped; full blocks stay in the prefix cache), as the
         preemption policy says; requeue at the front of waiting. The runner drops its state and
-        gets it back as a new request."""
+        gets it back as a new request. A step in flight for it computes what is then thrown
+        away: its results are skipped (the request is not running when they come), and its
+        tokens are computed again (a seeded sample draws the same token at the same position)."""
         kv = self.kv_cache_manager
         if not self.host.swap_out(kv, req):
             kv.free(req)
             req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.spec_token_ids = []
+        req.num_inflight_tokens = req.num_output_placeholders = 0
         req.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.add_preempted(req)

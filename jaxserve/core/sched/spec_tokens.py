@@ -35,7 +35,8 @@ def schedule_drafts(
     for req in running:
         drafts, req.spec_token_ids = req.spec_token_ids, []
         num_new = step.cached_tokens.get(req.request_id)
-        if not drafts or num_new is None:
+        # Drafts follow known tokens only: none for a request with an earlier step in flight.
+        if not drafts or num_new is None or req.num_inflight_tokens != num_new:
             continue
         end = req.num_computed_tokens + num_new
         room = min(step.budget, max_rows - step.num_sampling_rows, req.max_num_tokens - end - 1)
@@ -45,7 +46,7 @@ def schedule_drafts(
         lookahead = lookahead_slots(req, end, end + len(drafts), num_lookahead)
         new_blocks = kv_cache_manager.allocate_slots(req, num_new + len(drafts) + lookahead)
         if new_blocks is not None:
-            step.add_drafts(req.request_id, drafts, [b.block_id for b in new_blocks])
+            step.add_drafts(req, drafts, [b.block_id for b in new_blocks])
 
 
 def lookahead_slots(req: Request, chunk_end: int, end: int, num_lookahead: int) -> int:

@@ -50,6 +50,7 @@ class StepBatch:
         """Schedule ``num_new`` tokens of an admitted request from its num_computed_tokens
         (the runner gets it whole, as a new request)."""
         num_computed = req.num_computed_tokens
+        _mark_in_flight(req, num_computed, num_new)
         self.new_reqs.append(
             NewRequestData(
                 req.request_id,
@@ -71,8 +72,9 @@ class StepBatch:
     ) -> None:
         """Schedule ``num_new`` tokens of a running request from its num_computed_tokens; its
         table now holds ``num_blocks`` blocks, the last ``new_block_ids`` of them new this
-        step."""
-        rid, num_computed = req.request_id, req.num_computed_tokens
+        step. Tokens of the request still in flight count as computed."""
+        rid, num_computed = req.request_id, req.num_computed_tokens + req.num_inflight_tokens
+        _mark_in_flight(req, num_computed, num_new)
         data = CachedRequestData(rid, new_block_ids, num_computed)
         self.cached_reqs.append(data)
         self._cached_by_id[rid] = data
@@ -81,9 +83,11 @@ class StepBatch:
         self.live_tokens += num_computed + num_new
         self.num_blocks += num_blocks
 
-    def add_drafts(self, req_id: str, drafts: list[int], new_block_ids: list[int]) -> None:
+    def add_drafts(self, req: Request, drafts: list[int], new_block_ids: list[int]) -> None:
         """Verify speculative ``drafts`` after the tokens scheduled for the running request
-        ``req_id`` (add_cached); its table grew by ``new_block_ids`` for them."""
+        ``req`` (add_cached); its table grew by ``new_block_ids`` for them."""
+        req_id = req.request_id
+        req.num_inflight_tokens += len(drafts)
         self.spec_tokens[req_id] = drafts
         self.num_draft_tokens += len(drafts)
         self.cached_tokens[req_id] += len(drafts)
@@ -130,3 +134,12 @@ class StepBatch:
             host_to_device=host_copies[1],
             scheduled_spec_decode_tokens=self.spec_tokens,
         )
+
+
+def _mark_in_flight(req: Request, num_computed: int, num_new: int) -> None:
+    """The request's ``num_new`` tokens from ``num_computed`` are in flight from now on, and,
+    when they reach its last token (placeholders included), so is one more sample: the next
+    step may be scheduled before this one's results are learned (Request's docstring)."""
+    req.num_inflight_tokens += num_new
+    if num_computed + num_new >= len(req.all_token_ids) + req.num_output_placeholders:
+        req.num_output_placeholders += 1

@@ -1,0 +1,170 @@
+"""Async scheduling against synchronous steps, side by side in one run (issue 34).
+
+For each model (the demo model and the 57M benchmark model of bench/throughput.py) one engine is
+built and warmed up; then, for each batch size, the same greedy decode workload (``batch``
+requests of ``--prompt-len`` tokens, ``--max-tokens`` outputs each, ignore_eos) runs with async
+scheduling on and off, in the order on, off, off, on (a linear drift of the machine's load
+cancels in the means), untraced for throughput, then once more each traced (StepTrace) for the
+device's idle time between steps. Reported per (model, batch):
+
+    tok/s on, off, ratio   output tokens per second of the untraced runs (mean of two)
+    idle on, off           the device's idle time between steps, as a share of the decode
+                           steps' wall time (traced runs: StepTrace.device_idle_s over the sum
+                           of device and idle time), and on / off
+    host ms                the host's time per step (schedule + dispatch + collect + update)
+    same                   greedy tokens identical with and without (every run)
+
+    python bench/async_scheduling.py                 # both models, batches 1,16,64,256
+    python bench/async_scheduling.py --models demo --batches 1,16 --max-tokens 16
+
+Writes bench/results/async_scheduling.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from _machine import git_state, loadavg, machine  # noqa: E402
+from throughput import PRESETS, enable_compile_cache, ensure_checkpoint  # noqa: E402
+
+from jaxserve.runner.xla_flags import apply_cpu_workarounds  # noqa: E402
+
+RESULTS = HERE / "results"
+ORDER = (True, False, False, True)  # async on / off, ABBA
+
+
+def build(model: str, max_batch: int, max_len: int, budget: int):
+    from jaxserve import LLMEngine
+
+    blocks = max_batch * (-(-max_len // 16)) + 1
+    return LLMEngine(model=model, dtype="float32", block_size=16, num_kv_blocks=blocks,
+                     max_num_seqs=max_batch, max_num_batched_tokens=max(budget, max_batch),
+                     max_model_len=max_len, enable_prefix_caching=False, seed=0)  # fmt: skip
+
+
+def workload(engine, batch: int, prompt_len: int, max_tokens: int, on: bool, traced: bool):
+    """One run: (seconds, output tokens, token lists, traces)."""
+    from jaxserve import SamplingParams
+
+    engine.core.reset_scheduler(async_scheduling=on)
+    traces: list = []
+    if traced:
+        engine.set_step_tracer(traces.append)
+    rng = np.random.default_rng(batch)
+    vocab = engine.core.runner.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(str(i), rng.integers(3, vocab, prompt_len).tolist(), params)
+    tokens: dict[str, list[int]] = {}
+    start = time.perf_counter()
+    for _ in range(100_000):  # bounded: far more steps than the workload needs
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step(finished_only=True):
+            tokens[out.request_id] = out.outputs[0].token_ids
+    seconds = time.perf_counter() - start
+    engine.set_step_tracer(None)
+    return seconds, batch * max_tokens, [tokens[str(i)] for i in range(batch)], traces
+
+
+def idle_share(traces: list) -> tuple[float, float]:
+    """(device idle share of the decode steps' device + idle time, host ms per step)."""
+    decode = [t for t in traces if t.num_rows and t.num_tokens == t.num_rows][1:]
+    if not decode:
+        return float("nan"), float("nan")
+    idle = sum(t.device_idle_s for t in decode)
+    busy = sum(t.device_s for t in decode)
+    return idle / (idle + busy), 1e3 * float(np.mean([t.total_s for t in decode]))
+
+
+def measure(engine, batch: int, args) -> dict:
+    runs: dict[bool, list[float]] = {True: [], False: []}
+    outputs: dict[bool, list] = {}
+    for on in ORDER:
+        s, n, toks, _ = workload(engine, batch, args.prompt_len, args.max_tokens, on, False)
+        runs[on].append(n / s)
+        outputs.setdefault(on, toks)
+        assert outputs[on] == toks, "a rerun changed greedy tokens"
+    traced = {}
+    for on in (True, False):
+        _, _, toks, traces = workload(engine, batch, args.prompt_len, args.max_tokens, on, True)
+        traced[on] = idle_share(traces)
+        assert outputs[on] == toks, "tracing changed greedy tokens"
+    on_tps, off_tps = float(np.mean(runs[True])), float(np.mean(runs[False]))
+    return dict(
+        batch=batch,
+        tok_s_on=on_tps,
+        tok_s_off=off_tps,
+        ratio=on_tps / off_tps,
+        tok_s_runs={"on": runs[True], "off": runs[False]},
+        idle_on=traced[True][0],
+        idle_off=traced[False][0],
+        idle_ratio=traced[True][0] / traced[False][0] if traced[False][0] else float("nan"),
+        host_ms_on=traced[True][1],
+        host_ms_off=traced[False][1],
+        same_tokens=outputs[True] == outputs[False],
+        loadavg=loadavg(),
+    )
+
+
+def model_path(name: str, cache: Path) -> str:
+    if name == "demo":
+        return "tiny-random-llama"
+    return str(ensure_checkpoint(PRESETS["default"], cache))
+
+
+def print_table(results: list[dict]) -> None:
+    head = (f"{'model':6s} {'batch':>5s} {'tok/s on':>9s} {'tok/s off':>9s} {'on/off':>6s} "
+            f"{'idle on':>8s} {'idle off':>8s} {'on/off':>7s} {'host ms on':>10s} "
+            f"{'host ms off':>11s} same")  # fmt: skip
+    print(head)
+    for r in results:
+        print(f"{r['model']:6s} {r['batch']:5d} {r['tok_s_on']:9.1f} {r['tok_s_off']:9.1f} "
+              f"{r['ratio']:6.3f} {r['idle_on']:8.1%} {r['idle_off']:8.1%} "
+              f"{r['idle_ratio']:7.3f} {r['host_ms_on']:10.2f} {r['host_ms_off']:11.2f} "
+              f"{'yes' if r['same_tokens'] else 'NO'}")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    apply_cpu_workarounds()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="demo,57m", help="comma list of demo, 57m")
+    p.add_argument("--batches", default="1,16,64,256")
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-num-batched-tokens", type=int, default=256)
+    p.add_argument("--cache", default=str(HERE / ".cache"))
+    p.add_argument("--output", default=str(RESULTS / "async_scheduling.json"))
+    args = p.parse_args(argv)
+    enable_compile_cache(Path(args.cache) / "jax")
+    batches = [int(b) for b in args.batches.split(",")]
+    load = loadavg()
+    results = []
+    for name in args.models.split(","):
+        print(f"{name}: building and warming up ...", flush=True)
+        engine = build(model_path(name, Path(args.cache)), max(batches),
+                       args.prompt_len + args.max_tokens, args.max_num_batched_tokens)  # fmt: skip
+        for batch in batches:
+            results.append(dict(model=name, **measure(engine, batch, args)))
+            print_table(results[-1:])
+        del engine
+    print()
+    print_table(results)
+    report = dict(results=results, args=vars(args), machine=machine(load), git=git_state())
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(report, indent=1))
+    print(f"\nwrote {args.output}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

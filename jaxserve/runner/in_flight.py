@@ -1,0 +1,120 @@
+"""InFlightStep: a dispatched engine step whose results are still on the device, and how the
+runner collects them (its sampled ids, logprobs and prompt logprobs to the host).
+
+``ModelRunner.dispatch`` returns one as soon as the jitted step is enqueued; ``collect`` waits
+for its sampled ids and turns them into a ModelRunnerOutput. A synchronous engine collects each
+step at once; with async scheduling the next step is dispatched first (docs/engine_step.md), so
+by the time a step is collected, the runner may have dropped some of its requests (finished,
+aborted or preempted since) and given their slots to others: their rows are skipped, and their
+samples never reach the host's buffers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from jaxserve.outputs import ModelRunnerOutput
+from jaxserve.runner.input_batch import InputBatch, PreparedBatch
+from jaxserve.runner.sampler import logprobs_width
+from jaxserve.runner.spec_rows import emitted_runs
+
+if TYPE_CHECKING:
+    from jaxserve.runner.prompt_logprobs import PromptLogprobs
+    from jaxserve.runner.sampling_metadata import SamplingInputs
+
+
+@dataclass
+class InFlightStep:
+    """A step's device results. ``batch`` is None for a step that ran no model (an empty
+    SchedulerOutput: the runner only updated its state)."""
+
+    batch: PreparedBatch | None = None
+    out: Any = None  # SamplerOutput
+    plp: Any = None  # prompt logprobs (LogprobsArrays)
+    num_emitted: Any = None  # i32[R] tokens each logits segment emits
+
+    def ready(self) -> None:
+        """Block until the step's sampled ids are computed."""
+        if self.out is not None:
+            jax.block_until_ready(self.out.token_ids)
+
+
+def live_sampling_rows(batch: PreparedBatch, ib: InputBatch) -> np.ndarray:
+    """Batch rows that sampled and whose request still holds the slot it had (a request gone
+    since, or its slot given to another, is skipped)."""
+    rows = np.flatnonzero(batch.sampling_rows)
+    slot_of, slots, req_ids = ib.slot_of, batch.slots, batch.req_ids
+    live = [slot_of.get(req_ids[r]) == slots[r] for r in rows.tolist()]
+    return rows if all(live) else rows[np.array(live, bool)]
+
+
+def collect(
+    step: InFlightStep,
+    ib: InputBatch,
+    sampling: SamplingInputs,
+    num_logprobs: dict[str, int],
+    prompt_logprobs: PromptLogprobs,
+    vocab_size: int,
+) -> ModelRunnerOutput:
+    """Sampled tokens (and logprobs) back to the host; the persistent rows learn them. A
+    request that verified drafts gets its accepted drafts and one more token."""
+    batch = step.batch
+    if batch is None:
+        return ModelRunnerOutput()
+    rows = live_sampling_rows(batch, ib)  # requests that sample
+    slots = batch.slots[rows]
+    req_ids = [batch.req_ids[r] for r in rows.tolist()]
+    all_tokens = np.asarray(step.out.token_ids)
+    if batch.num_drafts.any():
+        first, counts, token_ids = emitted_runs(batch.num_drafts, rows, all_tokens,
+                                                step.num_emitted)  # fmt: skip
+        ib.append_token_runs(slots, counts, token_ids)
+        sampling.append_output_tokens(np.repeat(slots, counts), token_ids)
+        sampled = [t.tolist() for t in np.split(token_ids, np.cumsum(counts)[:-1])]
+    else:  # one token per request: the common path, kept lean
+        first, counts, token_ids = rows, np.ones(len(rows), np.int64), all_tokens[rows]
+        ib.append_tokens(slots, token_ids)
+        sampling.append_output_tokens(slots, token_ids)
+        sampled = [[t] for t in token_ids.tolist()]
+    result = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+    if num_logprobs and any(req_id in num_logprobs for req_id in req_ids):
+        _attach_logprobs(result, jax.device_get(step.out), num_logprobs, first, counts,
+                         logprobs_width(vocab_size))  # fmt: skip
+    if prompt_logprobs:
+        live = dataclasses.replace(batch, req_ids=_live_req_ids(batch, ib))
+        if prompt_logprobs.owed_in(live):
+            prompt_logprobs.collect(live, jax.device_get(step.plp), ib, result)
+    return result
+
+
+def _attach_logprobs(
+    result: ModelRunnerOutput,
+    host_out: Any,
+    wanted: dict[str, int],
+    first: np.ndarray,
+    counts: np.ndarray,
+    width: int,
+) -> None:
+    """The top logprobs of each sampled token of the requests that asked for them."""
+    for i, req_id in enumerate(result.req_ids):
+        num = wanted.get(req_id)
+        if num is not None:
+            start = int(first[i])
+            result.logprobs[req_id] = [
+                host_out.token_logprobs(r, min(num, width))
+                for r in range(start, start + int(counts[i]))
+            ]
+
+
+def _live_req_ids(batch: PreparedBatch, ib: InputBatch) -> list[str | None]:
+    """The batch's request ids, None for a row whose request left its slot since."""
+    slot_of = ib.slot_of
+    return [
+        rid if slot_of.get(rid) == slot else None
+        for rid, slot in zip(batch.req_ids, batch.slots.tolist(), strict=True)
+    ]
