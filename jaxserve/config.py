@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from jaxserve.kv_transfer_config import KVTransferConfig
 from jaxserve.speculative_config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -256,6 +257,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     speculative: SpeculativeConfig | None = None  # LLM(speculative_config=...); None: off
+    kv_transfer: KVTransferConfig | None = None  # LLM(kv_transfer_config=...); None: off
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:
@@ -268,6 +270,7 @@ class EngineConfig:
         """
         kwargs = _resolve_aliases(kwargs)
         speculative = SpeculativeConfig.from_value(kwargs.pop("speculative_config", None))
+        kv_transfer = KVTransferConfig.from_value(kwargs.pop("kv_transfer_config", None))
         parts: dict[str, dict[str, object]] = {}
         owners = {"model": ModelConfig, "cache": CacheConfig, "runner": RunnerConfig}
         owners["scheduler"] = SchedulerConfig
@@ -278,11 +281,12 @@ class EngineConfig:
         for key, value in kwargs.items():
             part = by_field.get(key)
             if part is None:
-                known = sorted([*by_field, *ARGUMENT_ALIASES, "speculative_config"])
+                extra = ("speculative_config", "kv_transfer_config")
+                known = sorted([*by_field, *ARGUMENT_ALIASES, *extra])
                 raise TypeError(f"unknown engine argument {key!r}; known: {known}")
             parts.setdefault(part, {})[key] = value
         configs = {part: owners[part](**vals) for part, vals in parts.items()}
-        return cls(**configs, speculative=speculative)
+        return cls(**configs, speculative=speculative, kv_transfer=kv_transfer)
 
 
 def kv_cache_storage_dtype(kv_cache_dtype: str, dtype: str) -> str:

@@ -34,12 +34,17 @@ HOST_MODULES = [
     "jaxserve.core.sched.pending_prefixes",
     "jaxserve.core.sched.output_processor",
     "jaxserve.core.sched.spec_tokens",
+    "jaxserve.core.kv_connector.shared_storage",
+    "jaxserve.kv_transfer_config",
     "jaxserve.speculative_config",
     "jaxserve.spec_decode",
     "jaxserve.sampling_constraints",
     "jaxserve.structured.manager",
     "jaxserve.structured.step_masks",
     "jaxserve.structured.llguidance_backend",
+    # the fronts over replicas: no jax, so they never take the devices they hand out
+    "jaxserve.fleet.data_parallel",
+    "jaxserve.fleet.disagg",
 ]
 
 # folder -> first-party packages it may import (besides itself).
@@ -94,12 +99,13 @@ def test_dependency_direction(folder: str) -> None:
 HOST_DATA = (
     "config",
     "speculative_config",
+    "kv_transfer_config",
     "sampling_params",
     "sampling_constraints",
     "request",
     "outputs",
 )
-_ABOVE_CORE = {"engine", "runner", "aot", "entrypoints", "jobs", "ray", "cli"}
+_ABOVE_CORE = {"engine", "runner", "aot", "entrypoints", "fleet", "jobs", "ray", "cli"}
 FORBIDDEN = {
     "core": _ABOVE_CORE,
     "runner": _ABOVE_CORE - {"runner"},
@@ -107,11 +113,13 @@ FORBIDDEN = {
     "spec_decode": _ABOVE_CORE,
     # structured outputs' grammars, matchers and per-step masks: host side, below the engine
     "structured": _ABOVE_CORE,
-    "engine": {"aot", "entrypoints", "jobs", "ray", "cli"},
+    "engine": {"aot", "entrypoints", "fleet", "jobs", "ray", "cli"},
     # ahead-of-time compilation: the runner's own path for a target, below the CLI
-    "aot": {"engine", "entrypoints", "jobs", "ray", "cli"},
-    "entrypoints": {"jobs", "ray", "cli"},
-    "jobs": {"ray", "cli"},
+    "aot": {"engine", "entrypoints", "fleet", "jobs", "ray", "cli"},
+    "entrypoints": {"fleet", "jobs", "ray", "cli"},
+    # the fronts over engine processes: HTTP and processes only, never an engine in-process
+    "fleet": {"core", "runner", "engine", "aot", "jobs", "ray", "cli", "spec_decode", "structured"},
+    "jobs": {"fleet", "ray", "cli"},
     # the host data modules: nothing of jaxserve but each other (and the package itself)
     **{name: _ABOVE_CORE | {"core"} for name in HOST_DATA},
 }

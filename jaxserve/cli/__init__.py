@@ -4,7 +4,8 @@
     convert    a Hugging Face checkpoint to an Orbax one (convert.py)
     plan       will a model fit, from config.json alone (plan.py)
     compile    every engine step compiled for a GPU / TPU that is not here (compile.py)
-    serve      the OpenAI-compatible HTTP server (serve.py)
+    serve      the OpenAI-compatible HTTP server (serve.py), or N replicas behind one
+    router     disaggregated serving: prefill on one server, decode on another (router.py)
     run-batch  a job in OpenAI's batch format (run_batch.py; jobs/run_batch.py)
     score      continuation log-probabilities (score.py; jobs/score_job.py)
 
@@ -39,6 +40,7 @@ SUBCOMMANDS: list[AddParser] = [
     lazy_subcommand("jaxserve.cli.plan"),
     lazy_subcommand("jaxserve.cli.compile"),
     lazy_subcommand("jaxserve.cli.serve"),
+    lazy_subcommand("jaxserve.cli.router"),
     lazy_subcommand("jaxserve.cli.run_batch"),
     lazy_subcommand("jaxserve.cli.score"),
 ]

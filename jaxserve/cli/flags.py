@@ -141,6 +141,14 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
         help='speculative decoding, vLLM\'s keys, e.g. \'{"method": "ngram", '
         '"num_speculative_tokens": 4}\' (greedy and seeded outputs do not change)',
     ),
+    _flag(
+        "--kv-transfer-config",
+        type=json_object,
+        metavar="JSON",
+        help="share KV blocks with other engines, vLLM's keys, e.g. '{\"kv_connector\": "
+        '"SharedStorageConnector", "kv_role": "kv_producer"}\' (disaggregated prefill: '
+        "producers save their prompts' blocks, consumers load them)",
+    ),
 )
 _MAPPED = {"engine_seed", "no_prefix_caching", "no_warmup", "no_calculate_kv_scales"}
 
@@ -191,6 +199,21 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "no_calculate_kv_scales", False):
         kwargs["calculate_kv_scales"] = False
     return kwargs
+
+
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The engine flags given in ``args`` as a command line again (for a child ``jaxserve
+    serve``: a data-parallel replica)."""
+    argv: list[str] = []
+    for flag in ENGINE_FLAGS:
+        value = getattr(args, flag.dest, None)
+        if value is None or value is False:
+            continue
+        if value is True:
+            argv.append(flag.options[0])
+        else:
+            argv += [flag.options[0], json.dumps(value) if isinstance(value, dict) else str(value)]
+    return argv
 
 
 def add_sampling_flags(parser: argparse.ArgumentParser) -> None:

@@ -2,6 +2,7 @@
 
     jaxserve serve --model M [--host 127.0.0.1] [--port 8000] [--api-key KEY]
                    [--served-model-name NAME] [--max-waiting-requests N] [engine flags]
+                   [--data-parallel-size N [--routing load|prefix|round_robin]]
 
 Serves /v1/models, /v1/completions, /v1/chat/completions, /health and /metrics. The API key is
 --api-key, else $JAXSERVE_API_KEY; without either the server needs none. The engine flags are
@@ -9,6 +10,10 @@ Serves /v1/models, /v1/completions, /v1/chat/completions, /health and /metrics. 
 SIGTERM), 2 bad input (a flag, an empty --api-key, a port in use, a model that cannot be found
 or read), 130 interrupted before the server started (cli.main). The port is bound first, so a
 port in use is reported before the model loads.
+
+With ``--data-parallel-size N`` (N > 1) the command is a front (jaxserve/fleet/): it starts N
+``jaxserve serve`` replicas on 127.0.0.1, each on its share of the cores or GPUs, and serves
+them behind one endpoint, routing each request by ``--routing``.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import logging
 from jaxserve.cli.flags import (
     add_engine_flags,
     add_model_flag,
+    engine_argv,
     engine_kwargs,
     fail,
     port,
@@ -47,7 +53,32 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_model_flag(p, required=True)
     _add_http_flags(p)
     _add_chat_flags(p)
+    _add_data_parallel_flags(p)
     add_engine_flags(p)
+
+
+def _add_data_parallel_flags(p: argparse.ArgumentParser) -> None:
+    """N engine replicas behind this endpoint (jaxserve/fleet/)."""
+    from jaxserve.fleet.routing import ROUTING_POLICIES
+
+    g = p.add_argument_group("data parallel")
+    g.add_argument(
+        "--data-parallel-size",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="engine replicas, each a process on its share of the devices (CPU: of the cores) "
+        "behind this one endpoint (default 1: this process is the engine)",
+    )
+    g.add_argument(
+        "--routing",
+        choices=ROUTING_POLICIES,
+        default="load",
+        help="how a request picks its replica: load (fewest open and waiting requests, then "
+        "KV usage; default), prefix (the replica holding its longest prompt prefix, by "
+        "consistent hashing of its first blocks, rebalanced off an overloaded one), "
+        "round_robin",
+    )
 
 
 def _add_http_flags(p: argparse.ArgumentParser) -> None:
@@ -135,7 +166,39 @@ def run(args: argparse.Namespace) -> int:
         uvicorn_log_level=args.uvicorn_log_level,
         graceful_shutdown_timeout=args.graceful_shutdown_timeout,
     )
+    if args.data_parallel_size > 1:
+        return _run_data_parallel(args, settings)
     try:
         return run_server({"model": args.model, **engine_kwargs(args)}, settings)
     except (OSError, TypeError, ValueError) as e:  # bad model or flag, a port that is taken
         return fail("serve", str(e))
+
+
+def _run_data_parallel(args: argparse.Namespace, settings: ServerSettings) -> int:
+    from jaxserve.fleet.data_parallel import DataParallelConfig, run_data_parallel
+
+    try:
+        config = DataParallelConfig(
+            num_replicas=args.data_parallel_size,
+            tensor_parallel_size=args.tensor_parallel_size or 1,
+            routing=args.routing,
+        )
+        return run_data_parallel(replica_args(args), config, settings)
+    except (OSError, ValueError, RuntimeError) as e:  # bad flag, port taken, a replica failed
+        return fail("serve", str(e))
+
+
+def replica_args(args: argparse.Namespace) -> list[str]:
+    """One replica's ``jaxserve serve`` flags: the model, the engine and the per-request
+    settings of this command (not its address, key or data-parallel flags: the front's)."""
+    argv = ["--model", args.model, "--served-model-name", args.served_model_name or args.model]
+    if args.max_waiting_requests is not None:
+        argv += ["--max-waiting-requests", str(args.max_waiting_requests)]
+    argv += ["--max-request-body-bytes", str(args.max_request_body_bytes)]
+    argv += ["--uvicorn-log-level", args.uvicorn_log_level]
+    argv += ["--graceful-shutdown-timeout", str(args.graceful_shutdown_timeout)]
+    if args.trust_request_chat_template:
+        argv.append("--trust-request-chat-template")
+    if args.tool_call_parser:
+        argv += ["--tool-call-parser", args.tool_call_parser]
+    return argv + engine_argv(args)

@@ -17,13 +17,17 @@ host takes a fresh device block and queues a host->device copy (``HostHit``). Sw
 (``swap_out`` / ``swap_in``, kv_swap.py) pins a request's blocks, full and partial, in host
 slots while it waits and copies them back into new device blocks when it resumes, its computed
 tokens kept.
+
+KV connector (optional, core/kv_connector/): a lookup that misses on both tiers goes on in the
+connector's store; each block found there takes a fresh device block, is queued as a load and
+enters the prefix cache (``RemoteHit``), as a host hit does.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from jaxserve.core.block_pool import BlockPool
 from jaxserve.core.host_block_pool import HostBlockPool
@@ -36,6 +40,7 @@ from jaxserve.core.kv_cache_utils import (
 from jaxserve.core.kv_swap import KVSwap
 
 if TYPE_CHECKING:  # pragma: no cover
+    from jaxserve.core.kv_connector.shared_storage import SharedStorageConnector
     from jaxserve.request import Request
 
 
@@ -45,6 +50,15 @@ class HostHit:
 
     slot: int
     block_hash: BlockHash
+
+
+@dataclass(frozen=True, eq=False)
+class RemoteHit:
+    """A prefix-cache hit in the KV connector's store (core/kv_connector/): the block's
+    contents ``data`` [L, 2, K, P, H], already read into host memory."""
+
+    block_hash: BlockHash
+    data: Any
 
 
 class KVCacheManager:
@@ -58,6 +72,8 @@ class KVCacheManager:
             ceil(max_model_len / block_size) entries.
         host_pool: the host tier's slots, or None (no host tier). Evicted blocks are offloaded
             to it only with prefix caching on; swapping works either way.
+        connector: the KV connector's scheduler half (looked up with prefix caching on), or
+            None.
     """
 
     def __init__(
@@ -67,8 +83,11 @@ class KVCacheManager:
         enable_caching: bool,
         max_model_len: int,
         host_pool: HostBlockPool | None = None,
+        connector: SharedStorageConnector | None = None,
     ) -> None:
         self.block_size = block_size
+        # The KV connector's store, looked up past both tiers (None: no connector).
+        self.connector = connector if enable_caching else None
         self.enable_caching = enable_caching
         self.max_model_len = max_model_len
         self.host_pool = host_pool
@@ -127,6 +146,7 @@ class KVCacheManager:
                 continue
             slot = host.lookup(hashes[i]) if host is not None else None
             if slot is None:
+                hits.extend(self._remote_hits(hashes[i:max_hit_blocks]))
                 break
             hits.append(HostHit(slot, hashes[i]))
             num_host_hits += 1
@@ -195,7 +215,7 @@ class KVCacheManager:
         cow_indices = shared_write_indices(
             table, new_computed_blocks, num_computed // bs, num_end, bs
         )
-        num_host = sum(1 for b in new_computed_blocks or () if isinstance(b, HostHit))
+        num_host = sum(1 for b in new_computed_blocks or () if isinstance(b, (HostHit, RemoteHit)))
         num_needed = max(num_new_blocks, 0) + len(cow_indices) + num_host
         # Borrowed blocks that sit free in the queue stop being allocatable once touched.
         num_free = self.block_pool.get_num_free_blocks()
@@ -277,19 +297,29 @@ class KVCacheManager:
         locked before any block is taken, so the offloads those evictions cause cannot take
         them."""
         host = self.host_cache
-        hits = [b for b in borrowed if isinstance(b, HostHit)]
-        host.lock(hit.slot for hit in hits)
+        if host is not None:
+            host.lock(b.slot for b in borrowed if isinstance(b, HostHit))
         self.block_pool.touch(b for b in borrowed if isinstance(b, KVCacheBlock))
         fresh = iter(self.block_pool.get_new_blocks(num_host))
         out: list[KVCacheBlock] = []
         for b in borrowed:
-            if isinstance(b, HostHit):
+            if isinstance(b, (HostHit, RemoteHit)):
                 block = next(fresh)
-                host.restore(b.slot, block.block_id)
+                if isinstance(b, HostHit):
+                    host.restore(b.slot, block.block_id)
+                else:
+                    self.connector.queue_load(block.block_id, b.data)
                 self.block_pool.cache_block(block, b.block_hash)
                 b = block
             out.append(b)
         return out
+
+    def _remote_hits(self, hashes: list[BlockHash]) -> list[RemoteHit]:
+        """The leading ``hashes`` the KV connector's store holds ([] without a connector)."""
+        if self.connector is None or not hashes:
+            return []
+        found = self.connector.lookup(hashes)
+        return [RemoteHit(h, data) for h, data in zip(hashes, found, strict=False)]
 
     def is_swapped(self, req_id: str) -> bool:
         return self.swap is not None and self.swap.is_swapped(req_id)

@@ -308,6 +308,8 @@ class EngineCore:
             if spec is not None and spec.method == "draft_model"
             else 0,
             max_num_sampling_rows=self.runner.max_num_sampling_rows,
+            # the KV connector's scheduler half (runner/kv_connector_worker.py), if any
+            kv_connector=getattr(getattr(self.runner, "kv_connector", None), "connector", None),
         )
 
     # ---- introspection ----------------------------------------------------------------------

@@ -45,6 +45,9 @@ _MIRRORED = {
     "host_to_device_bytes": "host_to_device_bytes",
     "num_swap_preemptions": "num_swap_preemptions",
     "num_swap_fallbacks": "num_swap_fallbacks",
+    # the KV connector's blocks (0 without one): loaded from and saved to its store
+    "kv_connector_loaded_blocks": "kv_connector_loaded_blocks",
+    "kv_connector_saved_blocks": "kv_connector_saved_blocks",
     # speculative decoding (vLLM's names; 0 while it is off)
     "spec_decode_num_drafts": "spec_decode_num_drafts",
     "spec_decode_num_draft_tokens": "spec_decode_num_draft_tokens",

@@ -48,6 +48,7 @@ from jaxserve.runner.compile_cache import enable_compilation_cache
 from jaxserve.runner.draft_model import DraftSpec
 from jaxserve.runner.kv_cache import KVAllocator, allocate_kv_caches
 from jaxserve.runner.kv_calibration import calculate_kv_scales
+from jaxserve.runner.kv_connector_worker import KVConnectorWorker, make_kv_connector
 from jaxserve.runner.kv_offload import KVOffloader, host_kv_blocks
 from jaxserve.runner.kv_scales import kv_scales_for
 from jaxserve.runner.machine import Machine
@@ -366,6 +367,7 @@ def make_runner(
         kv_offload=offload,
         draft=(load_draft or _load_draft)(resolved),
         kv_allocator=kv_allocator,
+        kv_connector=_kv_connector(model, resolved),
     )
     host_tier = None if offload is None else HostTier(resolved.num_host_blocks, offload.block_bytes)
     return runner, host_tier
@@ -383,6 +385,29 @@ def _kv_scales(resolved: ResolvedModel, model: CausalLM, ckpt: LoadedCheckpoint)
     return kv_scales_for(
         resolved.plan.kv_cache_dtype, ckpt.path, ckpt.arch.num_layers, calculate=calculate
     )
+
+
+def _kv_connector(model: CausalLM, resolved: ResolvedModel) -> KVConnectorWorker | None:
+    """The KV connector of ``kv_transfer_config`` (kv_connector_worker.py), or None."""
+    config = resolved.config
+    if config.kv_transfer is None:
+        return None
+    cache = config.cache
+    worker = make_kv_connector(
+        config.kv_transfer,
+        config.model.model,
+        model.arch.num_layers,
+        model.kv_cache_shape(cache.num_kv_blocks, cache.block_size),
+        jnp.dtype(resolved.plan.kv_cache_dtype),
+        resolved.sharding,
+    )
+    logger.info(
+        "KV connector: %s as %s, blocks in %s",
+        config.kv_transfer.kv_connector,
+        config.kv_transfer.kv_role,
+        worker.connector.store.folder,
+    )
+    return worker
 
 
 def _host_tier(model: CausalLM, resolved: ResolvedModel) -> KVOffloader | None:

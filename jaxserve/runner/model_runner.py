@@ -44,6 +44,7 @@ from jaxserve.runner.draft_model import DraftModel, DraftSpec
 from jaxserve.runner.in_flight import InFlightStep, collect
 from jaxserve.runner.input_batch import InputBatch, PreparedBatch
 from jaxserve.runner.kv_cache import KVAllocator, allocate_kv_caches
+from jaxserve.runner.kv_connector_worker import KVConnectorWorker
 from jaxserve.runner.kv_offload import KVOffloader
 from jaxserve.runner.map_budget import max_step_shapes
 from jaxserve.runner.plan import ExecutionPlan
@@ -80,6 +81,7 @@ class ModelRunner:
         kv_scales: host f32[L, 2] (k_scale, v_scale) per layer of an FP8 KV cache
             (runner/kv_scales.py), sent with every step's AttentionMetadata; None otherwise.
         kv_offload: the host KV tier's data side (kv_offload.py) when there is one, else None.
+        kv_connector: the KV connector's runner half (kv_connector_worker.py), or None.
         draft: speculative decoding's draft model (draft_model.py), or None.
         kv_allocator: makes the KV pages (kv_cache.abstract_kv_caches: compile, never run).
     """
@@ -101,11 +103,13 @@ class ModelRunner:
         kv_offload: KVOffloader | None = None,
         draft: DraftSpec | None = None,
         kv_allocator: KVAllocator = allocate_kv_caches,
+        kv_connector: KVConnectorWorker | None = None,
     ) -> None:
         self.model = model
         self._kv_allocator = kv_allocator
         self.kv_scales = kv_scales
         self.kv_offload = kv_offload
+        self.kv_connector = kv_connector
         self.params = params
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
@@ -271,6 +275,9 @@ class ModelRunner:
             self.kv_caches = self.kv_offload.apply(
                 self.kv_caches, so.device_to_host, so.host_to_device
             )
+        connector = so.kv_connector if self.kv_connector is not None else None
+        if connector is not None and connector.loads:
+            self.kv_caches = self.kv_connector.load(self.kv_caches, connector)
         if so.block_copies:
             self.copy_blocks(*padded_copies(so.block_copies))
         if so.is_empty:
@@ -296,6 +303,10 @@ class ModelRunner:
         if trace is not None:
             trace.record_batch(batch, sampling_md.temperature, time.perf_counter() - start)
         out, plp, num_emitted = self.run_prepared(batch, sampling_md, targets, trace)
+        if connector is not None and connector.saves:
+            # The blocks this forward completes (the gather waits for it: a producer's step
+            # that saves does not overlap the next one's scheduling).
+            self.kv_caches = self.kv_connector.save(self.kv_caches, connector)
         ib.num_pending[batch.slots[batch.sampling_rows]] += 1
         return InFlightStep(batch, out, plp, num_emitted)
 

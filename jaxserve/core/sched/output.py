@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from jaxserve.core.kv_connector.base import KVConnectorMeta
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -60,6 +61,8 @@ class SchedulerOutput:
     token_masks: req_id -> u32[ceil(V / 32)] tokens its sampling row may draw (bit t % 32 of
         word t // 32), for constrained requests that sample this step (structured outputs,
         bad words: jaxserve/structured/step_masks.py); the others are unmasked.
+    kv_connector: the KV connector's loads (before the forward) and saves (after it), or None
+        (core/kv_connector/base.py).
     """
 
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -73,6 +76,7 @@ class SchedulerOutput:
     host_to_device: list[tuple[int, int]] = field(default_factory=list)
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     token_masks: dict[str, np.ndarray] = field(default_factory=dict)
+    kv_connector: KVConnectorMeta | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -19,6 +19,7 @@ from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.core.host_block_pool import HostTier
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.kv_cache_utils import KVCacheBlock
+from jaxserve.core.kv_connector.shared_storage import SharedStorageConnector
 from jaxserve.core.sched.admission import (
     check_prompt_length,
     generation_limit,
@@ -55,6 +56,7 @@ class Scheduler:
             reaches them, for a draft model's proposals (0: none).
         max_num_sampling_rows: logits rows a step may sample, one per request and per draft
             (the runner's row cap; default, and at least, max_num_seqs).
+        kv_connector: the KV connector's scheduler half (core/kv_connector/), or None.
 
     Requests live in ``requests`` from add_request until they finish; a request is in exactly
     one of ``waiting`` (WAITING or PREEMPTED) and ``running`` (RUNNING, sorted by policy key).
@@ -69,8 +71,10 @@ class Scheduler:
         num_speculative_tokens: int = 0,
         num_lookahead_tokens: int = 0,
         max_num_sampling_rows: int | None = None,
+        kv_connector: SharedStorageConnector | None = None,
     ) -> None:
         self.host = HostKVTier(cache_config, host_tier)
+        self.kv_connector = kv_connector  # core/kv_connector/: KV shared with other engines
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_model_len = scheduler_config.max_model_len
@@ -194,6 +198,8 @@ class Scheduler:
         stats = self.stats.report(kv, self.num_kv_blocks, self.host.stats(kv))
         if self.spec_stats is not None:
             stats.update(self.spec_stats.report())
+        if self.kv_connector is not None:
+            stats.update(self.kv_connector.stats())
         return stats
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
@@ -207,7 +213,7 @@ class Scheduler:
     def _new_kv_cache_manager(self, counters_from: KVCacheManager | None = None) -> KVCacheManager:
         """An empty pool; the stats counters carry over from ``counters_from`` if given."""
         kv = KVCacheManager(self.block_size, self.num_kv_blocks, self.enable_caching,
-                            self.max_model_len, self.host.pool)  # fmt: skip
+                            self.max_model_len, self.host.pool, self.kv_connector)  # fmt: skip
         if counters_from is not None:
             carry_kv_counters(counters_from, kv)
         return kv
@@ -377,7 +383,10 @@ class Scheduler:
         self.stats.record_step(step, self.block_size)
         finished, self._finished_req_ids = self._finished_req_ids, set()
         kv = self.kv_cache_manager
-        return step.to_output(finished, kv.take_block_copies(), kv.take_host_copies())
+        out = step.to_output(finished, kv.take_block_copies(), kv.take_host_copies())
+        if self.kv_connector is not None:
+            out.kv_connector = self.kv_connector.build_meta(out, self.requests, kv)
+        return out
 
     # ----------------------------------------------------------------------------- update
 

@@ -16,12 +16,8 @@ from __future__ import annotations
 import asyncio
 import gc
 import hmac
-import ipaddress
 import logging
-import os
-import signal
 import socket
-import threading
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -36,6 +32,13 @@ from starlette.types import Receive, Scope, Send
 
 from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.entrypoints.openai.body import BodyLimits, parse_body
+from jaxserve.entrypoints.openai.listen import (
+    API_KEY_ENV,
+    api_key_of,
+    bind_socket,
+    is_loopback,
+    run_until_signal,
+)
 from jaxserve.entrypoints.openai.protocol import OpenAIError, loc_path
 from jaxserve.entrypoints.openai.request_outputs import EventStream
 from jaxserve.entrypoints.openai.serving import OpenAIServing
@@ -43,7 +46,6 @@ from jaxserve.entrypoints.openai.settings import ServerSettings
 
 logger = logging.getLogger("jaxserve")
 
-API_KEY_ENV = "JAXSERVE_API_KEY"
 _PARSE_INLINE_BYTES = 256 * 1024
 _CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, the logs do
 
@@ -230,51 +232,6 @@ def _add_error_handlers(app: FastAPI) -> None:
         return _error_response(OpenAIError(message, status_code=500))
 
 
-def api_key_of(given: str | None) -> str | None:
-    """The API key: ``given`` (--api-key), else $JAXSERVE_API_KEY; None (no key) when neither
-    is set.
-
-    Raises:
-        ValueError: a key given but empty (an unset shell variable would open the server).
-    """
-    if given is not None:
-        if not given.strip():
-            raise ValueError(
-                "--api-key is empty (an unset shell variable?); give a key, or leave the flag "
-                "out to serve without one"
-            )
-        return given
-    key = os.environ.get(API_KEY_ENV)
-    if key is not None and not key.strip():
-        raise ValueError(f"${API_KEY_ENV} is set but empty; unset it to serve without a key")
-    return key or None
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """The listening socket, bound before anything slow is built, so that a port in use is
-    known in a second rather than after the model has loaded and compiled.
-
-    Raises:
-        OSError: the address cannot be bound (in use, not this machine's), naming it.
-    """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}") from None
-    return sock
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
 def run_server(engine_args: Mapping[str, Any], settings: ServerSettings) -> int:
     """``jaxserve serve``: bind the port, build the engine (warm-up included) from
     ``engine_args`` (``LLM(...)``'s keyword arguments, ``model`` included: what
@@ -286,7 +243,7 @@ def run_server(engine_args: Mapping[str, Any], settings: ServerSettings) -> int:
             empty API key, an address that cannot be bound.
     """
     api_key = api_key_of(settings.api_key)
-    if api_key is None and not _is_loopback(settings.host):
+    if api_key is None and not is_loopback(settings.host):
         logger.warning(
             "serving on %s, reachable from other machines, with no API key: anyone who can "
             "reach it can use it (--api-key or $%s)",
@@ -350,21 +307,4 @@ def _serve(
     # collection of that heap took ~0.4 s, a pause every stream felt at once.
     gc.collect()
     gc.freeze()
-    _run_until_signal(uvicorn.Server(config), sock)
-
-
-def _run_until_signal(server: uvicorn.Server, sock: socket.socket) -> None:
-    """Run uvicorn until SIGINT or SIGTERM. uvicorn shuts down gracefully, then raises the
-    signal again: with SIGTERM handled as SIGINT here, both end the run as a KeyboardInterrupt,
-    caught, so that the engine is shut down and the exit status is 0."""
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.getsignal(signal.SIGTERM) if in_main_thread else None
-    if in_main_thread:
-        signal.signal(signal.SIGTERM, signal.default_int_handler)
-    try:
-        server.run(sockets=[sock])
-    except KeyboardInterrupt:
-        logger.info("stopped by a signal; shutting the engine down")
-    finally:
-        if in_main_thread and previous is not None:  # None: a handler not set from Python
-            signal.signal(signal.SIGTERM, previous)
+    run_until_signal(uvicorn.Server(config), sock)

@@ -1,0 +1,117 @@
+"""Start, watch and stop the data-parallel replicas: ``jaxserve serve`` processes on
+127.0.0.1, each with its placement (placement.py) and no API key of its own (only the front
+listens beyond loopback; it checks the key).
+
+A replica's port is found free by binding port 0 and closing it just before the process
+starts; a replica that cannot take it exits with status 2 and the start fails naming it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from jaxserve.fleet.placement import Placement
+
+logger = logging.getLogger("jaxserve")
+
+
+@dataclass
+class Replica:
+    """One replica process. index: its place among the replicas (the ``replica`` label of
+    /metrics); url: http://127.0.0.1:PORT; process: its Popen."""
+
+    index: int
+    url: str
+    process: subprocess.Popen
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_replicas(
+    serve_args: Sequence[str],
+    placements: Sequence[Placement],
+    environ: Mapping[str, str],
+) -> list[Replica]:
+    """Start one ``jaxserve serve SERVE_ARGS --host 127.0.0.1 --port P`` per placement."""
+    replicas = []
+    for index, placement in enumerate(placements):
+        port = free_port()
+        argv = [sys.executable, "-m", "jaxserve.cli", "serve", *serve_args]
+        argv += ["--host", "127.0.0.1", "--port", str(port)]
+        env = {**environ, **placement.env}
+        env.pop("JAXSERVE_API_KEY", None)  # the front checks the key; replicas are loopback
+        process = subprocess.Popen(argv, env=env, start_new_session=True)
+        if placement.cpus is not None and hasattr(os, "sched_setaffinity"):
+            # Before the child has imported jax: the threads XLA starts later inherit it.
+            os.sched_setaffinity(process.pid, placement.cpus)
+        where = f"cores {list(placement.cpus)}" if placement.cpus is not None else placement.env
+        logger.info("replica %d: pid %d on 127.0.0.1:%d (%s)", index, process.pid, port, where)
+        replicas.append(Replica(index, f"http://127.0.0.1:{port}", process))
+    return replicas
+
+
+def wait_ready(replicas: Sequence[Replica], timeout_s: float) -> None:
+    """Return once every replica answers /health with 200 (model loaded, warmed up).
+
+    Raises:
+        RuntimeError: a replica exited, or did not become ready in ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    pending = list(replicas)
+    while pending:
+        for replica in list(pending):
+            if not replica.alive:
+                raise RuntimeError(
+                    f"replica {replica.index} exited with status {replica.process.returncode} "
+                    "before it was ready (its log is above)"
+                )
+            if health(replica.url, timeout_s=2.0):
+                pending.remove(replica)
+        if pending and time.monotonic() > deadline:
+            raise RuntimeError(
+                f"replicas {[r.index for r in pending]} were not ready after {timeout_s:.0f} s"
+            )
+        if pending:
+            time.sleep(0.25)
+
+
+def health(url: str, timeout_s: float) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=timeout_s) as response:
+            return response.status == 200
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+def stop_replicas(replicas: Sequence[Replica], timeout_s: float) -> None:
+    """SIGTERM every replica (each shuts its engine down), then SIGKILL what is left after
+    ``timeout_s``; reaps them all."""
+    for replica in replicas:
+        if replica.alive:
+            replica.process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for replica in replicas:
+        try:
+            replica.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            logger.warning("replica %d did not stop in time: killed", replica.index)
+            replica.process.kill()
+            replica.process.wait()

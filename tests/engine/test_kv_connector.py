@@ -1,0 +1,119 @@
+"""The KV connector end to end, two engines in one process sharing a store folder (as two
+processes on one host share /dev/shm): a consumer's greedy tokens equal the producer's own (one
+colocated engine) while it loads the prompts' blocks instead of computing them; a store that
+lost blocks (a producer killed mid-transfer, a lease expired) only makes the consumer compute
+them, with the same tokens; aborts free every block; FP8 pages travel as they are."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from engine_utils import SMALL, assert_nothing_held, random_prompts
+
+from jaxserve import LLMEngine, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+CONFIG = dict(SMALL, num_kv_blocks=96)
+
+
+def _kv(role: str, path: str) -> dict:
+    return {"kv_role": role, "kv_connector_extra_config": {"shared_storage_path": path}}
+
+
+@pytest.fixture(scope="module")
+def store_path(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("kv-store"))
+
+
+@pytest.fixture(scope="module")
+def producer(store_path) -> LLMEngine:
+    return LLMEngine("tiny-random-llama", kv_transfer_config=_kv("kv_producer", store_path),
+                     **CONFIG)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def consumer(store_path) -> LLMEngine:
+    return LLMEngine("tiny-random-llama", kv_transfer_config=_kv("kv_consumer", store_path),
+                     **CONFIG)  # fmt: skip
+
+
+def _run(engine: LLMEngine, prompts: list[list[int]], tag: str) -> list[list[int]]:
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", {"prompt_token_ids": prompt}, GREEDY)
+    done = {}
+    for _ in range(500):
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+        if not engine.has_unfinished_requests():
+            break
+    return [done[f"{tag}-{i}"] for i in range(len(prompts))]
+
+
+def _store_files(engine: LLMEngine) -> list[str]:
+    folder = engine.core.scheduler.kv_connector.store.folder
+    return sorted(os.path.join(folder, f) for f in os.listdir(folder))
+
+
+def test_a_consumer_loads_the_producers_blocks_and_answers_the_same(producer, consumer):
+    prompts = random_prompts(4, seed=1, lo=20, hi=60)
+    want = _run(producer, prompts, "p")
+    saved = producer.get_stats()["kv_connector_saved_blocks"]
+    assert saved == sum(len(p) // 8 for p in prompts) == len(_store_files(producer))
+    before = consumer.get_stats()
+    assert _run(consumer, prompts, "c") == want
+    after = consumer.get_stats()
+    loaded = after["kv_connector_loaded_blocks"] - before["kv_connector_loaded_blocks"]
+    assert loaded == sum((len(p) - 1) // 8 for p in prompts)  # every block it may take over
+    assert after["prefix_cache_hits"] - before["prefix_cache_hits"] == 8 * loaded
+    assert_nothing_held(producer)
+    assert_nothing_held(consumer)
+    # The same prompts again on the producer: its own device cache, nothing saved twice.
+    assert _run(producer, prompts, "p2") == want
+    assert producer.get_stats()["kv_connector_saved_blocks"] == saved
+
+
+def test_blocks_lost_in_transfer_are_recomputed_with_the_same_tokens(producer, consumer):
+    """A producer killed mid-transfer: some blocks never reached the store, the last one only
+    as a temporary file; another block expired. The consumer computes from the first one it
+    cannot read."""
+    prompts = random_prompts(3, seed=2, lo=40, hi=60)
+    want = _run(producer, prompts, "q")
+    files = _store_files(producer)
+    os.unlink(files[len(files) // 2])
+    os.replace(files[-1], files[-1] + ".123.tmp")
+    old = os.stat(files[0]).st_mtime - 3600
+    os.utime(files[1], (old, old))  # past its lease
+    before = consumer.get_stats()["kv_connector_loaded_blocks"]
+    assert _run(consumer, prompts, "d") == want
+    loaded = consumer.get_stats()["kv_connector_loaded_blocks"] - before
+    assert 0 < loaded < sum((len(p) - 1) // 8 for p in prompts)
+    assert_nothing_held(consumer)
+
+
+def test_aborted_requests_free_every_block_on_both_sides(producer, consumer):
+    prompts = random_prompts(3, seed=3, lo=30, hi=50)
+    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    for engine, tag in ((producer, "ap"), (consumer, "ac")):
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"{tag}-{i}", {"prompt_token_ids": prompt}, long)
+        for _ in range(3):
+            engine.step()
+        engine.abort_request([f"{tag}-{i}" for i in range(len(prompts))])
+        assert_nothing_held(engine)
+
+
+@pytest.mark.slow  # an engine of its own
+def test_fp8_pages_round_trip_through_the_store(tmp_path):
+    """One engine as producer and consumer (kv_both): its device cache emptied between the
+    runs, the second run's prompt blocks come from the store, in float8, with the same tokens."""
+    engine = LLMEngine("tiny-random-llama", kv_cache_dtype="fp8",
+                       kv_transfer_config=_kv("kv_both", str(tmp_path)), **CONFIG)  # fmt: skip
+    prompts = random_prompts(2, seed=4, lo=30, hi=50)
+    want = _run(engine, prompts, "f")
+    assert engine.reset_prefix_cache()
+    assert _run(engine, prompts, "g") == want
+    assert engine.get_stats()["kv_connector_loaded_blocks"] == sum((len(p) - 1) // 8
+                                                                   for p in prompts)  # fmt: skip
+    assert_nothing_held(engine)
