@@ -271,7 +271,7 @@ elif mode == "workers":
     out["engine"] = {"compilations": num, "fresh": fresh, "cache_hits": hits}
     out["warmup_process"] = proc_delta(before)
 elif mode == "features":
-    llm = LLM(**spec["engine"])
+    llm = LLM(**spec["engine"], warmup=True)
     out["warmup"] = WARM
     rows = {}
     for name, prompts, params in spec["runs"]:

@@ -217,7 +217,10 @@ class RunnerConfig:
 
     attention_backend: str = "auto"
     tensor_parallel_size: int = 1
-    warmup: bool = True  # compile every step shape at start-up (False: on first use)
+    # True: compile every step shape at start-up (a server); "job": before each offline job
+    # (LLM.generate / stream), the shapes its requests can reach (runner/job_shapes.py),
+    # LLM's default; False: on first use.
+    warmup: bool | str = True
     # The plan checks its attention kernel once per process against the reference; on a
     # mismatch it takes the next implementation with a warning, or, when strict, raises.
     strict_kernels: bool = False
@@ -228,9 +231,14 @@ class RunnerConfig:
     def __post_init__(self) -> None:
         _choice("RunnerConfig", "attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _positive_int("RunnerConfig", "tensor_parallel_size", self.tensor_parallel_size)
-        for name in ("warmup", "strict_kernels"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"RunnerConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.strict_kernels, bool):
+            raise TypeError(
+                f"RunnerConfig.strict_kernels must be a bool, got {self.strict_kernels!r}"
+            )
+        if not isinstance(self.warmup, bool) and self.warmup != "job":
+            raise TypeError(
+                f"RunnerConfig.warmup must be True, False or 'job', got {self.warmup!r}"
+            )
         cache_dir = self.compilation_cache_dir
         if cache_dir is not None and not isinstance(cache_dir, str):
             raise TypeError(

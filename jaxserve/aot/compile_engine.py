@@ -1,7 +1,7 @@
 """compile_engine: every compilation warm-up would run on the target, compiled here.
 
 build_abstract_engine(config, target)      the runner the engine would build there
-warmup.compilations(runner, shapes)        its step buckets x sampler variants, block copies
+warmup.compilations(runner, what)          its step buckets x sampler variants, block copies
 compiler.compile_job(job, mesh)            each one, for the target's compile-only devices
 CompileReport                              per bucket, totals, roofline predictions
 """
@@ -51,7 +51,7 @@ def compile_engine(
     shapes = _shapes(engine, token_buckets)
     mesh = engine.resolved.sharding.mesh
     results = []
-    for job in compilations(engine.runner, shapes):
+    for job in compilations(engine.runner, engine.runner.warmup_set(shapes)):
         result = compile_job(job, mesh)
         results.append(result)
         if on_result is not None:

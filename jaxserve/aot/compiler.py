@@ -1,6 +1,6 @@
 """Compile each of warm-up's compilations for the target, and keep what the compiler says.
 
-The jobs are warmup.compilations(runner, shapes): the engine's own jitted step for every
+The jobs are warmup.compilations(runner, what): the engine's own jitted step for every
 (T, R, B) bucket in both sampler variants, and the block copy at every padded size, with the
 arguments warm-up gives them (abstract params and KV pages here). Each is lowered and compiled
 for the target's compile-only devices, one at a time; a failure is recorded (the compiler's

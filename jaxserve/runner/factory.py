@@ -187,7 +187,7 @@ def build_runner(config: EngineConfig) -> tuple[ModelRunner, RunnerInfo]:
     ckpt = _load_weights(resolved)
     runner, host_tier = make_runner(resolved, ckpt)
     _compare_weights(runner, resolved.memory)
-    if config.runner.warmup:
+    if config.runner.warmup is True:  # "job": before each job (LLMEngine.warm_up_for)
         _warm_up(runner, resolved.plan.compile_workers)
     if host_tier is not None and config.cache.preemption_mode == "auto":
         # "auto" preemption weighs copies against recomputation: measure the copies once.

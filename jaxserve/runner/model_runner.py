@@ -37,6 +37,7 @@ from jaxserve.outputs import ModelRunnerOutput
 from jaxserve.runner.buckets import BucketSpec
 from jaxserve.runner.draft_model import DraftModel, DraftSpec
 from jaxserve.runner.input_batch import InputBatch, PreparedBatch
+from jaxserve.runner.job_shapes import WarmupSet
 from jaxserve.runner.kv_cache import KVAllocator, allocate_kv_caches
 from jaxserve.runner.kv_offload import KVOffloader
 from jaxserve.runner.map_budget import max_step_shapes
@@ -130,6 +131,7 @@ class ModelRunner:
             ),
         )
         self.kv_caches = self._allocate_kv_caches()
+        self.warmed: set = set()  # steps and block copies warm-up ran (warmup.py)
         self.draft = None
         if draft is not None:
             rows = tuple(sorted({self.buckets.padded_rows(t) for t in self.buckets.token_buckets}))
@@ -225,11 +227,26 @@ class ModelRunner:
         return True
 
     # ---- compilation ------------------------------------------------------------------------
-    def warmup(self, shapes: list[tuple[int, int, int]] | None = None, workers: int = 1) -> int:
-        """Compile the step for every (T, R, B) bucket (default: all) in both sampler variants,
-        the block and host-tier copies, ``workers`` at a time, then run each once (warmup.py).
-        Returns the number of compilations this caused (fresh or from the cache)."""
-        return warm_up(self, shapes or self.buckets.all_shapes(), workers)
+    def warmup(
+        self,
+        shapes: list[tuple[int, int, int]] | None = None,
+        workers: int = 1,
+        *,
+        what: WarmupSet | None = None,
+    ) -> int:
+        """Compile the step for every (T, R, B) bucket of ``shapes`` (default: all) in both
+        sampler variants, every block copy and the host-tier copies, or only what ``what``
+        lists (a job's set: job_shapes.py), ``workers`` at a time, then run each once
+        (warmup.py). Returns the number of compilations this caused (fresh or from the
+        cache)."""
+        if what is None:
+            what = self.warmup_set(shapes)
+        return warm_up(self, what, workers)
+
+    def warmup_set(self, shapes: list[tuple[int, int, int]] | None = None) -> WarmupSet:
+        """``shapes`` (default: every bucket) in every sampler variant, every block copy."""
+        shapes = shapes or self.buckets.all_shapes()
+        return WarmupSet(tuple(shapes), self.sampling.variant_widths, self.copy_sizes)
 
     def measure_offload_bandwidth(self) -> tuple[float, float]:
         """(bytes per second, latency in seconds) of the host KV tier's copies, measured once

@@ -63,6 +63,11 @@ class StepCompiles:
             self._compiled(signature(args, names, static), new.cache_hits > 0)
         return out
 
+    def begin_warmup(self) -> None:
+        """A warm-up starts (the first, or a job's, job_shapes.py): its compilations are
+        expected, neither explained nor logged."""
+        self.warmed_up = False
+
     def finish_warmup(self) -> None:
         """Warm-up is done: every later compilation is explained (and logged)."""
         self.warmed_up = True
