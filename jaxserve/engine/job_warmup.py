@@ -43,6 +43,7 @@ def warm_up_for(engine: LLMEngine, requests: Sequence[CheckedRequest]) -> int:
         variant_widths=runner.sampling.variant_widths,
         copy_sizes=runner.copy_sizes,
         num_spec_tokens=0 if spec is None else spec.num_speculative_tokens,
+        num_usable_blocks=engine.info.num_kv_blocks - 1,  # the null block is never allocated
     )
     start = time.perf_counter()
     num = runner.warmup(workers=engine.info.plan.compile_workers, what=what)

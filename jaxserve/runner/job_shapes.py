@@ -7,12 +7,16 @@ module bounds, from the requests alone, every shape the scheduler can hand the r
 they run, whatever it decides (chunked prefill, preemption by recomputation or swap, prefix
 hits, ``n > 1`` forks, speculative drafts):
 
-- T (padded tokens of a step). A sequence never has more than ``prompt + max_tokens`` tokens,
-  of which it computes at most all but the last, plus ``k`` speculative drafts a step; a step
-  schedules at most ``max_num_batched_tokens`` tokens and no sequence more than it has left
-  (after preemption it recomputes what it had, no more). So a step's T is at most
-  ``min(budget, sum over sequences of (prompt + max_tokens + k))``, and every token bucket up
-  to that one's padding can occur (the tail of a job steps down to T = 1).
+- T (padded tokens of a step). A step schedules at most ``max_num_batched_tokens`` tokens and
+  no sequence more than it has left to compute. When the KV pool holds every sequence at its
+  longest (``ceil((prompt + max_tokens + k) / block_size)`` blocks each, shared blocks counted
+  once per holder: more than they take), no allocation fails, so nothing is preempted
+  (preemption happens only then, scheduler._preempt_until_fits): a sequence has at most its
+  prompt left while it prefills, and one token plus ``k`` speculative drafts a step after, so
+  T <= ``sum over sequences of max(prompt, 1 + k)``. Otherwise a preempted sequence
+  recomputes what it had, up to ``prompt + max_tokens`` tokens (plus drafts), and T <=
+  ``sum over sequences of (prompt + max_tokens + k)``. Every token bucket up to that bound's
+  padding can occur (the tail of a job steps down to T = 1).
 - R follows T (buckets.py: R = min(T, max_rows)).
 - B (block-table width). A row's width is ``ceil(seq_len / block_size)`` of its computed and
   scheduled tokens, at most ``prompt + max_tokens + k`` (capped by max_model_len): every width
@@ -92,6 +96,7 @@ def job_warmup_set(
     variant_widths: Sequence[tuple[int, int]],
     copy_sizes: Sequence[int],
     num_spec_tokens: int = 0,
+    num_usable_blocks: int | None = None,
 ) -> WarmupSet:
     """The shapes, sampler variants and block copies that ``requests`` can reach (the module
     docstring gives the bounds); a subset of the full set of ``buckets``.
@@ -100,18 +105,23 @@ def job_warmup_set(
         variant_widths: the runner's two variants, without lists first.
         copy_sizes: the runner's padded block-copy sizes, ascending.
         num_spec_tokens: speculative drafts per request and step (k), 0 without.
+        num_usable_blocks: KV blocks the scheduler can allocate (the null block excluded);
+            None: unknown (the bound that allows preemption).
 
     Raises:
         ValueError: no request.
     """
     if not requests:
         raise ValueError("job_warmup_set: no request")
-    longest = 0
-    total = 0
+    longest = total = total_blocks = prefill = 0
     for r in requests:
         seq = min(r.num_prompt_tokens + r.max_tokens, max_model_len) + num_spec_tokens
         longest = max(longest, seq)
         total += r.n * seq
+        total_blocks += r.n * -(-seq // block_size)
+        prefill += r.n * max(r.num_prompt_tokens, 1 + num_spec_tokens)
+    if num_usable_blocks is not None and total_blocks <= num_usable_blocks:
+        total = prefill  # no preemption: nothing is recomputed
     max_t = buckets.padded_tokens(min(total, max_num_batched_tokens))
     widths = buckets.width_buckets
     max_b = round_up(min(-(-longest // block_size), widths[-1]), widths)

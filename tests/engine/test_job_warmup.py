@@ -65,13 +65,15 @@ def _job(rng: random.Random) -> tuple[list, list[SamplingParams]]:
 def test_a_small_job_compiles_a_fraction_of_the_full_set(llm):
     runner = llm.engine.runner
     assert _compiled(llm) == 0  # nothing at construction
-    llm.generate(["hi", "ho"], SamplingParams(max_tokens=2), use_tqdm=False)
-    # Two requests of 3 + 2 tokens at most: T up to 12, one sampler variant, no block copy.
-    assert runner.warmed == {((t, min(t, 8), 8), (0, 0)) for t in (1, 4, 6, 8, 12)}
-    assert _compiled(llm) == 5
+    prompts = [[5, 6, 7], [8, 9]]
+    llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)
+    # Two prompts of 3 + 2 tokens whose KV fits the pool (no preemption): T up to 6, one
+    # sampler variant, no block copy.
+    assert runner.warmed == {((t, t, 8), (0, 0)) for t in (1, 4, 6)}
+    assert _compiled(llm) == 3
     assert llm.get_stats()["recompilations"] == []
-    llm.generate(["hi", "ho"], SamplingParams(max_tokens=2), use_tqdm=False)
-    assert _compiled(llm) == 5  # the same job again: nothing new
+    llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert _compiled(llm) == 3  # the same job again: nothing new
 
 
 def _compiled(llm: LLM) -> int:
@@ -79,11 +81,11 @@ def _compiled(llm: LLM) -> int:
     return stats["num_compilations"] + stats["num_compilation_cache_hits"]
 
 
-@pytest.mark.slow
-def test_every_step_of_a_job_is_in_its_warmed_set(llm):
+def _run_jobs(llm: LLM, num_jobs: int, seed: int) -> None:
+    """Random jobs, each checked: every step it ran is in the set its warm-up compiled."""
     sets, steps = _watch(llm)
-    rng = random.Random(0)
-    for i in range(6):
+    rng = random.Random(seed)
+    for i in range(num_jobs):
         prompts, params = _job(rng)
         steps.clear()
         llm.generate(prompts, params, use_tqdm=False)
@@ -91,7 +93,21 @@ def test_every_step_of_a_job_is_in_its_warmed_set(llm):
         allowed = {(s, w) for s in what.shapes for w in what.variants}
         allowed |= {("copy", n) for n in what.copy_sizes}
         assert set(steps) <= allowed, (i, set(steps) - allowed)
+    assert llm.get_stats()["recompilations"] == []
+
+
+@pytest.mark.slow
+def test_every_step_of_a_job_is_in_its_warmed_set(llm):
+    _run_jobs(llm, 10, seed=0)
     stats = llm.get_stats()
     assert stats["recompilations"] == []
     assert stats["num_preemptions"] > 0 and stats["num_cow_copies"] > 0
     assert stats["prefix_cache_hits"] > 0
+
+
+@pytest.mark.slow
+def test_speculative_decoding_stays_in_the_set():
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "policy": "always"}
+    llm = LLM("tiny-random-llama", num_kv_blocks=14, speculative_config=ngram, **ENGINE)
+    _run_jobs(llm, 4, seed=1)
+    assert llm.get_stats()["spec_decode_num_draft_tokens"] > 0

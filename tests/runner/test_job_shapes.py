@@ -52,6 +52,18 @@ def test_bounds_cover_budget_forks_lists_and_drafts():
         _set([])
 
 
+def test_a_pool_that_holds_every_sequence_bounds_t_by_the_prompts():
+    jobs = [JobRequest(20, 30, 2, False), JobRequest(3, 60, 1, False)]  # 7 + 7 + 8 blocks
+    loose = _set(jobs)  # 2 x 50 + 63 = 163 tokens: T up to 192
+    assert max(t for t, _, _ in loose.shapes) == 192
+    roomy = _set(jobs, num_usable_blocks=22)  # no preemption: 2 x 20 + 3 = 43 tokens
+    assert max(t for t, _, _ in roomy.shapes) == 48
+    assert _set(jobs, num_usable_blocks=21).shapes == loose.shapes  # preemption possible
+    drafts = _set(jobs, num_usable_blocks=100, num_spec_tokens=4)  # 2 x 20 + max(3, 5)
+    assert max(t for t, _, _ in drafts.shapes) == 48
+    assert {b for _, _, b in roomy.shapes} == {b for _, _, b in loose.shapes}
+
+
 @pytest.mark.parametrize(
     "params",
     [
