@@ -45,6 +45,14 @@ PREEMPTION_MODES = ("recompute", "swap", "auto")
 # LLM(memory_utilization=0.8). Giving both, with different values, is an error.
 ARGUMENT_ALIASES = {"gpu_memory_utilization": "memory_utilization"}
 
+# The built-in demo model's engine defaults, sized for a demo (a few prompts, a notebook, a
+# local server) instead of for a device's memory: a pool of 1024 blocks (16k tokens), 32
+# sequences and a 512-token step budget, so that its warm-up compiles few shapes and its pool
+# is allocated at once. An argument given (or, for the pool, a memory setting) wins.
+DEMO_MODEL = "tiny-random-llama"
+DEMO_ENGINE_DEFAULTS = {"max_num_seqs": 32, "max_num_batched_tokens": 512, "num_kv_blocks": 1025}
+_POOL_SETTINGS = ("num_kv_blocks", "memory_utilization", "cpu_memory_bytes")
+
 
 def _positive_int(owner: str, name: str, value: object, *, allow_none: bool = False) -> None:
     if value is None and allow_none:
@@ -265,6 +273,8 @@ class EngineConfig:
             ValueError: a bad value; an alias and its name given with different values.
         """
         kwargs = _resolve_aliases(kwargs)
+        if kwargs.get("model", ModelConfig.model) == DEMO_MODEL:
+            kwargs = _with_demo_defaults(kwargs)
         speculative = SpeculativeConfig.from_value(kwargs.pop("speculative_config", None))
         parts: dict[str, dict[str, object]] = {}
         owners = {"model": ModelConfig, "cache": CacheConfig, "runner": RunnerConfig}
@@ -292,6 +302,17 @@ def kv_cache_storage_dtype(kv_cache_dtype: str, dtype: str) -> str:
     """
     _choice("CacheConfig", "kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
     return dtype if kv_cache_dtype == "auto" else FP8_STORAGE_DTYPES[kv_cache_dtype]
+
+
+def _with_demo_defaults(kwargs: dict[str, object]) -> dict[str, object]:
+    """kwargs with DEMO_ENGINE_DEFAULTS for the settings not given (the pool's size only when
+    no pool setting is given)."""
+    out = dict(kwargs)
+    for key, value in DEMO_ENGINE_DEFAULTS.items():
+        pool = _POOL_SETTINGS if key == "num_kv_blocks" else (key,)
+        if not any(k in kwargs for k in pool):
+            out[key] = value
+    return out
 
 
 def _resolve_aliases(kwargs: dict[str, object]) -> dict[str, object]:

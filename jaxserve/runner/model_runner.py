@@ -145,14 +145,14 @@ class ModelRunner:
         They hold the model, never the runner: nothing of the runner is in a reference cycle,
         so dropping the last LLM frees its device memory at once, without waiting for the
         cyclic garbage collector."""
-        self.compiles = compiles = StepCompiles("the engine step")
+        self.compiles = compiles = StepCompiles("the engine step", fixed_args=2)
         draft = self.draft
         self.jitted_step = step = jit_step(
             self.model, self.plan.sampler_draw, self.sharding,
             *(() if draft is None else (draft.model, draft.sharding)),
         )  # fmt: skip
         self._step = lambda *args: compiles(step, args, STEP_ARGS)
-        self.copy_compiles = copies = StepCompiles("the copy-on-write block copy")
+        self.copy_compiles = copies = StepCompiles("the copy-on-write block copy", fixed_args=1)
         self.jitted_copy = copy = jit_copy(self.sharding, self.model.arch.num_layers)
         self._copy = lambda *args: copies(copy, args, COPY_ARGS)
 

@@ -19,6 +19,8 @@ each runs once (``run_once``).
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -35,6 +37,22 @@ if TYPE_CHECKING:
     from jaxserve.runner.model_runner import ModelRunner
 
 Step = tuple[Shape, tuple[int, int]]  # a step shape (T, R, B) and its sampler list widths
+
+logger = logging.getLogger("jaxserve")
+
+
+def warm_up_all(runner: ModelRunner, workers: int) -> None:
+    """Compile every step shape now (a server's warm-up), and log what it cost."""
+    start = time.perf_counter()
+    hits = runner.num_compilation_cache_hits
+    num = runner.warmup(workers=workers)
+    logger.info(
+        "warm-up: %d compilations (%d loaded from the compilation cache) in %.1f s, %d at a time",
+        num,
+        runner.num_compilation_cache_hits - hits,
+        time.perf_counter() - start,
+        workers,
+    )
 
 
 def warm_up(runner: ModelRunner, what: WarmupSet, workers: int) -> int:
