@@ -235,6 +235,9 @@ class RunnerConfig:
     # jax's persistent compilation cache (runner/compile_cache.py): None = the environment's
     # JAXSERVE_COMPILATION_CACHE_DIR, else ~/.cache/jaxserve/xla; "" = off.
     compilation_cache_dir: str | None = None
+    # A folder of `jaxserve compile --output` (runner/executable_store.py): its executables are
+    # loaded instead of compiled; a folder compiled for another engine is refused.
+    precompiled: str | None = None
 
     def __post_init__(self) -> None:
         _choice("RunnerConfig", "attention_backend", self.attention_backend, ATTENTION_BACKENDS)
@@ -246,6 +249,11 @@ class RunnerConfig:
         if not isinstance(self.warmup, bool) and self.warmup != "job":
             raise TypeError(
                 f"RunnerConfig.warmup must be True, False or 'job', got {self.warmup!r}"
+            )
+        if self.precompiled is not None and not isinstance(self.precompiled, str):
+            raise TypeError(
+                f"RunnerConfig.precompiled must be a folder path (str) or None, got "
+                f"{self.precompiled!r}"
             )
         cache_dir = self.compilation_cache_dir
         if cache_dir is not None and not isinstance(cache_dir, str):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -107,8 +108,13 @@ def describe_job(job: Compilation) -> dict[str, Any]:
     )
 
 
-def compile_job(job: Compilation, mesh: jax.sharding.Mesh) -> BucketResult:
-    """Lower and compile one job for ``mesh``'s devices; a failure is a result, not raised."""
+def compile_job(
+    job: Compilation,
+    mesh: jax.sharding.Mesh,
+    on_compiled: Callable[[Any], None] | None = None,
+) -> BucketResult:
+    """Lower and compile one job for ``mesh``'s devices; a failure is a result, not raised.
+    ``on_compiled`` gets the compiled executable (jaxserve compile --output keeps it)."""
     facts = describe_job(job)
     start = time.perf_counter()
     try:
@@ -121,6 +127,8 @@ def compile_job(job: Compilation, mesh: jax.sharding.Mesh) -> BucketResult:
         return BucketResult(ok=False, error=message, compile_s=time.perf_counter() - start,
                             **facts)  # fmt: skip
     done = time.perf_counter()
+    if on_compiled is not None:
+        on_compiled(compiled)
     memory = compiled.memory_analysis()
     # XLA:GPU gives no cost analysis of a deviceless compile: then the lowered HLO's, by the
     # CPU client's cost model (the same FLOPs, counted before optimization).

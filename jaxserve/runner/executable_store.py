@@ -74,11 +74,12 @@ def engine_fields(
         plan: ExecutionPlan.as_dict().
         engine: the engine settings the step depends on (sizes, dtypes, speculation).
     """
-    client = devices[0].client
     return {
         "jax": jax.__version__,
         "jaxlib": jaxlib.__version__,
-        "backend": f"{client.platform} {client.platform_version}",
+        # A compile-only device (jaxserve compile --output) has the platform and kind of the
+        # chip it stands for; its client's version is not the chip's, so it is left out.
+        "backend": devices[0].platform,
         "devices": f"{len(devices)} x {devices[0].device_kind}",
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "jaxserve_source": source_fingerprint(),
@@ -86,6 +87,25 @@ def engine_fields(
         "plan": _canonical(plan),
         "engine": _canonical(engine),
     }
+
+
+def fields_of(resolved: Any, arch: Any) -> dict[str, str]:
+    """The fields of an engine (factory.ResolvedModel ``resolved``, its model's ``arch``): the
+    engine settings its step and block copy depend on."""
+    config = resolved.config
+    engine = dict(
+        dtype=resolved.plan.dtype,
+        quantization=config.model.quantization,
+        max_model_len=config.model.max_model_len,
+        block_size=config.cache.block_size,
+        num_kv_blocks=config.cache.num_kv_blocks,
+        max_num_seqs=config.scheduler.max_num_seqs,
+        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        speculative=config.speculative,
+        draft_arch=resolved.draft_arch,
+    )
+    devices = list(resolved.sharding.mesh.devices.flat)
+    return engine_fields(devices, arch, resolved.plan.as_dict(), engine)
 
 
 def _canonical(value: Any) -> str:
@@ -103,9 +123,12 @@ class ExecutableStore:
     whole (a temporary file renamed), so a reader never sees half of one.
     """
 
-    def __init__(self, folder: pathlib.Path, fields: dict[str, str]) -> None:
+    def __init__(
+        self, folder: pathlib.Path, fields: dict[str, str], read_only: bool = False
+    ) -> None:
         self.folder = folder
         self.fields = fields
+        self.read_only = read_only  # a precompiled folder: what compiles is not saved there
         self.num_loaded = 0
         self.num_saved = 0
         self._lock = threading.Lock()
@@ -128,6 +151,44 @@ class ExecutableStore:
             logger.warning("executable store off: cannot write %s (%s)", folder, e.strerror)
             return None
         return store
+
+    @classmethod
+    def precompiled(cls, folder: str, fields: dict[str, str]) -> ExecutableStore:
+        """The executables of ``jaxserve compile --output`` (LLM(precompiled=...)), read only.
+
+        Raises:
+            FileNotFoundError: no manifest in ``folder``.
+            ValueError: a manifest of another format or other fields (the first that differs
+                is named, with both values).
+        """
+        path = pathlib.Path(folder) / MANIFEST
+        if not path.is_file():
+            raise FileNotFoundError(f"precompiled={folder!r}: no {MANIFEST} there")
+        manifest = json.loads(path.read_text())
+        if manifest.get("format") != FORMAT:
+            raise ValueError(f"precompiled={folder!r}: format {manifest.get('format')!r}, this "
+                             f"jaxserve reads {FORMAT}")  # fmt: skip
+        theirs = manifest.get("fields", {})
+        field = _first_difference(theirs, fields)
+        if field is not None:
+            raise ValueError(
+                f"precompiled={folder!r} was compiled for another engine: field {field!r} is "
+                f"{theirs.get(field)!r:.300} there, {fields.get(field)!r:.300} here"
+            )
+        return cls(pathlib.Path(folder), fields, read_only=True)
+
+    @classmethod
+    def create(cls, folder: str, fields: dict[str, str]) -> ExecutableStore:
+        """A new store in ``folder`` (jaxserve compile --output): its manifest written (an
+        older one replaced).
+
+        Raises:
+            OSError: the folder cannot be written.
+        """
+        path = pathlib.Path(folder)
+        path.mkdir(parents=True, exist_ok=True)
+        _write_whole(path / MANIFEST, _canonical({"format": FORMAT, "fields": fields}))
+        return cls(path, fields)
 
     def check(self) -> bool:
         """Whether the folder's manifest holds this store's fields (logs the first that
@@ -170,7 +231,9 @@ class ExecutableStore:
 
     def save(self, name: str, signature: dict[str, str], compiled: Any) -> None:
         """Keep ``compiled`` (a jax.stages.Compiled) for the next process; a failure is logged,
-        never raised (the engine runs on without it)."""
+        never raised (the engine runs on without it). Nothing is saved in a read-only one."""
+        if self.read_only:
+            return
         path = self._path(name, signature)
         try:
             data = pickle.dumps(serialize_executable.serialize(compiled))
@@ -220,9 +283,17 @@ def _log_closest(root: pathlib.Path, fields: dict[str, str]) -> None:
                         path.parent.name, _first_difference(other, fields))  # fmt: skip
 
 
-def use_executable_store(runner: Any, cache_dir: str, fields: dict[str, str]) -> None:
-    """Give ``runner``'s step and block copy the store of ``fields`` under ``cache_dir`` (none
-    when it cannot be made: they compile as before)."""
-    store = ExecutableStore.for_engine(cache_dir, fields)
+def use_executable_store(
+    runner: Any, cache_dir: str | None, fields: dict[str, str], precompiled: str | None = None
+) -> None:
+    """Give ``runner``'s step and block copy the ``precompiled`` folder (checked: raises as
+    ExecutableStore.precompiled), else the store of ``fields`` under ``cache_dir`` (none when
+    the cache is off or the store cannot be made: they compile as before)."""
+    if precompiled is not None:
+        store = ExecutableStore.precompiled(precompiled, fields)
+    elif cache_dir is not None:
+        store = ExecutableStore.for_engine(cache_dir, fields)
+    else:
+        store = None
     if store is not None:
         runner.compiles.store = runner.copy_compiles.store = store

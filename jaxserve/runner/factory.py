@@ -43,7 +43,7 @@ from jaxserve.models import CausalLM, ModelArchConfig, get_model
 from jaxserve.pallas_kernels.ragged_paged_attention.impl import AttentionImpl, head_split_refusal
 from jaxserve.runner.compile_cache import enable_compilation_cache
 from jaxserve.runner.draft_model import DraftSpec
-from jaxserve.runner.executable_store import engine_fields, use_executable_store
+from jaxserve.runner.executable_store import fields_of, use_executable_store
 from jaxserve.runner.kv_cache import KVAllocator, allocate_kv_caches
 from jaxserve.runner.kv_offload import KVOffloader, host_kv_blocks
 from jaxserve.runner.kv_scales import kv_scales_for
@@ -189,8 +189,8 @@ def build_runner(config: EngineConfig) -> tuple[ModelRunner, RunnerInfo]:
     ckpt = _load_weights(resolved)
     runner, host_tier = make_runner(resolved, ckpt)
     _compare_weights(runner, resolved.memory)
-    if cache_dir is not None:
-        use_executable_store(runner, cache_dir, _store_fields(resolved, ckpt.arch))
+    fields = fields_of(resolved, ckpt.arch)
+    use_executable_store(runner, cache_dir, fields, config.runner.precompiled)
     if config.runner.warmup is True:  # "job": before each job (engine/job_warmup.py)
         warm_up_all(runner, resolved.plan.compile_workers)
     if host_tier is not None and config.cache.preemption_mode == "auto":
@@ -208,24 +208,6 @@ def build_runner(config: EngineConfig) -> tuple[ModelRunner, RunnerInfo]:
         host_tier=host_tier,
     )
     return runner, info
-
-
-def _store_fields(resolved: ResolvedModel, arch: ModelArchConfig) -> dict[str, str]:
-    """The executable store's fields of this engine (executable_store.engine_fields)."""
-    config = resolved.config
-    engine = dict(
-        dtype=resolved.plan.dtype,
-        quantization=config.model.quantization,
-        max_model_len=config.model.max_model_len,
-        block_size=config.cache.block_size,
-        num_kv_blocks=config.cache.num_kv_blocks,
-        max_num_seqs=config.scheduler.max_num_seqs,
-        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-        speculative=config.speculative,
-        draft_arch=resolved.draft_arch,
-    )
-    devices = list(resolved.sharding.mesh.devices.flat)
-    return engine_fields(devices, arch, resolved.plan.as_dict(), engine)
 
 
 def resolve_model(config: EngineConfig, machine: Machine | None = None) -> ResolvedModel:

@@ -59,11 +59,19 @@ def _check_compiled(report: dict, tp: int) -> None:
 
 
 def test_a_tiny_engine_compiles_for_v6e_1(tmp_path, capsys) -> None:
-    rc, report, output = _compile(tmp_path, capsys, "v6e-1", "--token-buckets", "8")
+    folder = tmp_path / "precompiled"
+    rc, report, output = _compile(
+        tmp_path, capsys, "v6e-1", "--token-buckets", "8", "--output", str(folder)
+    )
     assert rc == 0, output
     _check_compiled(report, tp=1)
     assert report["target"]["device_kind"] == "TPU v6 lite"
     assert "verdict: OK" in output and "predicted decode (roofline)" in output
+    # --output: every executable serialized, keyed for a v6e-1 (LLM(precompiled=...) there).
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["fields"]["backend"] == "tpu"
+    assert manifest["fields"]["devices"] == "1 x TPU v6 lite"
+    assert len(list(folder.glob("*.bin"))) == len(report["buckets"])
 
 
 def test_a_tiny_engine_compiles_for_v5e_4_with_tensor_parallelism(tmp_path, capsys) -> None:

@@ -111,3 +111,39 @@ def test_a_second_process_loads_every_step_without_tracing(tmp_path):
     third, log = _run({**env, "XLA_FLAGS": flags})
     assert "field 'xla_flags' differs; compiling" in log
     assert third["traced"] > 0 and third["tokens"] == first["tokens"]
+
+
+@pytest.mark.slow
+def test_precompiled_folder_loads_and_a_foreign_one_is_refused(tmp_path):
+    """LLM(precompiled=DIR) with a folder in `jaxserve compile --output`'s format (here an
+    engine's own store, copied: the same format, CPU executables) loads every step; one
+    compiled for another engine is refused before anything runs, naming the field."""
+    import shutil
+
+    from jaxserve import LLMEngine, SamplingParams
+
+    engine_args = dict(num_kv_blocks=16, block_size=8, max_model_len=32,
+                       max_num_batched_tokens=8, max_num_seqs=2)  # fmt: skip
+    first = LLMEngine("tiny-random-llama", **engine_args)
+    store = first.runner.compiles.store
+    folder = tmp_path / "precompiled"
+    shutil.copytree(store.folder, folder)
+    total = len(list(folder.glob("*.bin")))
+    assert total == len(first.runner.buckets.all_shapes()) * 2 + len(first.runner.copy_sizes)
+    engine = LLMEngine("tiny-random-llama", precompiled=str(folder), **engine_args)
+    stats = engine.get_stats()
+    assert stats["num_compilations"] == 0 and stats["num_compilation_cache_hits"] == total
+    assert engine.runner.compiles.store.read_only
+    params = SamplingParams(max_tokens=5, temperature=0.0)
+    for e in (first, engine):
+        e.add_request("a", [5, 6, 7, 8, 9, 10], params)
+    outs = []
+    for e in (first, engine):
+        while e.has_unfinished_requests():
+            outs += [o.outputs[0].token_ids for o in e.step() if o.finished]
+    assert outs[0] == outs[1] and engine.get_stats()["recompilations"] == []
+    with pytest.raises(ValueError, match="field 'engine' is .* there"):
+        LLMEngine("tiny-random-llama", precompiled=str(folder), **{**engine_args,
+                  "num_kv_blocks": 24})  # fmt: skip
+    with pytest.raises(FileNotFoundError, match="no manifest.json"):
+        LLMEngine("tiny-random-llama", precompiled=str(tmp_path), **engine_args)
