@@ -31,7 +31,7 @@ import time
 
 # vLLM 0.32's CPU backend, LLM(...) on the 57M checkpoint (issue 35, this machine).
 VLLM_CPU_ISSUE_S = 52.1
-PROMPT = "Hello, my name is"
+PROMPT = [1, 300, 301, 302, 303, 304]  # token ids: the 57M checkpoint has no tokenizer
 PHASES = ("import_s", "config_s", "weights_s", "runner_s", "warmup_s", "first_token_s")
 
 CHILD = r"""
@@ -77,7 +77,7 @@ def first_token(engine):
     llm = LLM(**engine)
     built = time.perf_counter()
     params = SamplingParams(max_tokens=1, temperature=0.0)
-    llm.generate([PROMPT], params, use_tqdm=False)
+    llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)
     done = time.perf_counter()
     stats = llm.get_stats()
     row = dict(acc, construct_s=built - start, first_token_s=done - built,
