@@ -129,6 +129,7 @@ class ExecutableStore:
         self.folder = folder
         self.fields = fields
         self.read_only = read_only  # a precompiled folder: what compiles is not saved there
+        self.devices: list[Any] | None = None  # the engine's devices, in mesh order: None: all
         self.num_loaded = 0
         self.num_saved = 0
         self._lock = threading.Lock()
@@ -220,7 +221,9 @@ class ExecutableStore:
             return None
         try:
             serialized, in_tree, out_tree = pickle.loads(path.read_bytes())
-            compiled = serialize_executable.deserialize_and_load(serialized, in_tree, out_tree)
+            compiled = serialize_executable.deserialize_and_load(
+                serialized, in_tree, out_tree, execution_devices=self.devices
+            )
         except Exception as e:  # any failure: compile instead
             logger.warning("%s: cannot load %s (%s: %s); compiling it", name, path.name,
                            type(e).__name__, e)  # fmt: skip
@@ -296,4 +299,6 @@ def use_executable_store(
     else:
         store = None
     if store is not None:
+        if runner.sharding is not None:
+            store.devices = list(runner.sharding.mesh.devices.flat)
         runner.compiles.store = runner.copy_compiles.store = store
