@@ -4,7 +4,8 @@ For each model (the built-in demo with its default engine, and bench/throughput.
 checkpoint with its engine), two fresh processes on one empty cache folder (first: nothing
 cached; second: the compilation cache and the serialized executables of the first), each:
 
-    import      spawn -> jax and jaxserve imported
+    import      spawn -> jax and jaxserve imported (trace / lower / compile: jax's seconds in
+                the whole of LLM(...) -> first token, the weights' and the plan's included)
     config      resolve_model: config.json, the plan, the memory plan
     weights     the checkpoint loaded onto the device (the demo's: generated)
     runner      the ModelRunner: KV pool, host buffers, jitted functions
@@ -147,7 +148,7 @@ def print_phases(report: dict) -> None:
     print("5 LLM(...) to the first token, by phase (seconds; default warm-up: the job's shapes)")
     cols = ("import", "config", "weights", "runner", "trace", "lower", "compile", "store",
             "warm-up", "1st tok", "LLM->tok", "spawn->tok")  # fmt: skip
-    print(f"  {'model / process':<22}" + "".join(f"{c:>10}" for c in cols))
+    print(f"  {'model / process':<22}" + "".join(f"{c:>11}" for c in cols))
     for name, m in report["models"].items():
         for label, run in zip(("first", "second"), m["runs"], strict=True):
             for kind in ("first", "rebuild"):
@@ -170,4 +171,4 @@ def print_phases(report: dict) -> None:
 
 
 def _cell(value: float | None) -> str:
-    return f"{'-':>10}" if value is None else f"{value:>10.2f}"
+    return f"{'-':>11}" if value is None else f"{value:>11.2f}"
