@@ -47,7 +47,8 @@ _source_hash: str | None = None
 
 
 def source_fingerprint() -> str:
-    """A hash of every .py file of the jaxserve package (its linked subpackages included),
+    """A hash of every .py, .cc and .h file of the jaxserve package (its linked subpackages
+    included: the C++ kernels that executables call by name too),
     computed once per process."""
     global _source_hash
     with _source_lock:
@@ -55,7 +56,7 @@ def source_fingerprint() -> str:
             digest = hashlib.sha256()
             for folder, dirs, files in sorted(os.walk(_SOURCE_ROOT, followlinks=True)):
                 dirs.sort()
-                for name in sorted(f for f in files if f.endswith(".py")):
+                for name in sorted(f for f in files if f.endswith((".py", ".cc", ".h"))):
                     path = pathlib.Path(folder, name)
                     digest.update(str(path.relative_to(_SOURCE_ROOT)).encode())
                     digest.update(path.read_bytes())

@@ -68,9 +68,15 @@ class StepCompiles:
     ) -> Any:
         """``fn(*args, **static)``; ``names`` name the positional args (for explanations)."""
         if self._loaded and not static:
-            executable = self._loaded.get(self._dispatch_key(args))
+            key = self._dispatch_key(args)
+            executable = self._loaded.get(key)
             if executable is not None:
-                return executable(*args)
+                try:
+                    return executable(*args)
+                except TypeError as e:  # jax's argument check, before anything runs
+                    del self._loaded[key]
+                    logger.warning("%s: a loaded executable refused its arguments (%s); "
+                                   "compiling instead", self.name, e)  # fmt: skip
         before = CompileEvents.in_thread()
         out = fn(*args, **static)
         new = CompileEvents.in_thread().since(before)
