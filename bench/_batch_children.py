@@ -53,7 +53,7 @@ def child_generate(spec: dict) -> dict:
     t0 = time.perf_counter()
     from jaxserve import LLM, SamplingParams
 
-    llm = LLM(spec["model"], **spec["engine"])
+    llm = LLM(spec["model"], **{"warmup": True, **spec["engine"]})  # warm before timing
     build_s = time.perf_counter() - t0
     reqs = _requests(spec)
     prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]

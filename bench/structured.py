@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     llm = LLM(
         args.model,
+        warmup=True,  # every shape before the timed runs
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         max_num_batched_tokens=max(256, args.max_num_seqs),

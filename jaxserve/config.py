@@ -46,6 +46,14 @@ PREEMPTION_MODES = ("recompute", "swap", "auto")
 # LLM(memory_utilization=0.8). Giving both, with different values, is an error.
 ARGUMENT_ALIASES = {"gpu_memory_utilization": "memory_utilization"}
 
+# The built-in demo model's engine defaults, sized for a demo (a few prompts, a notebook, a
+# local server) instead of for a device's memory: a pool of 1024 blocks (16k tokens), 32
+# sequences and a 512-token step budget, so that its warm-up compiles few shapes and its pool
+# is allocated at once. An argument given (or, for the pool, a memory setting) wins.
+DEMO_MODEL = "tiny-random-llama"
+DEMO_ENGINE_DEFAULTS = {"max_num_seqs": 32, "max_num_batched_tokens": 512, "num_kv_blocks": 1025}
+_POOL_SETTINGS = ("num_kv_blocks", "memory_utilization", "cpu_memory_bytes")
+
 
 def _positive_int(owner: str, name: str, value: object, *, allow_none: bool = False) -> None:
     if value is None and allow_none:
@@ -228,20 +236,36 @@ class RunnerConfig:
 
     attention_backend: str = "auto"
     tensor_parallel_size: int = 1
-    warmup: bool = True  # compile every step shape at start-up (False: on first use)
+    # True: compile every step shape at start-up (a server); "job": before each offline job
+    # (LLM.generate / stream), the shapes its requests can reach (runner/job_shapes.py),
+    # LLM's default; False: on first use.
+    warmup: bool | str = True
     # The plan checks its attention kernel once per process against the reference; on a
     # mismatch it takes the next implementation with a warning, or, when strict, raises.
     strict_kernels: bool = False
     # jax's persistent compilation cache (runner/compile_cache.py): None = the environment's
     # JAXSERVE_COMPILATION_CACHE_DIR, else ~/.cache/jaxserve/xla; "" = off.
     compilation_cache_dir: str | None = None
+    # A folder of `jaxserve compile --output` (runner/executable_store.py): its executables are
+    # loaded instead of compiled; a folder compiled for another engine is refused.
+    precompiled: str | None = None
 
     def __post_init__(self) -> None:
         _choice("RunnerConfig", "attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _positive_int("RunnerConfig", "tensor_parallel_size", self.tensor_parallel_size)
-        for name in ("warmup", "strict_kernels"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"RunnerConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.strict_kernels, bool):
+            raise TypeError(
+                f"RunnerConfig.strict_kernels must be a bool, got {self.strict_kernels!r}"
+            )
+        if not isinstance(self.warmup, bool) and self.warmup != "job":
+            raise TypeError(
+                f"RunnerConfig.warmup must be True, False or 'job', got {self.warmup!r}"
+            )
+        if self.precompiled is not None and not isinstance(self.precompiled, str):
+            raise TypeError(
+                f"RunnerConfig.precompiled must be a folder path (str) or None, got "
+                f"{self.precompiled!r}"
+            )
         cache_dir = self.compilation_cache_dir
         if cache_dir is not None and not isinstance(cache_dir, str):
             raise TypeError(
@@ -269,6 +293,8 @@ class EngineConfig:
             ValueError: a bad value; an alias and its name given with different values.
         """
         kwargs = _resolve_aliases(kwargs)
+        if kwargs.get("model", ModelConfig.model) == DEMO_MODEL:
+            kwargs = _with_demo_defaults(kwargs)
         speculative = SpeculativeConfig.from_value(kwargs.pop("speculative_config", None))
         kv_transfer = KVTransferConfig.from_value(kwargs.pop("kv_transfer_config", None))
         parts: dict[str, dict[str, object]] = {}
@@ -298,6 +324,17 @@ def kv_cache_storage_dtype(kv_cache_dtype: str, dtype: str) -> str:
     """
     _choice("CacheConfig", "kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
     return dtype if kv_cache_dtype == "auto" else FP8_STORAGE_DTYPES[kv_cache_dtype]
+
+
+def _with_demo_defaults(kwargs: dict[str, object]) -> dict[str, object]:
+    """kwargs with DEMO_ENGINE_DEFAULTS for the settings not given (the pool's size only when
+    no pool setting is given)."""
+    out = dict(kwargs)
+    for key, value in DEMO_ENGINE_DEFAULTS.items():
+        pool = _POOL_SETTINGS if key == "num_kv_blocks" else (key,)
+        if not any(k in kwargs for k in pool):
+            out[key] = value
+    return out
 
 
 def _resolve_aliases(kwargs: dict[str, object]) -> dict[str, object]:

@@ -5,7 +5,7 @@ without weights or a device: factory.resolve_model (the execution plan from the 
 facts, the memory plan from its memory: the pool the engine would get there, the shardings),
 then factory.make_runner with the params as jax.ShapeDtypeStructs in their shardings and the
 KV pages from kv_cache.abstract_kv_caches. The ModelRunner so built holds the same jitted step,
-buckets and block copy as on the real chip; warmup.compilations(runner, shapes) lists the
+buckets and block copy as on the real chip; warmup.compilations(runner, what) lists the
 compilations warm-up would run there, and each lowers and compiles for the compile-only
 devices (compiler.py). Nothing is allocated and no weight is read: config.json is all.
 """

@@ -1,9 +1,11 @@
 """compile_engine: every compilation warm-up would run on the target, compiled here.
 
 build_abstract_engine(config, target)      the runner the engine would build there
-warmup.compilations(runner, shapes)        its step buckets x sampler variants, block copies,
+warmup.compilations(runner, what)          its step buckets x sampler variants, block copies,
                                            the host KV tier's copies, a draft model's jobs
 compiler.compile_job(job, mesh)            each one, for the target's compile-only devices
+ExecutableStore.create(output, fields)     with output: each executable serialized, for
+                                           LLM(precompiled=output) on the target
 CompileReport                              per bucket, totals, roofline predictions
 """
 
@@ -18,6 +20,8 @@ from jaxserve.aot.report import CompileReport
 from jaxserve.aot.roofline import StepModel
 from jaxserve.aot.targets import AcceleratorTarget
 from jaxserve.config import EngineConfig
+from jaxserve.runner.executable_store import ExecutableStore, fields_of
+from jaxserve.runner.step_compiles import signature
 from jaxserve.runner.warmup import compilations
 
 logger = logging.getLogger("jaxserve")
@@ -32,6 +36,7 @@ def compile_engine(
     token_buckets: Sequence[int] | None = None,
     decode_context: int = DEFAULT_DECODE_CONTEXT,
     on_result: Callable[[BucketResult], None] | None = None,
+    output: str | None = None,
 ) -> CompileReport:
     """Compile the engine of ``config`` for ``target`` (no weights, no device) and report.
 
@@ -40,6 +45,8 @@ def compile_engine(
             engine's; None: all of them. The block copies are always compiled.
         decode_context: the context length (tokens) of the decode prediction.
         on_result: called with each compilation's result as it finishes (progress).
+        output: a folder to write the executables to (runner/executable_store.py's format,
+            keyed by the engine's fields on the target), for LLM(precompiled=output) there.
 
     Raises:
         ValueError: a token bucket the engine does not have, a decode_context < 1, or what
@@ -54,8 +61,16 @@ def compile_engine(
     draft = engine.runner.draft
     draft_counters = () if draft is None else (draft.compiles, draft.copy_compiles)
     results = []
-    for job in compilations(engine.runner, shapes):
-        result = compile_job(job, mesh, draft=any(job.compiles is c for c in draft_counters))
+    store = None
+    if output is not None:
+        store = ExecutableStore.create(output, fields_of(engine.resolved, engine.arch))
+    for job in compilations(engine.runner, engine.runner.warmup_set(shapes)):
+        keep = None
+        if store is not None:
+            sig = signature(job.args, job.names, {})
+            keep = lambda compiled, job=job, sig=sig: store.save(job.compiles.name, sig, compiled)  # noqa: E731
+        is_draft = any(job.compiles is c for c in draft_counters)
+        result = compile_job(job, mesh, draft=is_draft, on_compiled=keep)
         results.append(result)
         if on_result is not None:
             on_result(result)

@@ -1,6 +1,6 @@
 """Compile each of warm-up's compilations for the target, and keep what the compiler says.
 
-The jobs are warmup.compilations(runner, shapes): the engine's own jitted step for every
+The jobs are warmup.compilations(runner, what): the engine's own jitted step for every
 (T, R, B) bucket in both sampler variants, the block copy at every padded size, and with a host
 KV tier its gather (device -> host) and scatter (host -> device) at every padded size, with a
 draft model its proposal at every row bucket and its own block copy, with the arguments warm-up
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -145,9 +146,15 @@ def device_bytes(arrays: Any) -> int:
     return total
 
 
-def compile_job(job: Compilation, mesh: jax.sharding.Mesh, draft: bool = False) -> BucketResult:
+def compile_job(
+    job: Compilation,
+    mesh: jax.sharding.Mesh,
+    draft: bool = False,
+    on_compiled: Callable[[Any], None] | None = None,
+) -> BucketResult:
     """Lower and compile one job for ``mesh``'s devices (``draft``: a draft model's job); a
-    failure is a result, not raised."""
+    failure is a result, not raised. ``on_compiled`` gets the compiled executable (jaxserve
+    compile --output keeps it)."""
     facts = describe_job(job, draft)
     start = time.perf_counter()
     try:
@@ -160,6 +167,8 @@ def compile_job(job: Compilation, mesh: jax.sharding.Mesh, draft: bool = False) 
         return BucketResult(ok=False, error=message, compile_s=time.perf_counter() - start,
                             **facts)  # fmt: skip
     done = time.perf_counter()
+    if on_compiled is not None:
+        on_compiled(compiled)
     memory = compiled.memory_analysis()
     # XLA:GPU gives no cost analysis of a deviceless compile: then the lowered HLO's, by the
     # CPU client's cost model (the same FLOPs, counted before optimization).

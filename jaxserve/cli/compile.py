@@ -76,6 +76,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-context", type=positive_int, default=1024, metavar="N",
                    help="context length of the decode prediction (default 1024)")  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="write the report as JSON ('-': stdout)")
+    p.add_argument("--output", metavar="DIR", help="also write the executables there, for "
+                   "LLM(precompiled=DIR) / --precompiled DIR on the target")  # fmt: skip
     add_engine_flags(p, only=COMPILE_ENGINE_FLAGS)
 
 
@@ -104,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
             token_buckets=args.token_buckets,
             decode_context=args.decode_context,
             on_result=progress,
+            output=args.output,
         )
     except DoesNotFit as e:  # the engine would refuse it there: a finding, not bad input
         print(f"jaxserve compile: {e}", file=sys.stderr)

@@ -121,6 +121,12 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
         help="the persistent compilation cache's folder (default ~/.cache/jaxserve/xla; '' off)",
     ),
     _flag(
+        "--precompiled",
+        metavar="DIR",
+        help="load the step executables `jaxserve compile --output DIR` wrote for this engine "
+        "(refused, naming the field, when they were compiled for another)",
+    ),
+    _flag(
         "--seed",
         dest="engine_seed",
         metavar="SEED",

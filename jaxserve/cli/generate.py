@@ -99,12 +99,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         start = time.perf_counter()
         llm = LLM(model=args.model, **engine_kwargs(args))
-        load_s = time.perf_counter() - start
-        job.check_requests(llm.engine, requests)
+        checked = job.check_requests(llm.engine, requests)
     except (OSError, TypeError, ValueError) as e:  # bad model or input (docs/architecture.md)
         if results is not None:
             results.close()
         return fail("generate", str(e))
+    llm.warm_up(checked)  # the job's shapes (LLM's warmup="job"), counted in the load time
+    load_s = time.perf_counter() - start
     try:
         outputs, elapsed_s = job.generate(llm, requests, results, progress=not args.no_progress)
     finally:

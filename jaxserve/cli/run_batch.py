@@ -82,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
         from jaxserve.engine.async_llm import AsyncLLM  # jax loads here
 
         try:
-            engine = AsyncLLM(args.model, **engine_kwargs(args))
+            # The job's requests are known: warm up the shapes they reach (jobs/run_batch.py).
+            engine = AsyncLLM(args.model, **{"warmup": "job", **engine_kwargs(args)})
         except (OSError, TypeError, ValueError) as e:
             return fail("run-batch", str(e))
         try:

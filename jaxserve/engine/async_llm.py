@@ -38,6 +38,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from jaxserve.config import EngineConfig
+from jaxserve.engine.job_warmup import warm_up_for
 from jaxserve.engine.llm_engine import CheckedRequest, LLMEngine
 from jaxserve.engine.metrics import EngineMetrics
 from jaxserve.engine.output_channel import OutputChannel
@@ -178,6 +179,17 @@ class AsyncLLM:
         the limits, nothing queued or allocated; generate() takes the result as it is. Raises
         TypeError / ValueError naming the field, the value and the limit."""
         return await asyncio.to_thread(self.engine.check_request, prompt, params)
+
+    async def warm_up(self, requests: list[CheckedRequest]) -> int:
+        """With warmup="job": compile the step shapes ``requests`` can reach (with the
+        engine's unfinished ones), in a worker thread under the engine's lock
+        (engine/job_warmup.py); returns the compilations it caused (0 otherwise)."""
+
+        def run() -> int:
+            with self.engine.exclusive():
+                return warm_up_for(self.engine, requests)
+
+        return await asyncio.to_thread(run)
 
     def get_stats(self) -> dict[str, Any]:
         """LLMEngine.get_stats(): the engine's counters and its plan."""

@@ -10,6 +10,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from jaxserve.engine.interrupts import InterruptGuard, defer_sigint
+from jaxserve.engine.job_warmup import warm_up_for
 from jaxserve.engine.llm_engine import CheckedRequest, LLMEngine
 from jaxserve.engine.prompts import PromptType
 from jaxserve.engine.scoring import SCORE_PARAMS, check_pairs, continuation_logprobs
@@ -38,16 +39,26 @@ class LLM:
     Keyword arguments are those of docs/architecture.md (dtype, max_model_len, block_size,
     num_kv_blocks, memory_utilization, max_num_seqs, max_num_batched_tokens,
     enable_prefix_caching, attention_backend, tensor_parallel_size, seed, ...); an unknown one
-    raises TypeError.
+    raises TypeError. ``warmup`` defaults to "job": each generate / stream / chat / score call
+    first compiles the step shapes its requests can reach (engine/job_warmup.py), not every
+    bucket the limits allow; True compiles them all at construction, as a server does.
     """
 
     def __init__(self, model: str = "tiny-random-llama", **kwargs: Any) -> None:
+        kwargs.setdefault("warmup", "job")
         self.engine = LLMEngine(model=model, **kwargs)
         self._counter = itertools.count()
         # Requests of stream() calls, and their outputs stepped by another call (a generate()
         # or stream() of another thread steps every request): taken by their own call.
         self._streaming: set[str] = set()
         self._mailbox: dict[str, RequestOutput] = {}
+
+    def warm_up(self, requests: Sequence[CheckedRequest]) -> int:
+        """Compile (and run once) the step shapes that ``requests`` (LLMEngine.check_request)
+        can reach, as generate() and stream() do first with warmup="job": a job calls it to
+        keep the compilations out of its timed run. Returns the compilations it caused."""
+        with self.engine.exclusive():
+            return warm_up_for(self.engine, requests)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -83,14 +94,16 @@ class LLM:
         request_ids = [str(next(self._counter)) for _ in checked]
         # Ctrl-C is held to the next safe point (interrupts.py), and never interrupts the
         # abort that it triggers.
-        with engine.exclusive(), defer_sigint() as interrupt:
-            try:
-                for rid, request in zip(request_ids, checked, strict=True):
-                    engine.add_request(rid, request)
-                return self._run(request_ids, use_tqdm, interrupt)
-            except BaseException:
-                engine.abort_request(request_ids)
-                raise
+        with engine.exclusive():
+            warm_up_for(engine, checked)  # before Ctrl-C is deferred: it may take a while
+            with defer_sigint() as interrupt:
+                try:
+                    for rid, request in zip(request_ids, checked, strict=True):
+                        engine.add_request(rid, request)
+                    return self._run(request_ids, use_tqdm, interrupt)
+                except BaseException:
+                    engine.abort_request(request_ids)
+                    raise
 
     def stream(
         self,
@@ -124,14 +137,16 @@ class LLM:
         checked = self._check_all(prompts, sampling_params)
         engine = self.engine
         request_ids = self._request_ids(request_ids, len(checked))
-        with engine.exclusive(), defer_sigint():
-            try:
-                for rid, request in zip(request_ids, checked, strict=True):
-                    engine.add_request(rid, request)
-            except BaseException:
-                engine.abort_request(request_ids)
-                raise
-            self._streaming.update(request_ids)
+        with engine.exclusive():
+            warm_up_for(engine, checked)
+            with defer_sigint():
+                try:
+                    for rid, request in zip(request_ids, checked, strict=True):
+                        engine.add_request(rid, request)
+                except BaseException:
+                    engine.abort_request(request_ids)
+                    raise
+                self._streaming.update(request_ids)
         kinds = {rid: c.params.output_kind for rid, c in zip(request_ids, checked, strict=True)}
         deltas = {rid: OutputDelta() for rid, k in kinds.items() if k is RequestOutputKind.DELTA}
         try:

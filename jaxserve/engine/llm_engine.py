@@ -320,6 +320,11 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._states)
 
+    def unfinished_requests(self) -> list[tuple[int, SamplingParams]]:
+        """(prompt length, params) of each unfinished user request (job_warmup.py)."""
+        with self._lock:
+            return [(len(s.prompt_token_ids), s.params) for s in self._states.values()]
+
     def get_num_unfinished_requests(self) -> int:
         return len(self._states)
 

@@ -32,7 +32,7 @@ from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
     from jaxserve.engine.llm import LLM
-    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine.llm_engine import CheckedRequest, LLMEngine
     from jaxserve.jobs.results import ResultsFile
     from jaxserve.outputs import RequestOutput
 
@@ -246,18 +246,20 @@ def format_summary(
     )
 
 
-def check_requests(engine: LLMEngine, requests: Sequence[PromptRequest]) -> None:
+def check_requests(engine: LLMEngine, requests: Sequence[PromptRequest]) -> list[CheckedRequest]:
     """Run the engine's own checks (vocabulary, tokenization, max_model_len, pool size) on
-    every request before any is queued.
+    every request before any is queued; returns them checked (for the job's warm-up).
 
     Raises:
         InputError: naming the request's input line and request_id.
     """
+    checked = []
     for request in requests:
         try:
-            engine.check_request(request.engine_prompt(), request.params)
+            checked.append(engine.check_request(request.engine_prompt(), request.params))
         except (TypeError, ValueError) as e:
             raise InputError(f"{request.where} (request_id {request.request_id!r}): {e}") from None
+    return checked
 
 
 def request_hash(request: PromptRequest) -> str:

@@ -181,6 +181,7 @@ async def run_batch(
         )
         bar.update(1)
 
+    await _warm_up(serving, todo)
     tasks = [asyncio.ensure_future(one(item)) for item in todo]
     try:
         await asyncio.gather(*tasks)
@@ -192,6 +193,24 @@ async def run_batch(
         bar.close()
         summary.elapsed_s = time.perf_counter() - start
     return summary
+
+
+async def _warm_up(serving: OpenAIServing, todo: list[BatchLine]) -> None:
+    """With a per-job warm-up (AsyncLLM(warmup="job"), the CLI's default), compile the step
+    shapes every request of the job can reach before the first one runs: each line's body goes
+    through its handler in checks-only mode (parsed, templated, tokenized, nothing started).
+    A line the handler refuses is left out (its record says why when it runs)."""
+    engine = serving.engine
+    if engine.config.runner.warmup != "job":
+        return
+    checked = []
+    for item in todo:
+        if item.error is None:
+            try:
+                checked += await serving.checked_requests(item.url, item.body)
+            except OpenAIError:
+                continue
+    await engine.warm_up(checked)
 
 
 async def _answer(serving: OpenAIServing, item: BatchLine) -> dict[str, Any]:

@@ -12,7 +12,8 @@ the runner.
         resolve_model(config)      -> ResolvedModel: plan, memory plan, shardings, host tier size
         _load_weights(resolved)    -> LoadedCheckpoint (each weight in its sharding)
         make_runner(resolved, ckpt) -> ModelRunner (given its KVOffloader), HostTier | None
-        _warm_up(runner, workers)  when warmup is on
+        use_executable_store(...)  serialized executables in the compilation cache folder
+        warm_up_all(runner, workers)  when warmup is True (else per job: engine/job_warmup.py)
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from __future__ import annotations
 import functools
 import logging
 import pathlib
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -46,6 +46,7 @@ from jaxserve.models import CausalLM, ModelArchConfig, get_model
 from jaxserve.pallas_kernels.ragged_paged_attention.impl import AttentionImpl, head_split_refusal
 from jaxserve.runner.compile_cache import enable_compilation_cache
 from jaxserve.runner.draft_model import DraftSpec
+from jaxserve.runner.executable_store import fields_of, use_executable_store
 from jaxserve.runner.kv_cache import KVAllocator, allocate_kv_caches
 from jaxserve.runner.kv_calibration import calculate_kv_scales
 from jaxserve.runner.kv_connector_worker import KVConnectorWorker, make_kv_connector
@@ -56,6 +57,7 @@ from jaxserve.runner.memory_plan import MemoryPlan, memory_plan_for, resolve_max
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.plan import ExecutionPlan, make_plan
 from jaxserve.runner.sharding import ShardingPlan, make_mesh, per_device_bytes, plan_sharding
+from jaxserve.runner.warmup import warm_up_all
 from jaxserve.runner.xla_flags import apply_cpu_workarounds
 
 logger = logging.getLogger("jaxserve")
@@ -192,8 +194,10 @@ def build_runner(config: EngineConfig) -> tuple[ModelRunner, RunnerInfo]:
     ckpt = _load_weights(resolved)
     runner, host_tier = make_runner(resolved, ckpt)
     _compare_weights(runner, resolved.memory)
-    if config.runner.warmup:
-        _warm_up(runner, resolved.plan.compile_workers)
+    fields = fields_of(resolved, ckpt.arch)
+    use_executable_store(runner, cache_dir, fields, config.runner.precompiled)
+    if config.runner.warmup is True:  # "job": before each job (engine/job_warmup.py)
+        warm_up_all(runner, resolved.plan.compile_workers)
     if host_tier is not None and config.cache.preemption_mode == "auto":
         # "auto" preemption weighs copies against recomputation: measure the copies once.
         bytes_per_s, latency_s = runner.measure_offload_bandwidth()
@@ -432,17 +436,3 @@ def _host_tier(model: CausalLM, resolved: ResolvedModel) -> KVOffloader | None:
         num_host_blocks * offload.block_bytes / (1 << 30),
     )
     return offload
-
-
-def _warm_up(runner: ModelRunner, workers: int) -> None:
-    """Compile every step shape now, and log what it cost."""
-    start = time.perf_counter()
-    hits = runner.num_compilation_cache_hits
-    num = runner.warmup(workers=workers)
-    logger.info(
-        "warm-up: %d compilations (%d loaded from the compilation cache) in %.1f s, %d at a time",
-        num,
-        runner.num_compilation_cache_hits - hits,
-        time.perf_counter() - start,
-        workers,
-    )

@@ -43,6 +43,7 @@ from jaxserve.runner.buckets import BucketSpec
 from jaxserve.runner.draft_model import DraftModel, DraftSpec
 from jaxserve.runner.in_flight import InFlightStep, collect
 from jaxserve.runner.input_batch import InputBatch, PreparedBatch
+from jaxserve.runner.job_shapes import WarmupSet
 from jaxserve.runner.kv_cache import KVAllocator, allocate_kv_caches
 from jaxserve.runner.kv_connector_worker import KVConnectorWorker
 from jaxserve.runner.kv_offload import KVOffloader
@@ -145,6 +146,7 @@ class ModelRunner:
         self.last_sampled = jax.device_put(
             np.zeros(max_num_seqs, np.int32), None if sharding is None else sharding.replicated
         )
+        self.warmed: set = set()  # steps and block copies warm-up ran (warmup.py)
         self.draft = None
         if draft is not None:
             rows = tuple(sorted({self.buckets.padded_rows(t) for t in self.buckets.token_buckets}))
@@ -158,14 +160,14 @@ class ModelRunner:
         They hold the model, never the runner: nothing of the runner is in a reference cycle,
         so dropping the last LLM frees its device memory at once, without waiting for the
         cyclic garbage collector."""
-        self.compiles = compiles = StepCompiles("the engine step")
+        self.compiles = compiles = StepCompiles("the engine step", fixed_args=2)
         draft = self.draft
         self.jitted_step = step = jit_step(
             self.model, self.plan.sampler_draw, self.sharding,
             *(() if draft is None else (draft.model, draft.sharding)),
         )  # fmt: skip
         self._step = lambda *args: compiles(step, args, STEP_ARGS)
-        self.copy_compiles = copies = StepCompiles("the copy-on-write block copy")
+        self.copy_compiles = copies = StepCompiles("the copy-on-write block copy", fixed_args=1)
         self.jitted_copy = copy = jit_copy(self.sharding, self.model.arch.num_layers)
         self._copy = lambda *args: copies(copy, args, COPY_ARGS)
 
@@ -240,11 +242,26 @@ class ModelRunner:
         return True
 
     # ---- compilation ------------------------------------------------------------------------
-    def warmup(self, shapes: list[tuple[int, int, int]] | None = None, workers: int = 1) -> int:
-        """Compile the step for every (T, R, B) bucket (default: all) in both sampler variants,
-        the block and host-tier copies, ``workers`` at a time, then run each once (warmup.py).
-        Returns the number of compilations this caused (fresh or from the cache)."""
-        return warm_up(self, shapes or self.buckets.all_shapes(), workers)
+    def warmup(
+        self,
+        shapes: list[tuple[int, int, int]] | None = None,
+        workers: int = 1,
+        *,
+        what: WarmupSet | None = None,
+    ) -> int:
+        """Compile the step for every (T, R, B) bucket of ``shapes`` (default: all) in both
+        sampler variants, every block copy and the host-tier copies, or only what ``what``
+        lists (a job's set: job_shapes.py), ``workers`` at a time, then run each once
+        (warmup.py). Returns the number of compilations this caused (fresh or from the
+        cache)."""
+        if what is None:
+            what = self.warmup_set(shapes)
+        return warm_up(self, what, workers)
+
+    def warmup_set(self, shapes: list[tuple[int, int, int]] | None = None) -> WarmupSet:
+        """``shapes`` (default: every bucket) in every sampler variant, every block copy."""
+        shapes = shapes or self.buckets.all_shapes()
+        return WarmupSet(tuple(shapes), self.sampling.variant_widths, self.copy_sizes)
 
     def measure_offload_bandwidth(self) -> tuple[float, float]:
         """(bytes per second, latency in seconds) of the host KV tier's copies, measured once

@@ -26,8 +26,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import numpy as np
 
 from jaxserve.runner.compile_cache import CompileEvents
+from jaxserve.runner.executable_store import ExecutableStore
 
 logger = logging.getLogger("jaxserve")
 
@@ -38,12 +40,21 @@ class StepCompiles:
     """Runs a jitted function and keeps track of its compilations (counted from jax's
     compilation events in the calling thread: compile_cache.CompileEvents).
 
+    With an executable store (executable_store.py, set by the factory), warm-up loads each
+    executable the store holds instead of tracing, lowering and compiling it, and saves each
+    one it compiles; a call whose arguments have the shapes of a loaded executable runs it.
+
     Args:
         name: the function's name, for messages.
+        fixed_args: how many leading arguments keep their shapes for the runner's life (params
+            and KV pages): the shapes of the others pick a loaded executable.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, fixed_args: int = 0) -> None:
         self.name = name
+        self.store: ExecutableStore | None = None  # serialized executables, when on
+        self._fixed_args = fixed_args
+        self._loaded: dict[tuple, Any] = {}  # dispatch key -> executable loaded from the store
         self.num_fresh = 0  # compiled here
         self.num_cache_hits = 0  # loaded from the persistent compilation cache
         self.warmed_up = False  # set when the runner's warm-up is done (finish_warmup)
@@ -56,12 +67,27 @@ class StepCompiles:
         self, fn: Callable[..., Any], args: Sequence[Any], names: Sequence[str], **static: Any
     ) -> Any:
         """``fn(*args, **static)``; ``names`` name the positional args (for explanations)."""
+        if self._loaded and not static:
+            key = self._dispatch_key(args)
+            executable = self._loaded.get(key)
+            if executable is not None:
+                try:
+                    return executable(*args)
+                except TypeError as e:  # jax's argument check, before anything runs
+                    del self._loaded[key]
+                    logger.warning("%s: a loaded executable refused its arguments (%s); "
+                                   "compiling instead", self.name, e)  # fmt: skip
         before = CompileEvents.in_thread()
         out = fn(*args, **static)
         new = CompileEvents.in_thread().since(before)
         if new.compilations:
             self._compiled(signature(args, names, static), new.cache_hits > 0)
         return out
+
+    def begin_warmup(self) -> None:
+        """A warm-up starts (the first, or a job's, job_shapes.py): its compilations are
+        expected, neither explained nor logged."""
+        self.warmed_up = False
 
     def finish_warmup(self) -> None:
         """Warm-up is done: every later compilation is explained (and logged)."""
@@ -84,6 +110,8 @@ class StepCompiles:
             if sig in self._seen or sig in self._pending:
                 return None
             self._pending.append(sig)
+        if self.store is not None and self.store.has(self.name, sig):
+            return Lowered(self, sig, None, 0, (fn, args))  # loaded by compile()
         try:
             before = CompileEvents.in_thread()
             lowered = fn.lower(*args)
@@ -91,7 +119,19 @@ class StepCompiles:
         except BaseException:
             self._discard(sig)
             raise
-        return Lowered(self, sig, lowered, hits)
+        return Lowered(self, sig, lowered, hits, (fn, args))
+
+    def _dispatch_key(self, args: Sequence[Any]) -> tuple:
+        """The shapes and dtypes of the arguments after the fixed ones: which loaded
+        executable a call runs (jax checks every argument when it does)."""
+        leaves = jax.tree_util.tree_leaves(args[self._fixed_args :])
+        return tuple((np.shape(x), getattr(x, "dtype", type(x))) for x in leaves)
+
+    def _loaded_from_store(self, sig: Signature, args: Sequence[Any], executable: Any) -> None:
+        with self._lock:
+            self._loaded[self._dispatch_key(args)] = executable
+            self._pending.remove(sig)
+            self._record(sig, from_cache=True)
 
     def _discard(self, sig: Signature) -> None:
         with self._lock:
@@ -136,25 +176,38 @@ class Compilation:
 
 @dataclass
 class Lowered:
-    """A call lowered ahead of time (``StepCompiles.lower``), to be compiled once."""
+    """A call lowered ahead of time (``StepCompiles.lower``), to be compiled once; or, where
+    the executable store holds it, to be loaded (``lowered`` None)."""
 
     compiles: StepCompiles
     sig: Signature
-    lowered: Any  # jax.stages.Lowered
+    lowered: Any  # jax.stages.Lowered; None: load it from the store
     cache_hits: int  # cache loads while lowering (in the lowering thread)
+    call: tuple[Any, Sequence[Any]]  # (the jitted function, its arguments)
 
     def compile(self) -> None:
-        """Compile (or load from the persistent cache) in the calling thread, and count it
-        from this thread's compilation events."""
+        """Load from the executable store, or compile (or load from the persistent cache) in
+        the calling thread, and count it from this thread's compilation events; a compiled
+        executable is saved to the store."""
+        compiles = self.compiles
         try:
+            if self.lowered is None:
+                fn, args = self.call
+                executable = compiles.store.load(compiles.name, self.sig)
+                if executable is not None:
+                    compiles._loaded_from_store(self.sig, args, executable)
+                    return
+                self.lowered = fn.lower(*args)  # a failed load: compile it after all
             before = CompileEvents.in_thread()
-            self.lowered.compile()
+            compiled = self.lowered.compile()
             hits = self.cache_hits + CompileEvents.in_thread().since(before).cache_hits
         except BaseException:
             self.discard()
             raise
-        self.lowered = None  # the StableHLO module is no longer needed
-        self.compiles._compiled(self.sig, hits > 0)
+        self.lowered = self.call = None  # the StableHLO module is no longer needed
+        if compiles.store is not None:
+            compiles.store.save(compiles.name, self.sig, compiled)
+        compiles._compiled(self.sig, hits > 0)
 
     def discard(self) -> None:
         """Forget a lowered call that will not be compiled (failed, or cancelled)."""

@@ -1,9 +1,12 @@
-"""Warm-up: compile every step shape ahead of time, then run each once.
+"""Warm-up: compile step shapes ahead of time, then run each once.
 
-The step is compiled for every (T, R, B) bucket in both of its variants (a batch without
-penalties or bans, and one with them at the one width every accepted request fits:
+What it compiles is a WarmupSet (job_shapes.py). A server's (and LLMEngine's) is the full set:
+the step for every (T, R, B) bucket in both of its variants (a batch without penalties or bans,
+and one with them at the one width every accepted request fits:
 SamplingInputs.variant_widths), the copy-on-write block copy (n > 1) for every size of the
-runner's copy_sizes, the host KV tier's copies when there is one, and a draft model's proposal
+runner's copy_sizes. An offline job's is the part of it that its requests can reach
+(job_shapes.job_warmup_set), warmed up before the job's first step; a later job adds what it
+needs more. Always the host KV tier's copies when there is one, and a draft model's proposal
 at every row bucket (with its pages' block copies) when speculative decoding has one. Every
 other sampling feature (greedy or sampled rows, seeds, logprobs, prompt logprobs, min_tokens)
 runs in these same compiled steps.
@@ -16,6 +19,9 @@ each runs once (``run_once``).
 
 from __future__ import annotations
 
+import logging
+import os
+import time
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -23,35 +29,85 @@ import numpy as np
 
 from jaxserve.runner.draft_model import PROPOSE_ARGS, DraftModel
 from jaxserve.runner.input_batch import PreparedBatch
+from jaxserve.runner.job_shapes import Shape, WarmupSet
 from jaxserve.runner.sampling_metadata import SamplingMetadata
 from jaxserve.runner.step import COPY_ARGS, STEP_ARGS, attention_metadata
-from jaxserve.runner.step_compiles import Compilation, compile_concurrently
+from jaxserve.runner.step_compiles import Compilation, compile_concurrently, signature
 from jaxserve.runner.token_feed import TokenFeed
 
 if TYPE_CHECKING:
     from jaxserve.runner.model_runner import ModelRunner
 
-Shape = tuple[int, int, int]  # (T, R, B): padded tokens, rows, block-table width
+Step = tuple[Shape, tuple[int, int]]  # a step shape (T, R, B) and its sampler list widths
+
+logger = logging.getLogger("jaxserve")
+
+# Executables loaded from the store at once: deserializing releases the GIL (on the 2-core CPU,
+# 13 of the demo's took 8.4 s one at a time and 5.8 s two at a time), where compiling on the
+# CPU gains nothing from threads (plan.compile_workers).
+LOAD_WORKERS = min(4, os.cpu_count() or 1)
 
 
-def warm_up(runner: ModelRunner, shapes: list[Shape], workers: int) -> int:
-    """Compile ``shapes`` (and the block copies) for ``runner``, ``workers`` at a time, then
-    run each once.
+def warm_up_all(runner: ModelRunner, workers: int) -> None:
+    """Compile every step shape now (a server's warm-up), and log what it cost."""
+    start = time.perf_counter()
+    hits = runner.num_compilation_cache_hits
+    num = runner.warmup(workers=workers)
+    logger.info(
+        "warm-up: %d compilations (%d loaded from the compilation cache) in %.1f s, %d at a time",
+        num,
+        runner.num_compilation_cache_hits - hits,
+        time.perf_counter() - start,
+        workers,
+    )
+
+
+def warm_up(runner: ModelRunner, what: WarmupSet, workers: int) -> int:
+    """Compile what ``what`` lists (and the host tier's and a draft model's functions) for
+    ``runner``, ``workers`` at a time, then run each step shape and block copy once. Calls
+    after the first add what is new (a job's shapes, job_shapes.py): what an earlier one
+    compiled and ran is neither compiled nor run again.
 
     Returns the number of compilations this caused (fresh or loaded from the cache);
-    compilations after it are explained in the log (step_compiles.py).
+    compilations outside warm-up are explained in the log (step_compiles.py).
     """
     before = runner.num_compilations + runner.num_compilation_cache_hits
-    compile_concurrently(compilations(runner, shapes), workers)
     for compiles in runner.all_compiles():
-        compiles.finish_warmup()
-    run_once(runner, shapes)
+        compiles.begin_warmup()
+    try:
+        stored, rest = _split_stored(compilations(runner, what))
+        compile_concurrently(stored, LOAD_WORKERS)
+        compile_concurrently(rest, workers)
+    finally:
+        for compiles in runner.all_compiles():
+            compiles.finish_warmup()
+    run_once(runner, *_not_run(runner.warmed, what))
     return runner.num_compilations + runner.num_compilation_cache_hits - before
 
 
-def compilations(runner: ModelRunner, shapes: list[Shape]) -> list[Compilation]:
-    """The compilations warm-up runs: the step for each shape in each sampler variant, the
-    block copy for each size, and the host KV tier's copies."""
+def _split_stored(jobs: list[Compilation]) -> tuple[list[Compilation], list[Compilation]]:
+    """(the jobs whose executable the store holds, the others)."""
+    stored, rest = [], []
+    for job in jobs:
+        store = job.compiles.store
+        hit = store is not None and store.has(job.compiles.name, signature(job.args, job.names, {}))
+        (stored if hit else rest).append(job)
+    return stored, rest
+
+
+def _not_run(warmed: set, what: WarmupSet) -> tuple[list[Step], list[int]]:
+    """The steps (shape, sampler widths) and block-copy sizes of ``what`` that no earlier
+    warm-up ran, now recorded in ``warmed``."""
+    steps = [(s, w) for s in what.shapes for w in what.variants if (s, w) not in warmed]
+    copies = [("copy", n) for n in what.copy_sizes if ("copy", n) not in warmed]
+    warmed.update(steps, copies)
+    return steps, [n for _, n in copies]
+
+
+def compilations(runner: ModelRunner, what: WarmupSet) -> list[Compilation]:
+    """The compilations warm-up runs: the step for each shape of ``what`` (in its order:
+    the smallest T first) in each of its sampler variants, the block copy for each of its
+    sizes, the host KV tier's copies and a draft model's functions."""
     jobs = [
         Compilation(
             runner.compiles,
@@ -59,11 +115,11 @@ def compilations(runner: ModelRunner, shapes: list[Shape]) -> list[Compilation]:
             (runner.params, runner.kv_caches, *padding_step_inputs(runner, t, r, b, widths)),
             STEP_ARGS,
         )
-        for t, r, b in shapes
-        for widths in runner.sampling.variant_widths
+        for t, r, b in what.shapes
+        for widths in what.variants
     ]
     jobs += _copy_compilations(runner.copy_compiles, runner.jitted_copy, runner.kv_caches,
-                               runner.copy_sizes)  # fmt: skip
+                               what.copy_sizes)  # fmt: skip
     if runner.kv_offload is not None:
         jobs += runner.kv_offload.compilations(runner.kv_caches)
     if runner.draft is not None:
@@ -94,7 +150,7 @@ def _copy_compilations(compiles, copy_fn, kv_caches, sizes) -> list[Compilation]
     return [Compilation(compiles, copy_fn, (kv_caches, *zeros(n)), COPY_ARGS) for n in sizes]
 
 
-def run_once(runner: ModelRunner, shapes: list[Shape]) -> None:
+def run_once(runner: ModelRunner, steps: list[Step], copy_sizes: list[int]) -> None:
     """Run each warmed-up step and block copy once, on inputs whose KV reads and writes
     stay in the null block, which no request reads. An executable's first run pays
     one-time costs that compiling did not (on XLA:CPU, probably its kernels generated
@@ -110,11 +166,10 @@ def run_once(runner: ModelRunner, shapes: list[Shape]) -> None:
 
     Runs after warmed_up is set, so that a compilation here would be reported as one.
     """
-    for t, r, b in shapes:
+    for (t, r, b), widths in steps:
         batch = PreparedBatch.null_block(t, r, b, runner.block_size)
-        for widths in runner.sampling.variant_widths:
-            runner.run_prepared(batch, neutral_sampling(r, runner.vocab_size, widths))
-    for n in runner.copy_sizes:
+        runner.run_prepared(batch, neutral_sampling(r, runner.vocab_size, widths))
+    for n in copy_sizes:
         runner.copy_blocks(*(np.zeros(n, np.int32),) * 2)
     jax.block_until_ready(runner.kv_caches)
 

@@ -63,10 +63,12 @@ def _check_compiled(report: dict, tp: int) -> None:
 def test_a_tiny_engine_with_a_host_kv_tier_compiles_for_v6e_1(tmp_path, capsys) -> None:
     """With --kv-offloading-size the tier's gather (pages -> host) and scatter (host ->
     pages) at every padded size compile too; the scatter gives the donated pages back in
-    place, the gather donates none."""
+    place, the gather donates none. With --output every executable is serialized."""
+    folder = tmp_path / "precompiled"
     rc, report, output = _compile(
-        tmp_path, capsys, "v6e-1", "--kv-offloading-size", "0.01", "--token-buckets", "8"
-    )
+        tmp_path, capsys, "v6e-1", "--kv-offloading-size", "0.01", "--token-buckets", "8",
+        "--output", str(folder),
+    )  # fmt: skip
     assert rc == 0, output
     _check_compiled(report, tp=1)
     assert report["target"]["device_kind"] == "TPU v6 lite"
@@ -80,6 +82,11 @@ def test_a_tiny_engine_with_a_host_kv_tier_compiles_for_v6e_1(tmp_path, capsys) 
     assert all(b["donated_bytes"] == 0 for b in to_host)
     assert all(b["donated_bytes"] == pool for b in from_host)
     assert "copy from host n=64" in output
+    # --output: every executable serialized, keyed for a v6e-1 (LLM(precompiled=...) there).
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["fields"]["backend"] == "tpu"
+    assert manifest["fields"]["devices"] == "1 x TPU v6 lite"
+    assert len(list(folder.glob("*.bin"))) == len(buckets)
 
 
 def test_a_tiny_engine_compiles_for_v5e_4_with_tensor_parallelism(tmp_path, capsys) -> None:

@@ -22,7 +22,7 @@ sys.path.insert(0, str(BENCH))
 import startup  # noqa: E402
 
 
-@pytest.mark.slow  # 60-95 s on the shared 2-core machine: eight processes, five compile
+@pytest.mark.slow  # 60-95 s on the shared 2-core machine: ten processes, six compile
 def test_tiny_preset_end_to_end(tmp_path):
     out = tmp_path / "startup.json"
     report = startup.main(["--preset", "tiny", "--output", str(out), "--workers", "2"])
@@ -63,7 +63,18 @@ def test_tiny_preset_end_to_end(tmp_path):
     assert features["total_after_warmup"] == 0
 
     goals = report["goals"]
+    phases = report["phases"]
+    assert set(phases["models"]) == {"demo"} and "installed" in phases["vllm"]
+    first, second = phases["models"]["demo"]["runs"]
+    assert first["first"]["fresh"] > 0 and first["first"]["trace_s"] > 0
+    # The second process loads every executable the first compiled, tracing none of them.
+    assert second["first"]["fresh"] == 0 and second["first"]["store_load_s"] > 0
+    assert second["first"]["cache_hits"] == first["first"]["fresh"] + first["first"]["cache_hits"]
+    assert second["rebuild"]["fresh"] == 0  # a notebook's rebuild: loaded too
+
     assert set(goals) == {
+        "demo_first_wall",
+        "demo_second_wall",
         "demo_second_wall_ratio",
         "demo_second_fresh_compilations",
         "construct_second_ratio",

@@ -507,7 +507,7 @@ def test_llm_quantization_generates_without_recompiling(llama):
     kwargs = dict(
         num_kv_blocks=6, block_size=8, max_num_seqs=1, max_num_batched_tokens=4, max_model_len=16
     )
-    llm = LLM(model=str(llama), quantization="fp8", **kwargs)
+    llm = LLM(model=str(llama), quantization="fp8", warmup=True, **kwargs)
     engine = llm.engine
     assert engine.runner.params["layers_0"]["mlp"]["up_proj"].dtype == jnp.float8_e4m3fn
     assert engine.config.model.quantization == "fp8"

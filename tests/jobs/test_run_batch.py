@@ -213,3 +213,33 @@ def test_speculative_decoding_does_not_change_a_batch_job(tmp_path):
     lp_b = spec_bodies["ids"]["choices"][0]["logprobs"]
     assert lp_a["tokens"] == lp_b["tokens"]
     assert lp_a["token_logprobs"] == pytest.approx(lp_b["token_logprobs"], abs=1e-4)
+
+
+@pytest.mark.slow
+def test_a_batch_job_warms_up_only_its_own_shapes(tmp_path, monkeypatch):
+    """run-batch reads its requests through the handlers (checks only) and compiles the shapes
+    they reach before the first runs: fewer than the full set, and none after."""
+    from jaxserve.engine.async_llm import AsyncLLM
+
+    seen = []
+    shutdown = AsyncLLM.shutdown
+    monkeypatch.setattr(
+        AsyncLLM, "shutdown", lambda self: seen.append((self.get_stats(), self.engine.runner))
+        or shutdown(self),
+    )  # fmt: skip
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6}
+    _write(inp, [
+        _completion("a", "The quick brown fox", n=2, temperature=0.8),
+        _completion("b", [1, 40, 41, 42, 43, 44], presence_penalty=0.5),
+        {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions", "body": chat},
+        _completion("bad", "x", temperature=-1),
+    ])  # fmt: skip
+    args = [a for a in _run_batch_args(tmp_path, inp, out) if a != "--no-warmup"]
+    assert cli.main(args) == 0
+    ((stats, runner),) = seen
+    assert stats["recompilations"] == []
+    compiled = stats["num_compilations"] + stats["num_compilation_cache_hits"]
+    full = len(runner.buckets.all_shapes()) * 2 + len(runner.copy_sizes)
+    assert 0 < compiled < full
+    assert sum(r["response"]["status_code"] == 200 for r in _results(out)) == 3

@@ -265,11 +265,13 @@ def test_engine_refuses_a_model_that_cannot_fit_before_loading(
         raise AssertionError("load_checkpoint called for a model that does not fit")
 
     monkeypatch.setattr(factory, "load_checkpoint", no_loading)
-    # 24 MiB: 3.4 MB of weights + 15.7 MB of workspace fit, not with 2048 tokens of KV (4 MiB).
+    large = dict(max_num_batched_tokens=2048, max_num_seqs=256)
+    # 24 MiB: 3.4 MB of weights + 15.7 MB of workspace (a 2048-token step budget, 256 rows: not
+    # the demo's defaults) fit, not with 2048 tokens of KV (4 MiB).
     with pytest.raises(ValueError, match=r"'tiny-random-llama' does not fit .*max_model_len=2048"):
-        LLM("tiny-random-llama", cpu_memory_bytes=24 << 20)
+        LLM("tiny-random-llama", cpu_memory_bytes=24 << 20, **large)
     with pytest.raises(ValueError, match=r"bytes of weights .* exceed the budget"):
-        LLM("tiny-random-llama", cpu_memory_bytes=16 << 20)
+        LLM("tiny-random-llama", cpu_memory_bytes=16 << 20, **large)
     with pytest.raises(ValueError, match="num_kv_blocks=5000 x 32768 bytes"):
         LLM("tiny-random-llama", cpu_memory_bytes=64 << 20, num_kv_blocks=5000)
 

@@ -188,6 +188,7 @@ def test_the_two_sampler_variants_of_a_bucket_trace_the_model_once(monkeypatch):
 
     monkeypatch.setattr(CausalLM, "forward", counted)
     engine = LLMEngine("tiny-random-llama", warmup=False, **ENGINE)
+    engine.runner.compiles.store = None  # trace, whatever an earlier engine stored
     shape = engine.runner.buckets.all_shapes()[0]
     assert engine.runner.warmup(shapes=[shape]) == len(engine.runner.sampling.variant_widths) + len(
         engine.runner.copy_sizes

@@ -20,8 +20,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from jaxserve.engine.async_llm import AsyncLLM
+from jaxserve.engine.async_llm import AsyncLLM, CheckedRequest
 from jaxserve.entrypoints.openai.request_outputs import EventStream
+from jaxserve.entrypoints.openai.serving_base import ChecksOnly
 from jaxserve.entrypoints.openai.serving_chat import ChatServing
 from jaxserve.entrypoints.openai.serving_completions import CompletionServing
 from jaxserve.entrypoints.openai.tool_parsers import get_tool_parser
@@ -83,3 +84,24 @@ class OpenAIServing:
             OpenAIError: see the module docstring.
         """
         return await self.chat.create_chat_completion(body)
+
+    async def checked_requests(self, url: str, body: Any) -> list[CheckedRequest]:
+        """The engine requests that POST ``url`` with ``body`` would start, checked (parsed,
+        templated, tokenized), none started: what a batch job warms up for
+        (jobs/run_batch.py).
+
+        Raises:
+            OpenAIError: as the handler of ``url`` would.
+        """
+        handler = self.completions if url == "/v1/completions" else self.chat
+        handler.checks_only = True
+        try:
+            if handler is self.completions:
+                await handler.create_completion(body)
+            else:
+                await handler.create_chat_completion(body)
+        except ChecksOnly as done:
+            return done.checked
+        finally:
+            handler.checks_only = False
+        return []

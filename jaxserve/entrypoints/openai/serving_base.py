@@ -27,11 +27,23 @@ from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 logger = logging.getLogger("jaxserve")
 
 
+class ChecksOnly(Exception):  # noqa: N818 (not an error: the end of a checks-only call)
+    """Raised by a handler in checks-only mode (BaseServing.checks_only) with the engine
+    requests it would have started, checked: nothing was started."""
+
+    def __init__(self, checked: list[CheckedRequest]) -> None:
+        super().__init__(f"{len(checked)} checked requests, not started")
+        self.checked = checked
+
+
 class BaseServing:
     """The shared part of the completions and chat handlers over ``engine``."""
 
     def __init__(self, engine: AsyncLLM, served_model_name: str) -> None:
         self.engine = engine
+        # True: a request's handling stops, raising ChecksOnly, where it would start (a batch
+        # job's warm-up reads its requests this way: OpenAIServing.checked_requests).
+        self.checks_only = False
         self.served_model_name = served_model_name
         self._max_model_len = engine.max_model_len
         self._tokenizer = engine.tokenizer
@@ -102,6 +114,8 @@ class BaseServing:
         return checked
 
     def _start(self, response_id: str, checked: list[CheckedRequest]) -> RequestOutputs:
+        if self.checks_only:
+            raise ChecksOnly(checked)
         requests = [(f"{response_id}-{i}", c) for i, c in enumerate(checked)]
         logger.debug(
             "request %s: %d prompt(s), n=%d", response_id, len(checked), checked[0].params.n

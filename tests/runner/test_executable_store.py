@@ -1,0 +1,149 @@
+"""Serialized executables (runner/executable_store.py): a second process loads every step
+without tracing it and generates the same tokens; anything that does not match, or fails to
+load, compiles instead (logged)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.runner.executable_store import ExecutableStore, engine_fields
+
+FIELDS = dict(devices=jax.devices()[:1], arch=None, plan={"a": 1}, engine={"n": 2})
+
+
+def _fields(**changes):
+    from jaxserve.checkpoints_tools.tiny_random import tiny_random_llama_arch
+
+    return engine_fields(**{**FIELDS, "arch": tiny_random_llama_arch(), **changes})
+
+
+def _compiled():
+    fn = jax.jit(lambda x, y: (x + y, x * 2), donate_argnums=0)
+    args = (jnp.ones(4), np.arange(4, dtype=np.float32))
+    return fn.lower(*args).compile(), args
+
+
+def test_round_trip_and_misses(tmp_path, caplog):
+    compiled, args = _compiled()
+    sig = {"x": "float32[4]", "y": "float32[4]"}
+    store = ExecutableStore.for_engine(str(tmp_path), _fields())
+    assert not store.has("f", sig) and store.load("f", sig) is None
+    store.save("f", sig, compiled)
+    again = ExecutableStore.for_engine(str(tmp_path), _fields())
+    assert again.folder == store.folder and again.has("f", sig)
+    loaded = again.load("f", sig)
+    x = jnp.full(4, 3.0)
+    out = loaded(x, args[1])
+    np.testing.assert_array_equal(out[0], [3, 4, 5, 6])
+    assert x.is_deleted()  # donation survives serialization
+    assert not again.has("f", {**sig, "y": "float32[8]"})  # another signature
+    with caplog.at_level(logging.INFO, logger="jaxserve"):
+        other = ExecutableStore.for_engine(str(tmp_path), _fields(plan={"a": 2}))
+    assert other.folder != store.folder and not other.has("f", sig)
+    assert "field 'plan' differs" in caplog.text
+    # A corrupt file: not loaded, logged, compiled by the caller.
+    next(store.folder.glob("f-*.bin")).write_bytes(b"not an executable")
+    with caplog.at_level(logging.WARNING, logger="jaxserve"):
+        assert again.load("f", sig) is None
+    assert "cannot load" in caplog.text
+
+
+def test_a_manifest_of_other_fields_is_refused(tmp_path, caplog):
+    store = ExecutableStore.for_engine(str(tmp_path), _fields())
+    manifest = store.folder / "manifest.json"
+    data = json.loads(manifest.read_text())
+    data["fields"]["jaxlib"] = "0.0.1"
+    manifest.write_text(json.dumps(data))
+    with caplog.at_level(logging.INFO, logger="jaxserve"):
+        assert ExecutableStore.for_engine(str(tmp_path), _fields()) is None
+    assert "field 'jaxlib' differs" in caplog.text
+
+
+SCRIPT = """
+import json, logging, sys
+logging.basicConfig(level=logging.INFO)
+from jaxserve import LLMEngine, SamplingParams
+from jaxserve.models import CausalLM
+calls = []
+forward = CausalLM.forward
+CausalLM.forward = lambda self, *a, **k: calls.append(1) or forward(self, *a, **k)
+engine = LLMEngine("tiny-random-llama", num_kv_blocks=16, block_size=8, max_model_len=32,
+                   max_num_batched_tokens=8, max_num_seqs=2)
+traced = len(calls)
+engine.add_request("a", [5, 6, 7, 8, 9, 10, 11, 12, 13, 14], SamplingParams(max_tokens=6, n=2))
+while engine.has_unfinished_requests():
+    done = [o for o in engine.step() if o.finished]
+    if done:
+        tokens = [c.token_ids for c in done[0].outputs]
+stats = engine.get_stats()
+print(json.dumps({"fresh": stats["num_compilations"], "hits": stats["num_compilation_cache_hits"],
+                  "traced": traced, "tokens": tokens, "after": stats["recompilations"]}))
+"""
+
+
+def _run(env: dict[str, str]) -> tuple[dict, str]:
+    out = subprocess.run([sys.executable, "-c", SCRIPT], env={**os.environ, **env},
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
+
+
+@pytest.mark.slow
+def test_a_second_process_loads_every_step_without_tracing(tmp_path):
+    env = {"JAXSERVE_COMPILATION_CACHE_DIR": str(tmp_path)}
+    first, _ = _run(env)
+    assert first["fresh"] > 0 and first["traced"] > 0
+    second, _ = _run(env)
+    assert second["traced"] == 0 and second["fresh"] == 0  # loaded, never traced
+    assert second["hits"] == first["fresh"] + first["hits"]
+    assert second["tokens"] == first["tokens"] and second["after"] == []
+    # Another XLA_FLAGS: the executables do not fit; compiled (from jax's cache), logged.
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_fast_math=false"
+    third, log = _run({**env, "XLA_FLAGS": flags})
+    assert "field 'xla_flags' differs; compiling" in log
+    assert third["traced"] > 0 and third["tokens"] == first["tokens"]
+
+
+@pytest.mark.slow
+def test_precompiled_folder_loads_and_a_foreign_one_is_refused(tmp_path):
+    """LLM(precompiled=DIR) with a folder in `jaxserve compile --output`'s format (here an
+    engine's own store, copied: the same format, CPU executables) loads every step; one
+    compiled for another engine is refused before anything runs, naming the field."""
+    import shutil
+
+    from jaxserve import LLMEngine, SamplingParams
+
+    engine_args = dict(num_kv_blocks=16, block_size=8, max_model_len=32,
+                       max_num_batched_tokens=8, max_num_seqs=2)  # fmt: skip
+    first = LLMEngine("tiny-random-llama", **engine_args)
+    store = first.runner.compiles.store
+    folder = tmp_path / "precompiled"
+    shutil.copytree(store.folder, folder)
+    total = len(list(folder.glob("*.bin")))
+    assert total == len(first.runner.buckets.all_shapes()) * 2 + len(first.runner.copy_sizes)
+    engine = LLMEngine("tiny-random-llama", precompiled=str(folder), **engine_args)
+    stats = engine.get_stats()
+    assert stats["num_compilations"] == 0 and stats["num_compilation_cache_hits"] == total
+    assert engine.runner.compiles.store.read_only
+    params = SamplingParams(max_tokens=5, temperature=0.0)
+    for e in (first, engine):
+        e.add_request("a", [5, 6, 7, 8, 9, 10], params)
+    outs = []
+    for e in (first, engine):
+        while e.has_unfinished_requests():
+            outs += [o.outputs[0].token_ids for o in e.step() if o.finished]
+    assert outs[0] == outs[1] and engine.get_stats()["recompilations"] == []
+    with pytest.raises(ValueError, match="field 'engine' is .* there"):
+        LLMEngine("tiny-random-llama", precompiled=str(folder), **{**engine_args,
+                  "num_kv_blocks": 24})  # fmt: skip
+    with pytest.raises(FileNotFoundError, match="no manifest.json"):
+        LLMEngine("tiny-random-llama", precompiled=str(tmp_path), **engine_args)
