@@ -295,7 +295,7 @@ def use_executable_store(
     the cache is off or the store cannot be made: they compile as before)."""
     if precompiled is not None:
         store = ExecutableStore.precompiled(precompiled, fields)
-    elif cache_dir is not None:
+    elif cache_dir is not None and _store_serves(runner.plan.platform):
         store = ExecutableStore.for_engine(cache_dir, fields)
     else:
         store = None
@@ -303,3 +303,20 @@ def use_executable_store(
         if runner.sharding is not None:
             store.devices = list(runner.sharding.mesh.devices.flat)
         runner.compiles.store = runner.copy_compiles.store = store
+
+
+# XLA:CPU executables deserialized in another process sometimes fail when they run ("Function
+# convert_bitcast_fusion.5 not found"), seen with jaxlib 0.10.2 in the test suite's workers even
+# when serialized after a first run: on the CPU the store is off unless this variable is "1"
+# (its own tests, and measurements); GPU and TPU executables serialize whole.
+CPU_STORE_ENV = "JAXSERVE_CPU_EXECUTABLE_STORE"
+
+
+def _store_serves(platform: str) -> bool:
+    """Whether the engine's own store is used on ``platform`` (CPU_STORE_ENV)."""
+    if platform != "cpu":
+        return True
+    if os.environ.get(CPU_STORE_ENV) == "1":
+        return True
+    logger.info("executable store off on the CPU (%s=1 turns it on)", CPU_STORE_ENV)
+    return False

@@ -62,6 +62,7 @@ class StepCompiles:
         self._seen: list[Signature] = []
         self._pending: list[Signature] = []  # lowered ahead of time, not compiled yet
         self._lock = threading.Lock()  # lowered in one thread, compiled in others
+        self._unsaved: list[tuple[Signature, Any]] = []  # compiled, not yet run (save_ran)
 
     def __call__(
         self, fn: Callable[..., Any], args: Sequence[Any], names: Sequence[str], **static: Any
@@ -83,6 +84,20 @@ class StepCompiles:
         if new.compilations:
             self._compiled(signature(args, names, static), new.cache_hits > 0)
         return out
+
+    def save_after_run(self, sig: Signature, compiled: Any) -> None:
+        """Keep a compiled executable for the store until it has run (save_ran): XLA:CPU
+        generates some of an executable's kernels on its first run, and one serialized before
+        that lacks them (it loads, then fails with "Function ... not found")."""
+        self._unsaved.append((sig, compiled))
+
+    def save_ran(self, ran: bool = True) -> None:
+        """Save the executables kept by save_after_run to the store once warm-up ran them
+        (``ran``); drop them otherwise (they are compiled again next time)."""
+        unsaved, self._unsaved = self._unsaved, []
+        if ran and self.store is not None:
+            for sig, compiled in unsaved:
+                self.store.save(self.name, sig, compiled)
 
     def begin_warmup(self) -> None:
         """A warm-up starts (the first, or a job's, job_shapes.py): its compilations are
@@ -206,7 +221,7 @@ class Lowered:
             raise
         self.lowered = self.call = None  # the StableHLO module is no longer needed
         if compiles.store is not None:
-            compiles.store.save(compiles.name, self.sig, compiled)
+            compiles.save_after_run(self.sig, compiled)
         compiles._compiled(self.sig, hits > 0)
 
     def discard(self) -> None:

@@ -82,6 +82,10 @@ def warm_up(runner: ModelRunner, what: WarmupSet, workers: int) -> int:
         for compiles in runner.all_compiles():
             compiles.finish_warmup()
     run_once(runner, *_not_run(runner.warmed, what))
+    # Only the step and the block copy have run (run_once): only they are serialized.
+    ran = (runner.compiles, runner.copy_compiles)
+    for compiles in runner.all_compiles():
+        compiles.save_ran(any(compiles is c for c in ran))
     return runner.num_compilations + runner.num_compilation_cache_hits - before
 
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.runner.executable_store import ExecutableStore, engine_fields
+from jaxserve.runner.executable_store import CPU_STORE_ENV, ExecutableStore, engine_fields
 
 FIELDS = dict(devices=jax.devices()[:1], arch=None, plan={"a": 1}, engine={"n": 2})
 
@@ -99,7 +99,7 @@ def _run(env: dict[str, str]) -> tuple[dict, str]:
 
 @pytest.mark.slow
 def test_a_second_process_loads_every_step_without_tracing(tmp_path):
-    env = {"JAXSERVE_COMPILATION_CACHE_DIR": str(tmp_path)}
+    env = {"JAXSERVE_COMPILATION_CACHE_DIR": str(tmp_path), CPU_STORE_ENV: "1"}
     first, _ = _run(env)
     assert first["fresh"] > 0 and first["traced"] > 0
     second, _ = _run(env)
@@ -114,7 +114,7 @@ def test_a_second_process_loads_every_step_without_tracing(tmp_path):
 
 
 @pytest.mark.slow
-def test_precompiled_folder_loads_and_a_foreign_one_is_refused(tmp_path):
+def test_precompiled_folder_loads_and_a_foreign_one_is_refused(tmp_path, monkeypatch):
     """LLM(precompiled=DIR) with a folder in `jaxserve compile --output`'s format (here an
     engine's own store, copied: the same format, CPU executables) loads every step; one
     compiled for another engine is refused before anything runs, naming the field."""
@@ -122,6 +122,7 @@ def test_precompiled_folder_loads_and_a_foreign_one_is_refused(tmp_path):
 
     from jaxserve import LLMEngine, SamplingParams
 
+    monkeypatch.setenv(CPU_STORE_ENV, "1")  # the engine's own store, on the CPU
     engine_args = dict(num_kv_blocks=16, block_size=8, max_model_len=32,
                        max_num_batched_tokens=8, max_num_seqs=2)  # fmt: skip
     first = LLMEngine("tiny-random-llama", **engine_args)
