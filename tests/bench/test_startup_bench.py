@@ -67,8 +67,9 @@ def test_tiny_preset_end_to_end(tmp_path):
     assert set(phases["models"]) == {"demo"} and "installed" in phases["vllm"]
     first, second = phases["models"]["demo"]["runs"]
     assert first["first"]["fresh"] > 0 and first["first"]["trace_s"] > 0
-    # The second process loads every executable the first compiled, tracing none of them.
-    assert second["first"]["fresh"] == 0 and second["first"]["store_load_s"] > 0
+    # The second process loads every executable the first compiled (from jax's persistent
+    # cache: the executable store is off on the CPU by default).
+    assert second["first"]["fresh"] == 0
     assert second["first"]["cache_hits"] == first["first"]["fresh"] + first["first"]["cache_hits"]
     assert second["rebuild"]["fresh"] == 0  # a notebook's rebuild: loaded too
 
