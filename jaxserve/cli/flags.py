@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -311,3 +312,14 @@ def port(text: str) -> int:
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be in [0, 65535] (0: any free port), got {value}")
     return value
+
+
+def log_to_stderr() -> None:
+    """The servers' log lines ("jaxserve" at INFO, timestamped) on stderr, unless the
+    embedding program configured the logger already."""
+    logger = logging.getLogger("jaxserve")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s jaxserve: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)

@@ -12,9 +12,8 @@ clean shutdown (SIGINT or SIGTERM), 2 bad input (a flag, a URL, a port in use).
 from __future__ import annotations
 
 import argparse
-import logging
 
-from jaxserve.cli.flags import fail, port, positive_int
+from jaxserve.cli.flags import fail, log_to_stderr, port, positive_int
 from jaxserve.entrypoints.openai.body import DEFAULT_MAX_BODY_BYTES
 
 
@@ -56,12 +55,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``jaxserve router``: 0 after a clean shutdown, 2 bad input."""
-    logger = logging.getLogger("jaxserve")
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s jaxserve: %(message)s"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
+    log_to_stderr()
     from jaxserve.entrypoints.openai.listen import api_key_of
     from jaxserve.fleet.disagg import build_router_app, router_pools
     from jaxserve.fleet.serve_front import serve_front

@@ -19,7 +19,6 @@ them behind one endpoint, routing each request by ``--routing``.
 from __future__ import annotations
 
 import argparse
-import logging
 
 from jaxserve.cli.flags import (
     add_engine_flags,
@@ -27,6 +26,7 @@ from jaxserve.cli.flags import (
     engine_argv,
     engine_kwargs,
     fail,
+    log_to_stderr,
     port,
     positive_float,
     positive_int,
@@ -145,12 +145,7 @@ def _add_chat_flags(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``jaxserve serve``: 0 after a clean shutdown, 2 bad input."""
-    logger = logging.getLogger("jaxserve")
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s jaxserve: %(message)s"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
+    log_to_stderr()
     # fastapi, uvicorn and jax load here, not for --help or a bad flag.
     from jaxserve.entrypoints.openai.api_server import run_server
 
