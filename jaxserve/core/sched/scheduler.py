@@ -253,6 +253,8 @@ class Scheduler:
                 continue  # the sample in flight ends it ("length"): nothing more to compute
             num_computed = req.num_computed_tokens + inflight
             num_new = min(num_tokens - num_computed, budget)
+            if num_new <= 0:
+                continue  # nothing left to compute before the step in flight is learned
             table = tables[req.request_id]
             end = num_computed + num_new
             lookahead = lookahead_slots(req, end, end, self.num_lookahead_tokens)
