@@ -90,9 +90,8 @@ class EngineCore:
             # The runner's own proposer (a draft model), or None: the config's.
             self.spec = SpecDecoder(config.speculative, proposer=runner.spec_proposer)
         self._proposal_s = 0.0  # host time of the last proposal (the policy counts it)
-        # Async scheduling (the factory resolved None to the execution plan's choice): the
-        # step dispatched and not yet learned, and when the last one was learned.
-        self.async_scheduling = bool(config.scheduler.async_scheduling)
+        # Async scheduling: the step dispatched and not yet learned, and when the last one
+        # was learned.
         self._in_flight: _Dispatched | None = None
         self._learned_at = 0.0
         # Ids of the requests with constraints queued so far, less those gone (pruned each
@@ -101,6 +100,12 @@ class EngineCore:
         # Called with each step's StepTrace while set (set_step_tracer); None: off.
         self.step_tracer: Callable[[StepTrace], None] | None = None
         self._ready_watch: ReadyWatch | None = None
+
+    @property
+    def async_scheduling(self) -> bool:
+        """Whether the next step may be scheduled before this one is learned (the config's,
+        which the factory resolved from the execution plan's choice when None)."""
+        return bool(self.config.scheduler.async_scheduling)
 
     def set_step_tracer(self, tracer: Callable[[StepTrace], None] | None) -> None:
         """Hand every later step's StepTrace to ``tracer``; None turns tracing off."""
@@ -291,7 +296,6 @@ class EngineCore:
         scheduler = self.config.scheduler
         if async_scheduling is not None:
             scheduler = dataclasses.replace(scheduler, async_scheduling=async_scheduling)
-            self.async_scheduling = async_scheduling
         self.config = dataclasses.replace(self.config, cache=cache, scheduler=scheduler)
         self.scheduler = self._new_scheduler(self.config)
 

@@ -60,3 +60,16 @@ def abstract_kv_caches(
     allocated, for compiling the step ahead of time for devices that are not attached."""
     page = jax.ShapeDtypeStruct(page_shape, jnp.dtype(dtype), sharding=sharding)
     return [(page, page) for _ in range(num_layers)]
+
+
+def pages_usable(kv_caches: Any) -> bool:
+    """Whether every page array is alive and the computation that produced it succeeded (a
+    failed step may have donated them to a call whose result was lost, or poisoned them)."""
+    leaves = jax.tree.leaves(kv_caches)
+    if any(x.is_deleted() for x in leaves):
+        return False
+    try:
+        jax.block_until_ready(leaves)
+    except Exception:  # an asynchronous failure of the computation that produced them
+        return False
+    return True

@@ -44,7 +44,7 @@ from jaxserve.runner.draft_model import DraftModel, DraftSpec
 from jaxserve.runner.in_flight import InFlightStep, collect
 from jaxserve.runner.input_batch import InputBatch, PreparedBatch
 from jaxserve.runner.job_shapes import WarmupSet
-from jaxserve.runner.kv_cache import KVAllocator, allocate_kv_caches
+from jaxserve.runner.kv_cache import KVAllocator, allocate_kv_caches, pages_usable
 from jaxserve.runner.kv_connector_worker import KVConnectorWorker
 from jaxserve.runner.kv_offload import KVOffloader
 from jaxserve.runner.map_budget import max_step_shapes
@@ -234,8 +234,8 @@ class ModelRunner:
         cached prefix is gone, and the scheduler must drop its prefix cache."""
         self._init_host_state()
         if self.draft is not None:  # only guesses live in its pages: nothing to report
-            self.draft.reset(self.input_batch, pages_ok=_all_ready(self.draft.kv_caches))
-        if _all_ready(self.kv_caches):
+            self.draft.reset(self.input_batch, pages_ok=pages_usable(self.draft.kv_caches))
+        if pages_usable(self.kv_caches):
             return False
         self.kv_caches = None  # release the dead buffers before allocating new ones
         self.kv_caches = self._allocate_kv_caches()
@@ -399,15 +399,3 @@ class ModelRunner:
                 self._prompt_logprobs.add(new.req_id, new.sampling_params.prompt_logprobs)
         for cached in so.scheduled_cached_reqs:
             ib.update_cached(cached.req_id, cached.num_computed_tokens, cached.new_block_ids)
-
-
-def _all_ready(arrays: Any) -> bool:
-    """Whether every array is alive and its computation succeeded."""
-    leaves = jax.tree.leaves(arrays)
-    if any(x.is_deleted() for x in leaves):
-        return False
-    try:
-        jax.block_until_ready(leaves)
-    except Exception:  # an asynchronous failure of the computation that produced them
-        return False
-    return True
