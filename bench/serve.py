@@ -44,6 +44,7 @@ speed drifts between runs minutes apart by more than serving costs).
     python bench/serve.py --rates 0.5,1,2 --num-requests 64 --plot
     python bench/serve.py --preset tiny --data-parallel-size 2   # prefix vs round-robin routing
     python bench/serve.py --preset tiny --disagg                 # colocated vs disaggregated
+    python bench/serve.py --servers jaxserve,jaxserve-sync  # async scheduling on and off
 
 Writes bench/results/serve.json (--output), and with --plot a PNG beside it (p99 TTFT and
 output throughput against the rate). vLLM runs from its own interpreter (--vllm-python, a venv
