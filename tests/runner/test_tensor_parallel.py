@@ -187,6 +187,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def test_fp8_kv_scales_calibrated_under_tp_are_one_devices(results):
+    scales = results["fp8_calibration"]
+    assert scales["1"] == scales["2"]  # powers of two from the same maxima
+    assert any(s != 1.0 for layer in scales["1"] for s in layer)  # computed, not the default
+
+
 def test_two_processes_share_one_mesh(results, tmp_path):
     """jax.distributed on 127.0.0.1, gloo collectives: two processes of 2 CPU devices each run
     one engine over a 4-device mesh and produce the single-process tokens."""

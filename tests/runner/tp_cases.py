@@ -303,6 +303,19 @@ def run_orbax(work: pathlib.Path) -> dict[str, Any]:
     }
 
 
+def run_fp8_calibration(work: pathlib.Path) -> dict[int, list[list[float]]]:
+    """An FP8 KV cache's scales computed by the calibration pass (runner/kv_calibration.py,
+    the default when a checkpoint ships none) at tp 1 and 2: the pass runs partitioned by
+    GSPMD under tp and must find the same per-layer maxima (engines without warm-up: the
+    pass is all that compiles)."""
+    out = {}
+    for tp in (1, 2):
+        llm = LLM(str(work / "llama"), tensor_parallel_size=tp, kv_cache_dtype="fp8", **ENGINE)
+        out[tp] = llm.engine.runner.kv_scales.tolist()
+        del llm
+    return out
+
+
 # Warm-up at tp 4 and 8 with table widths to bucket: llama's 2 KV heads do not split 4 or 8 ways,
 # so the reference attention runs, one step per token bucket x width x sampler variant: 2 x 3 x
 # 2 + 3 copies = 15 executables (~2 s each to compile on 8 devices), each holding its memory
@@ -351,6 +364,7 @@ def main() -> None:
         "kernels": run_kernels(work),
         "builtin": run_builtin(),
         "orbax": run_orbax(work),
+        "fp8_calibration": run_fp8_calibration(work),
         "maps": run_maps(work),
     }
     results_file.write_text(json.dumps(results))
