@@ -63,7 +63,7 @@ from jaxserve.runner.step import (
 )
 from jaxserve.runner.step_compiles import StepCompiles
 from jaxserve.runner.step_trace import StepTrace
-from jaxserve.runner.token_feed import TokenFeed
+from jaxserve.runner.token_feed import TokenFeed, initial_last_sampled
 from jaxserve.runner.warmup import warm_up
 
 
@@ -143,9 +143,7 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_caches()
         # Per slot, the last token its request sampled, on device: the next step's
         # placeholder inputs read it (token_feed.py).
-        self.last_sampled = jax.device_put(
-            np.zeros(max_num_seqs, np.int32), None if sharding is None else sharding.replicated
-        )
+        self.last_sampled = initial_last_sampled(max_num_seqs, sharding, like=self.kv_caches)
         self.warmed: set = set()  # steps and block copies warm-up ran (warmup.py)
         self.draft = None
         if draft is not None:
