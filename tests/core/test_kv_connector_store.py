@@ -77,7 +77,8 @@ def test_a_lookup_stops_at_the_first_block_the_store_lacks(tmp_path):
     [
         ({"kv_connector": "NixlConnector"}, "kv_connector"),
         ({"kv_role": "decoder"}, "kv_role"),
-        ({"kv_load_failure_policy": "fail"}, "not supported"),
+        ({"kv_load_failure_policy": "abort"}, "not supported"),
+        ({"kv_connector_extra_config": {"load_async": 1}}, "load_async"),
         ({"kv_connector_extra_config": {"lease_s": 0}}, "lease_s"),
         ({"kv_connector_extra_config": {"path": "/x"}}, "unknown keys"),
         ({"kv_rank": 0}, "unknown keys"),
