@@ -198,3 +198,29 @@ def expected_remote_tokens(params: dict[str, Any] | None) -> int:
     if not params or not params.get("do_remote_prefill"):
         return 0
     return int(params.get("remote_num_tokens", 0))
+
+
+def check_params_for(
+    params: dict[str, Any] | None, config: KVTransferConfig | None, enable_prefix_caching: bool
+) -> None:
+    """Raise ValueError unless an engine of ``config`` can honour a request's (checked)
+    kv_transfer_params: a prefill for a decode server needs a connector that saves, a decode
+    of a remote prefill one that loads (and prefix caching, through which it loads)."""
+    if not params:
+        return
+    if params.get("do_remote_decode") and (config is None or not config.saves):
+        raise ValueError(
+            "SamplingParams.kv_transfer_params do_remote_decode needs an engine whose KV "
+            "connector saves (kv_transfer_config kv_role 'kv_producer' or 'kv_both')"
+        )
+    if params.get("do_remote_prefill"):
+        if config is None or not config.loads:
+            raise ValueError(
+                "SamplingParams.kv_transfer_params do_remote_prefill needs an engine whose KV "
+                "connector loads (kv_transfer_config kv_role 'kv_consumer' or 'kv_both')"
+            )
+        if not enable_prefix_caching:
+            raise ValueError(
+                "SamplingParams.kv_transfer_params do_remote_prefill needs "
+                "enable_prefix_caching=True (the KV connector loads through the prefix cache)"
+            )

@@ -63,6 +63,8 @@ class EngineCoreOutput:
         (max_tokens or max_model_len), "abort", or "error" (its promised KV could not be
         loaded and kv_load_failure_policy is "fail").
     stop_reason: the stop token id that ended it, if any; for "error", why.
+    kv_transfer_params: a finished prefill's (kv_transfer_params do_remote_decode) answer to
+        pass to its decode request (the KV connector's producer_params), else None.
     """
 
     req_id: str
@@ -72,6 +74,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    kv_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:
@@ -126,3 +129,5 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # A finished prefill's kv_transfer_params for its decode request (vLLM's), else None.
+    kv_transfer_params: dict | None = None

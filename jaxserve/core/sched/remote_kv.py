@@ -22,6 +22,7 @@ from jaxserve.core.kv_connector.base import LoadJob
 from jaxserve.core.kv_connector.remote_hits import RemoteHit
 from jaxserve.core.sched.starting_point import StartingPoint
 from jaxserve.kv_transfer_config import expected_remote_tokens
+from jaxserve.outputs import EngineCoreOutput
 from jaxserve.request import Request, RequestStatus
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -102,6 +103,20 @@ class RemoteKV:
             return why + "; kv_load_failure_policy 'fail' ends it"
         logger.info("%s: computed instead (kv_load_failure_policy 'recompute')", why)
         return None
+
+    def answer(self, outputs: list[EngineCoreOutput], finished: list[Request]) -> None:
+        """Give each finished prefill (kv_transfer_params do_remote_decode) of a producer the
+        kv_transfer_params its decode request passes on."""
+        if self.connector is None or not self.connector.config.saves:
+            return
+        params = {
+            r.request_id: self.connector.producer_params(r.num_prompt_tokens)
+            for r in finished
+            if (r.sampling_params.kv_transfer_params or {}).get("do_remote_decode")
+        }
+        for out in outputs if params else ():
+            if out.req_id in params:
+                out.kv_transfer_params = params[out.req_id]
 
     def take_ready(self) -> list[tuple[Request, int]]:
         """The ready requests with their computed tokens, in the order learned."""

@@ -360,6 +360,7 @@ class Scheduler:
         if self._failed_outputs:
             outputs, self._failed_outputs = self._failed_outputs + outputs, []
         if finished:
+            self.remote.answer(outputs, finished)
             for req in finished:
                 self._release(req)
             self.running = [r for r in self.running if r.status is _RUNNING]
