@@ -126,6 +126,8 @@ def compilations(runner: ModelRunner, what: WarmupSet) -> list[Compilation]:
                                what.copy_sizes)  # fmt: skip
     if runner.kv_offload is not None:
         jobs += runner.kv_offload.compilations(runner.kv_caches)
+    if runner.kv_connector is not None:  # its staging copies (kv_connector_worker.py)
+        jobs += runner.kv_connector.staging.compilations(runner.kv_caches)
     if runner.draft is not None:
         jobs += _draft_compilations(runner)
     return jobs

@@ -87,8 +87,10 @@ class RemoteKV:
 
     def _check(self, req: Request, num_found: int) -> str | None:
         promised = expected_remote_tokens(req.sampling_params.kv_transfer_params)
-        if req.sampling_params.prompt_logprobs is not None:
-            promised = 0  # computes its whole prompt anyway (its logprobs need every position)
+        if req.sampling_params.prompt_logprobs is not None or req.num_preemptions:
+            # It computes its whole prompt anyway (its logprobs need every position), or it
+            # had the promised KV once and lost it to a preemption here: not the producer's.
+            promised = 0
         usable = (req.num_tokens - 1) // self.block_size * self.block_size
         promised = min(promised, usable)
         if num_found >= promised:
