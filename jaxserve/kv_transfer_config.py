@@ -82,7 +82,7 @@ class KVTransferConfig:
     lease_s: float = 600.0
     ray_address: str = "auto"
     ray_namespace: str = "jaxserve"
-    load_async: bool = False
+    load_async: bool = True
 
     def __post_init__(self) -> None:
         if self.kv_connector not in KV_CONNECTORS:

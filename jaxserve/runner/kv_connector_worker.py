@@ -81,6 +81,11 @@ class KVConnectorWorker:
         done, self._done = self._done, {}
         return kv_caches, done
 
+    @property
+    def num_pending_loads(self) -> int:
+        """Asynchronous loads started and not yet written or dropped."""
+        return len(self._jobs)
+
     def reset(self) -> None:
         """Drop every load (the engine aborted every request)."""
         for _, future in self._jobs.values():
