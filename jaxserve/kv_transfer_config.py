@@ -177,8 +177,8 @@ def check_kv_transfer_params(value: Any) -> dict[str, Any] | None:
         kind = KV_TRANSFER_PARAMS[key][0]
         if not isinstance(item, kind) or (kind is int and isinstance(item, bool)):
             raise TypeError(
-                f"SamplingParams.kv_transfer_params[{key!r}] must be a {kind.__name__}, got "
-                f"{item!r}"
+                f"SamplingParams.kv_transfer_params[{key!r}] must be "
+                f"{'an int' if kind is int else 'a bool'}, got {item!r}"
             )
     if value.get("remote_num_tokens", 0) < 0:
         raise ValueError(
