@@ -48,7 +48,7 @@ _MIRRORED = {
     # the KV connector's blocks (0 without one): loaded from and saved to its store
     "kv_connector_loaded_blocks": "kv_connector_loaded_blocks",
     "kv_connector_saved_blocks": "kv_connector_saved_blocks",
-    # requests that got less KV than their kv_transfer_params promised (recomputed or failed)
+    # lookups or loads that gave a request less KV than its kv_transfer_params promised
     "kv_connector_load_failures": "kv_connector_load_failures",
     # speculative decoding (vLLM's names; 0 while it is off)
     "spec_decode_num_drafts": "spec_decode_num_drafts",

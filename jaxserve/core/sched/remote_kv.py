@@ -48,12 +48,34 @@ class RemoteKV:
         # Of those, the ones whose load the runner finished, with the tokens now computed,
         # in the order learned: scheduled first, before any waiting request.
         self.ready: dict[str, int] = {}
-        self.num_load_failures = 0  # requests that got less KV than promised; monotonic
+        # Lookups or loads that gave a request less KV than it was promised; monotonic.
+        self.num_load_failures = 0
 
-    def check_hits(self, req: Request, start: StartingPoint) -> str | None:
-        """None, or (policy "fail") why ``req`` must fail: its lookup found fewer of its
-        prompt's tokens than its kv_transfer_params promise."""
-        return self._check(req, start.num_tokens)
+    def shortfall(self, req: Request, num_found: int) -> str | None:
+        """None, or why ``req``, whose KV lookup (or load) gave it ``num_found`` prompt tokens,
+        got less than its kv_transfer_params promise. Changes nothing."""
+        promised = expected_remote_tokens(req.sampling_params.kv_transfer_params)
+        if req.sampling_params.prompt_logprobs is not None or req.num_preemptions:
+            # It computes its whole prompt anyway (its logprobs need every position), or it
+            # had the promised KV once and lost it to a preemption here: not the producer's.
+            promised = 0
+        promised = min(promised, (req.num_tokens - 1) // self.block_size * self.block_size)
+        if num_found >= promised:
+            return None
+        return (
+            f"request {req.request_id!r}: its kv_transfer_params promise {promised} prompt "
+            f"tokens of KV from the prefill server, only {num_found} could be loaded (missing, "
+            "expired or unreadable)"
+        )
+
+    def fail_reason(self, why: str) -> str | None:
+        """``why`` (a shortfall) as the reason to fail the request under policy "fail";
+        None under "recompute" (logged: the request computes what is missing)."""
+        self.num_load_failures += 1
+        if self.fails:
+            return why + "; kv_load_failure_policy 'fail' ends it"
+        logger.info("%s: computed instead (kv_load_failure_policy 'recompute')", why)
+        return None
 
     def loads_async(self, start: StartingPoint) -> bool:
         """Whether the blocks ``start`` takes over include some that load asynchronously."""
@@ -78,33 +100,13 @@ class RemoteKV:
                 continue  # aborted since, its load dropped
             self.connector.count_loaded(num_loaded)
             num_computed = kv.finish_remote_load(req, num_loaded)
-            error = self._check(req, num_computed)
-            if error is not None:
-                failed.append((req, error))
+            why = self.shortfall(req, num_computed)
+            why = self.fail_reason(why) if why is not None else None
+            if why is not None:
+                failed.append((req, why))
             else:
                 self.ready[rid] = num_computed
         return failed
-
-    def _check(self, req: Request, num_found: int) -> str | None:
-        promised = expected_remote_tokens(req.sampling_params.kv_transfer_params)
-        if req.sampling_params.prompt_logprobs is not None or req.num_preemptions:
-            # It computes its whole prompt anyway (its logprobs need every position), or it
-            # had the promised KV once and lost it to a preemption here: not the producer's.
-            promised = 0
-        usable = (req.num_tokens - 1) // self.block_size * self.block_size
-        promised = min(promised, usable)
-        if num_found >= promised:
-            return None
-        self.num_load_failures += 1
-        why = (
-            f"request {req.request_id!r}: its kv_transfer_params promise {promised} prompt "
-            f"tokens of KV from the prefill server, only {num_found} could be loaded (missing, "
-            "expired or unreadable)"
-        )
-        if self.fails:
-            return why + "; kv_load_failure_policy 'fail' ends it"
-        logger.info("%s: computed instead (kv_load_failure_policy 'recompute')", why)
-        return None
 
     def answer(self, outputs: list[EngineCoreOutput], finished: list[Request]) -> None:
         """Give each finished prefill (kv_transfer_params do_remote_decode) of a producer the

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from jaxserve.core.sched.pending_prefixes import PendingPrefixes
 from jaxserve.core.sched.spec_tokens import lookahead_slots
-from jaxserve.core.sched.starting_point import starting_point
+from jaxserve.core.sched.starting_point import StartingPoint, starting_point
 from jaxserve.core.sched.step_batch import StepBatch
 from jaxserve.request import Request, RequestStatus
 
@@ -29,10 +29,10 @@ def schedule_waiting(sched: Scheduler, step: StepBatch) -> None:
 
     Two kinds are passed over for this step (they keep their place in the queue): a child
     whose parent's prompt is not computed yet, and, with prefix caching, a request whose
-    next uncached block is one a running request is computing: next step it is a hit,
-    instead of the same block computed twice (offline batches of shared prefixes). A request
-    whose prefix lookup found blocks that load asynchronously leaves the queue for
-    ``sched.remote`` (WAITING_FOR_REMOTE_KVS), holding its blocks."""
+    next uncached block is one a running request is computing (or one being loaded): next
+    step it is a hit, instead of the same block computed twice (offline batches of shared
+    prefixes). A request whose prefix lookup found blocks that load asynchronously leaves the
+    queue for ``sched.remote`` (WAITING_FOR_REMOTE_KVS), holding its blocks."""
     kv = sched.kv_cache_manager
     waiting = sched.waiting
     skipped: list[Request] = []
@@ -47,40 +47,51 @@ def schedule_waiting(sched: Scheduler, step: StepBatch) -> None:
         if start is None:
             skipped.append(waiting.pop())
             continue
-        borrowed, num_borrowed_tokens, is_fork = start
-        if not is_fork and sched.enable_caching and pending.defer(req, num_borrowed_tokens):
+        if not start.is_fork and sched.enable_caching and pending.defer(req, start.num_tokens):
             start.retract(req, kv, sched.block_size)
             skipped.append(waiting.pop())
             continue
-        why = None if is_fork else sched.remote.check_hits(req, start)
-        if why is not None:  # KV its kv_transfer_params promise is missing: "fail" ends it
-            waiting.pop()
-            start.retract(req, kv, sched.block_size)
-            sched.fail_request(req, why)
-            continue
-        loads = not is_fork and sched.remote.loads_async(start)
-        # A request that loads takes over its blocks now; its tokens wait for the load.
-        num_new = 0 if loads else min(len(req.all_token_ids) - num_borrowed_tokens, step.budget)
-        end = num_borrowed_tokens + num_new
-        lookahead = lookahead_slots(req, end, end, sched.num_lookahead_tokens) if num_new else 0
-        new_blocks = kv.allocate_slots(
-            req, num_new + lookahead, borrowed or None, num_borrowed_tokens
-        )
-        if new_blocks is None and lookahead:  # the lookahead is only an optimisation
-            new_blocks = kv.allocate_slots(req, num_new, borrowed or None, num_borrowed_tokens)
-        if new_blocks is None:
-            start.retract(req, kv, sched.block_size)
+        if not _start(sched, req, start, step):
             break
-        waiting.pop()
-        if is_fork:
-            req.parent_req_id = None  # from now on it is an ordinary request
-        if loads:
-            sched.remote.start(req, kv)
-            continue
-        admit(sched, req, num_borrowed_tokens, num_new, step)
-        pending.admitted(req, num_borrowed_tokens)
+        pending.admitted(req, start.num_tokens)
     if skipped:
         waiting.put_back(skipped)
+
+
+def _start(sched: Scheduler, req: Request, start: StartingPoint, step: StepBatch) -> bool:
+    """Take ``req`` (waiting's head) out of the queue from ``start``: admitted with its first
+    tokens, waiting for its KV to load (remote_kv.py), or failed (its promised KV is missing
+    and kv_load_failure_policy is "fail"). False, changing nothing, when the pool is short."""
+    kv, waiting = sched.kv_cache_manager, sched.waiting
+    borrowed, num_borrowed_tokens, is_fork = start
+    remote = sched.remote
+    short = None if is_fork else remote.shortfall(req, num_borrowed_tokens)
+    if short is not None and remote.fails:
+        waiting.pop()
+        start.retract(req, kv, sched.block_size)
+        sched.fail_request(req, remote.fail_reason(short))
+        return True
+    loads = not is_fork and remote.loads_async(start)
+    # A request that loads takes over its blocks now; its tokens wait for the load.
+    num_new = 0 if loads else min(len(req.all_token_ids) - num_borrowed_tokens, step.budget)
+    end = num_borrowed_tokens + num_new
+    lookahead = lookahead_slots(req, end, end, sched.num_lookahead_tokens) if num_new else 0
+    new_blocks = kv.allocate_slots(req, num_new + lookahead, borrowed or None, num_borrowed_tokens)
+    if new_blocks is None and lookahead:  # the lookahead is only an optimisation
+        new_blocks = kv.allocate_slots(req, num_new, borrowed or None, num_borrowed_tokens)
+    if new_blocks is None:
+        start.retract(req, kv, sched.block_size)
+        return False
+    waiting.pop()
+    if short is not None:
+        remote.fail_reason(short)  # "recompute": counted and logged once admitted
+    if is_fork:
+        req.parent_req_id = None  # from now on it is an ordinary request
+    if loads:
+        remote.start(req, kv)
+    else:
+        admit(sched, req, num_borrowed_tokens, num_new, step)
+    return True
 
 
 def _swap_in(sched: Scheduler, req: Request, step: StepBatch) -> bool:
@@ -98,7 +109,7 @@ def admit(sched: Scheduler, req: Request, num_computed: int, num_new: int, step:
     """``req`` (its table covering ``num_computed + num_new`` tokens) joins ``running`` and
     the step schedules ``num_new`` of its tokens."""
     rid = req.request_id
-    if req.status != RequestStatus.PREEMPTED:  # first schedule (a resumed one is PREEMPTED)
+    if req.first_scheduled_time is None:  # first schedule (not a resumed one)
         req.num_cached_tokens = num_computed
         req.first_scheduled_time = time.monotonic()
     req.status = RequestStatus.RUNNING
