@@ -15,7 +15,8 @@ import pytest
 from engine_utils import SMALL, assert_nothing_held, random_prompts
 
 from jaxserve import LLMEngine, SamplingParams
-from jaxserve.request import RequestStatus
+from jaxserve.core.kv_cache_utils import extend_block_hashes
+from jaxserve.request import Request, RequestStatus
 from jaxserve.runner.job_shapes import job_request, job_warmup_set
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -95,6 +96,23 @@ def test_blocks_lost_in_transfer_are_recomputed_with_the_same_tokens(producer, c
     loaded = consumer.get_stats()["kv_connector_loaded_blocks"] - before
     assert 0 < loaded < sum((len(p) - 1) // 8 for p in prompts)
     assert_nothing_held(consumer)
+
+
+def test_a_producer_stores_again_a_cached_block_the_store_lost(producer):
+    """A block that left the store (its lease ended) while it stayed in the producer's device
+    cache is stored again by the next request that hits it, so what a prefill promises is
+    there."""
+    (prompt,) = random_prompts(1, seed=11, lo=30, hi=40)
+    _run(producer, [prompt], "e")
+    req = Request("h", prompt, GREEDY)
+    folder = producer.scheduler.kv_connector.store.folder
+    paths = [os.path.join(folder, h.hex()) for h in extend_block_hashes(req, 8, len(prompt))]
+    assert all(os.path.exists(p) for p in paths)
+    os.unlink(paths[1])
+    saved = producer.get_stats()["kv_connector_saved_blocks"]
+    _run(producer, [prompt], "e2")  # its blocks are prefix hits in the producer's own cache
+    assert os.path.exists(paths[1])
+    assert producer.get_stats()["kv_connector_saved_blocks"] == saved + 1
 
 
 def test_aborted_requests_free_every_block_on_both_sides(producer, consumer):

@@ -123,10 +123,12 @@ class SharedStorageConnector:
                 continue
             num_drafts = len(so.scheduled_spec_decode_tokens.get(rid, ()))
             end = min(computed[rid] + num_scheduled - num_drafts, req.num_prompt_tokens)
-            first, last = (0 if rid in new_ids else computed[rid] // bs), end // bs
+            first, last = computed[rid] // bs, end // bs
+            hashes = extend_block_hashes(req, bs, max(first, last))
+            if rid in new_ids and first:  # its hits' blocks the store still has, in one call
+                first = self.store.count_prefix(hashes[:first])
             if last <= first:
                 continue
-            hashes = extend_block_hashes(req, bs, last)
             block_ids = kv.get_block_ids(rid)
             for j in range(first, last):
                 if not self.store.contains(hashes[j]):
