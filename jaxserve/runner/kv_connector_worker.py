@@ -8,7 +8,8 @@ the data is there writes it into the job's device blocks (before its forward, on
 thread: the pages are donated from step to step), and reports the job's blocks written in that
 step's ModelRunnerOutput.kv_loads. A job whose request finished (aborted) before that is
 dropped, never written: its blocks may belong to another request by then. A step with nothing
-to compute waits for a read a little (``idle_wait_s``) instead of spinning.
+to compute, and no row in the runner, waits for a read a little (``idle_wait_s``) instead of
+spinning.
 
 Both go through a small staging host tier (kv_offload.KVOffloader: its jitted gather and
 scatter at padded power-of-two counts), ``staging_blocks`` blocks at a time, so the copies reuse
@@ -57,11 +58,13 @@ class KVConnectorWorker:
         self._done: dict[str, int] = {}  # req_id -> blocks written this step
 
     def before_forward(
-        self, kv_caches: KVCaches, so: SchedulerOutput
+        self, kv_caches: KVCaches, so: SchedulerOutput, idle: bool = False
     ) -> tuple[KVCaches, dict[str, int]]:
         """The step's loads: jobs of finished requests dropped, new jobs started, the jobs
-        whose data is here written, then the synchronous loads. Returns the new pages and the
-        jobs written (req_id -> blocks), for the step's ModelRunnerOutput.kv_loads."""
+        whose data is here written (``idle``: the runner has nothing to compute, so it first
+        waits up to ``idle_wait_s`` for one), then the synchronous loads. Returns the new
+        pages and the jobs written (req_id -> blocks), for the step's
+        ModelRunnerOutput.kv_loads."""
         for req_id in so.finished_req_ids:
             job = self._jobs.pop(req_id, None)
             if job is not None:
@@ -75,7 +78,7 @@ class KVConnectorWorker:
             for job in meta.load_jobs:
                 self._jobs[job.req_id] = (job, self._reader.submit(self._read, job))
         if self._jobs:
-            kv_caches = self._write_ready(kv_caches, wait=so.is_empty)
+            kv_caches = self._write_ready(kv_caches, wait=idle)
         if meta is not None and meta.loads:
             kv_caches = self.load(kv_caches, meta.loads)
         done, self._done = self._done, {}

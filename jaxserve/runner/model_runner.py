@@ -298,7 +298,8 @@ class ModelRunner:
         connector = so.kv_connector if self.kv_connector is not None else None
         kv_loads = {}
         if self.kv_connector is not None:  # KV from other engines (kv_connector_worker.py)
-            self.kv_caches, kv_loads = self.kv_connector.before_forward(self.kv_caches, so)
+            idle = so.is_empty and not len(self.input_batch)  # may wait a little for a load
+            self.kv_caches, kv_loads = self.kv_connector.before_forward(self.kv_caches, so, idle)
         if so.block_copies:
             self.copy_blocks(*padded_copies(so.block_copies))
         if so.is_empty:
