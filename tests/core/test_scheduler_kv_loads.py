@@ -163,3 +163,21 @@ def test_a_request_waits_for_its_kv_while_others_run_and_abort_frees_it():
     assert results["loads"].num_cached_tokens == 8  # its two blocks came from the store
     assert sched.get_stats()["kv_connector_loaded_blocks"] == 2
     check_all_free(sched)
+
+
+def test_two_requests_sharing_a_prefix_load_it_once():
+    """The second request's next block is being loaded for the first: it waits in the queue
+    and then hits the loaded blocks in the prefix cache, instead of loading them again."""
+    sched, runner = _scheduler(32, 4, 32, 4, "recompute", load_async=True)
+    runner.load_delay = lambda job: 3
+    first = make_request("first", _STORED[0] + [1, 2], 3)
+    second = make_request("second", _STORED[0] + [9], 3)
+    sched.add_request(first)
+    sched.add_request(second)
+    results = run_to_completion(sched, runner)
+    assert sched.get_stats()["kv_connector_loaded_blocks"] == 2  # _STORED[0]'s blocks, once
+    assert results["second"].num_cached_tokens == 8  # device hits on the loaded blocks
+    for req in (first, second):
+        want, _ = reference_output(req.prompt_token_ids, req.sampling_params)
+        assert req.output_token_ids == want
+    check_all_free(sched)

@@ -45,11 +45,20 @@ class RemoteBlocks:
         self.pending: dict[str, list[tuple[KVCacheBlock, BlockHash]]] = {}
 
     def lookup(self, hashes: list[BlockHash]) -> list[RemoteHit]:
-        """The leading ``hashes`` the store holds ([] without a connector)."""
+        """The leading ``hashes`` the store holds ([] without a connector), up to the first
+        that another request is loading: the lookup's request waits for that load instead of
+        loading the block twice (PendingPrefixes.defer)."""
         if self.connector is None or not hashes:
             return []
-        found = self.connector.lookup(hashes)
+        if self.pending:
+            loading = self.loading_hashes()
+            hashes = hashes[: next((i for i, h in enumerate(hashes) if h in loading), len(hashes))]
+        found = self.connector.lookup(hashes) if hashes else []
         return [RemoteHit(h, data) for h, data in zip(hashes, found, strict=False)]
+
+    def loading_hashes(self) -> set[BlockHash]:
+        """Hashes of the blocks asynchronous loads are writing now."""
+        return {h for blocks in self.pending.values() for _, h in blocks}
 
     def take(self, hit: RemoteHit, block: KVCacheBlock, req_id: str) -> None:
         """``block`` (fresh, held by ``req_id``) receives ``hit``'s KV."""

@@ -1,6 +1,7 @@
-"""PendingPrefixes: the blocks this step's running requests are computing, so that a waiting
-request whose next uncached block is one of them waits a step and then hits it in the prefix
-cache, instead of the same block being computed twice (offline batches of shared prefixes).
+"""PendingPrefixes: the blocks this step's running requests are computing (and those the KV
+connector's asynchronous loads are writing), so that a waiting request whose next uncached
+block is one of them waits a step and then hits it in the prefix cache, instead of the same
+block being computed (or loaded) twice (offline batches of shared prefixes).
 
 Built lazily, on the first waiting request that could use it; only with prefix caching.
 """
@@ -24,6 +25,7 @@ class PendingPrefixes:
         block is being computed."""
         if self._hashes is None:
             self._hashes = pending_block_hashes(self._kv, self._running)
+            self._hashes |= self._kv.remote.loading_hashes()  # KV connector loads under way
         next_block = num_hit_tokens // self._block_size
         return next_block < len(req.block_hashes) and req.block_hashes[next_block] in self._hashes
 

@@ -53,7 +53,8 @@ def schedule_waiting(sched: Scheduler, step: StepBatch) -> None:
             continue
         if not _start(sched, req, start, step):
             break
-        pending.admitted(req, start.num_tokens)
+        # Its blocks past those computed are pending now (a loading request's: all of them).
+        pending.admitted(req, req.num_computed_tokens)
     if skipped:
         waiting.put_back(skipped)
 
