@@ -87,7 +87,11 @@ def test_the_router_passes_the_params_and_fail_is_honoured(engine_url, kv_url):
             fresh = "a prompt no prefill server has stored anywhere at all"
             body = {"model": MODEL, "prompt": fresh, "max_tokens": 4}
             status, _, raw = http(f"{url}/v1/completions", body)
+            # streamed: the error is the stream's event (its status was sent before)
+            _, _, events = http(f"{url}/v1/completions", {**body, "prompt": fresh + " again",
+                                                          "stream": True})  # fmt: skip
     assert status == 500 and b"kv_load_failure_policy" in raw and b"16" in raw
+    assert b'"error"' in events and b"kv_load_failure_policy" in events
     # nothing held on the decode server afterwards, and it serves on
     assert _greedy(kv_url, PROMPT) == _greedy(engine_url, PROMPT)
 
