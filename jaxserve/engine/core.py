@@ -322,7 +322,8 @@ class EngineCore:
         sched = self.scheduler
         stats: dict[str, Any] = dict(sched.get_stats())
         stats["num_requests_running"] = len(sched.running)
-        stats["num_requests_waiting"] = len(sched.waiting)
+        # requests waiting for KV from another engine wait too (vLLM counts them so)
+        stats["num_requests_waiting"] = len(sched.waiting) + len(sched.remote.loading)
         stats["num_compilations"] = self.runner.num_compilations
         stats["num_compilation_cache_hits"] = self.runner.num_compilation_cache_hits
         stats["recompilations"] = self.runner.recompilations

@@ -220,7 +220,8 @@ class ModelRunner:
 
     def all_compiles(self) -> list[StepCompiles]:
         """The counters of every jitted function the runner calls."""
-        offload = [self.kv_offload.compiles] if self.kv_offload is not None else []
+        copies = (self.kv_offload, self.kv_connector and self.kv_connector.staging)
+        offload = [c.compiles for c in copies if c is not None]
         draft = [self.draft.compiles, self.draft.copy_compiles] if self.draft is not None else []
         return [self.compiles, self.copy_compiles, *offload, *draft]
 
@@ -231,6 +232,8 @@ class ModelRunner:
         failed computation); then they are reallocated, zeroed, and it returns True: every
         cached prefix is gone, and the scheduler must drop its prefix cache."""
         self._init_host_state()
+        if self.kv_connector is not None:
+            self.kv_connector.reset()
         if self.draft is not None:  # only guesses live in its pages: nothing to report
             self.draft.reset(self.input_batch, pages_ok=pages_usable(self.draft.kv_caches))
         if pages_usable(self.kv_caches):
@@ -291,12 +294,14 @@ class ModelRunner:
                 self.kv_caches, so.device_to_host, so.host_to_device
             )
         connector = so.kv_connector if self.kv_connector is not None else None
-        if connector is not None and connector.loads:
-            self.kv_caches = self.kv_connector.load(self.kv_caches, connector)
+        kv_loads = {}
+        if self.kv_connector is not None:  # KV from other engines (kv_connector_worker.py)
+            idle = so.is_empty and not len(self.input_batch)  # may wait a little for a load
+            self.kv_caches, kv_loads = self.kv_connector.before_forward(self.kv_caches, so, idle)
         if so.block_copies:
             self.copy_blocks(*padded_copies(so.block_copies))
         if so.is_empty:
-            return InFlightStep()
+            return InFlightStep(kv_loads=kv_loads)
         start = time.perf_counter()
         req_ids = list(so.num_scheduled_tokens)
         num_scheduled = np.fromiter(so.num_scheduled_tokens.values(), np.int32, len(req_ids))
@@ -323,7 +328,7 @@ class ModelRunner:
             # that saves does not overlap the next one's scheduling).
             self.kv_caches = self.kv_connector.save(self.kv_caches, connector)
         ib.num_pending[batch.slots[batch.sampling_rows]] += 1
-        return InFlightStep(batch, out, plp, num_emitted)
+        return InFlightStep(batch, out, plp, num_emitted, kv_loads)
 
     def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Copy-on-write: KV pages src[i] -> dst[i], in place (a padded count: copy_sizes)."""
