@@ -158,6 +158,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = set(args.servers) - set(SERVERS)
     if unknown:
         p.error(f"unknown servers {sorted(unknown)}; choose from {SERVERS}")
+    if len(set(args.servers)) < len(args.servers):
+        p.error(f"--servers names a server twice: {args.servers}")
     if args.rates is None and preset.rates is not None:
         args.rates = list(preset.rates)
     if args.rate_fractions is None:
