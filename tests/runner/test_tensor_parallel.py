@@ -14,6 +14,7 @@ import fcntl
 import json
 import os
 import pathlib
+import re
 import socket
 import subprocess
 import sys
@@ -127,6 +128,14 @@ def test_seeded_sampling_matches_one_device(results):
     assert runs["2"]["seeded"] == runs["1"]["seeded"]
     # Sampled, not greedy in disguise: the seeded tokens differ from the greedy ones.
     assert runs["1"]["seeded"] != runs["1"]["tokens"]
+
+
+def test_structured_outputs_and_logit_bias_under_tp_match_one_device(results):
+    runs = results["parity"]["llama"]
+    one, two = runs["1"]["constrained"], runs["2"]["constrained"]
+    assert two == one
+    assert re.fullmatch(one["regex"], one["regex_text"]), one["regex_text"]
+    assert one["biased"] == [7] * 6  # +100 on an allowed token: every step takes it
 
 
 def test_speculative_decoding_under_tp_keeps_one_devices_tokens(results):

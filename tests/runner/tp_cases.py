@@ -111,6 +111,24 @@ def _seeded(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
+CONSTRAINED_REGEX = "[ab]{2,5}"
+
+
+def _constrained(llm: LLM) -> dict[str, Any]:
+    """Structured outputs and token constraints: a regex, and a logit bias with a ban list,
+    each greedy (the mask and the bias are applied to the vocabulary-sharded logits)."""
+    prompt = [5, 17, 42]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=6,
+                       structured_outputs={"regex": CONSTRAINED_REGEX}),
+        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                       logit_bias={7: 100.0}, allowed_token_ids=list(range(3, 40))),
+    ]  # fmt: skip
+    outs = llm.generate([prompt, prompt], params, use_tqdm=False)
+    return {"regex": CONSTRAINED_REGEX, "regex_text": outs[0].outputs[0].text,
+            "biased": outs[1].outputs[0].token_ids}  # fmt: skip
+
+
 class _BackendCompiles:
     """Counts XLA backend compiles (any function) while `on`."""
 
@@ -156,6 +174,7 @@ def run_parity(work: pathlib.Path) -> dict[str, Any]:
             }
             if family == "llama" and tp <= 2:
                 case["seeded"] = _seeded(llm)
+                case["constrained"] = _constrained(llm)  # tp 2: counted after warm-up
             if warm:
                 _serve_stream(llm.engine)
                 case["compiles"] = {
