@@ -156,6 +156,31 @@ def test_oracle_drafts_through_the_grammar_change_steps_not_tokens(plain, spec, 
         assert after["num_steps"] - before["num_steps"] < sum(map(len, reference.values()))
 
 
+def test_suffix_decoding_drafts_through_the_grammar(plain, spec):
+    """The "suffix" method (a host proposer, swapped into the n-gram engine): the second time
+    the same requests run, their outputs are in the engine-wide tree and most drafts are
+    right; tokens unchanged."""
+    config = SpeculativeConfig(method="suffix", num_speculative_tokens=3, policy="always",
+                               suffix_decoding_max_spec_factor=4.0)  # fmt: skip
+    prompts = ["Hi", "Describe a person:", "Pick one"] * 2
+    params = _grammar_params(temperature=0.0)
+    want = _run(plain, prompts, params)
+    core = spec.engine.core
+    saved, core.spec = core.spec, SpecDecoder(config)
+    try:
+        assert _run(spec, prompts, params) == want
+        before = spec.get_stats()
+        assert _run(spec, prompts, params) == want
+        after = spec.get_stats()
+    finally:
+        core.spec = saved
+    drafts, accepted = (
+        after[key] - before[key]
+        for key in ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+    )
+    assert accepted > 0.5 * drafts > 0
+
+
 def test_preemption_with_drafts_keeps_each_matcher_in_step(plain, spec):
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 1000) for _ in range(40)] for _ in range(8)]
