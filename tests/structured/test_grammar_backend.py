@@ -221,3 +221,27 @@ def test_bad_words_and_allowed_ids_cut_drafts_by_their_prefix(structured, tokeni
     rows, filled = _rows(state, [the], [seq[0], the])
     assert filled == 3
     assert seq[1] not in _allowed(rows[1]) and seq[1] in _allowed(rows[0])
+
+
+def test_a_dead_end_after_a_draft_ends_the_request_only_when_its_row_is_reached():
+    from types import SimpleNamespace
+
+    from jaxserve.core.sched.output import SchedulerOutput
+    from jaxserve.outputs import EngineCoreOutput
+    from jaxserve.structured.bitmask import bitmask_words, token_bitmask
+    from jaxserve.structured.request_constraints import ConstraintSpec
+    from jaxserve.structured.step_masks import dead_ends_reached, with_token_masks
+
+    a, b, words = 7, 9, bitmask_words(V)
+    # Allowed: a and b; banned: b always, a after a. After the draft a nothing is left.
+    spec = ConstraintSpec(None, ((a, a), (b,)), words, words, token_bitmask([a, b], V))
+    req = SimpleNamespace(request_id="r", constraints=spec.new_state(), num_computed_tokens=4,
+                          num_tokens=5, output_token_ids=[], eos_token_ids=[EOS])  # fmt: skip
+    so = SchedulerOutput(num_scheduled_tokens={"r": 2}, scheduled_spec_decode_tokens={"r": [a]})
+    so, dead_ends = with_token_masks(so, {"r": req}, ["r"])
+    rows = so.token_masks["r"]
+    assert rows.shape == (2, words) and dead_ends == {"r": 1}
+    assert list(_allowed(rows[0])) == [a] and list(_allowed(rows[1])) == [EOS]
+    emitted = [EngineCoreOutput("r", [b])], [EngineCoreOutput("r", [a, EOS])]
+    assert dead_ends_reached(emitted[0], dead_ends) == []  # the draft was rejected
+    assert dead_ends_reached(emitted[1], dead_ends) == ["r"]

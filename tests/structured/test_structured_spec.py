@@ -217,3 +217,16 @@ def test_a_draft_models_drafts_are_checked_greedy_exact_and_sampled_valid(target
         assert o.outputs[0].finish_reason == "stop", o.outputs[0].text
         _check_valid(p, o.outputs)
     assert_nothing_held(llm.engine)
+
+
+def test_constraints_that_leave_no_token_end_the_request_with_drafts(spec):
+    (the,) = spec.get_tokenizer().encode("the", add_special_tokens=False).ids
+    eos = sorted(spec.engine.info.eos_token_ids)
+    dead_ends = [
+        SamplingParams(allowed_token_ids=[the], bad_words=["the"], temperature=1.0, seed=7),
+        SamplingParams(allowed_token_ids=[5], structured_outputs={"choice": ["the"]}),
+    ]
+    for o in spec.generate(["the the the the", "y"], dead_ends, use_tqdm=False):
+        (c,) = o.outputs
+        assert c.finish_reason == "abort" and c.token_ids == eos[:1]
+    assert_nothing_held(spec.engine)
