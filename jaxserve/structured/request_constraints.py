@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxserve.structured.backend import CompiledGrammar, Matcher
 from jaxserve.structured.bad_words import banned_next_tokens
-from jaxserve.structured.bitmask import ALL_ALLOWED, clear_bit, test_bit
+from jaxserve.structured.bitmask import ALL_ALLOWED, clear_bit, has_bit
 
 __all__ = ["ALL_ALLOWED", "ConstraintSpec", "RequestConstraints"]
 
@@ -115,7 +115,7 @@ class RequestConstraints:
         a draft past the end would be emitted)."""
         n = len(drafts)
         if self.allowed is not None:
-            n = next((j for j in range(n) if not test_bit(self.allowed, drafts[j])), n)
+            n = next((j for j in range(n) if not has_bit(self.allowed, drafts[j])), n)
         if self.bad_words:
             prefix = self._tail(output_token_ids)
             for j in range(n):
@@ -147,7 +147,7 @@ class RequestConstraints:
         try:
             for j, row in enumerate(rows):
                 self.fill_mask(row, prefix)
-                if j == len(drafts) or not test_bit(row, drafts[j]):
+                if j == len(drafts) or not has_bit(row, drafts[j]):
                     return j + 1
                 if matcher is not None:
                     matcher.accept_token(drafts[j])  # allowed by the row: the grammar accepts
