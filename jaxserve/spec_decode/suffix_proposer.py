@@ -38,11 +38,11 @@ from jaxserve.spec_decode.suffix_tree import Cursor, SuffixTree
 
 @dataclass
 class _Live:
-    """A running request's state: its token buffer, and its output in the engine-wide tree."""
+    """A running request's state: its token buffer, and its output in the engine-wide tree
+    (``cursor.tokens``: the tokens added to it)."""
 
     buffer: TokenBuffer = field(default_factory=TokenBuffer)
     cursor: Cursor = field(default_factory=Cursor)
-    output: list[int] = field(default_factory=list)  # the tokens added to the tree
 
 
 class SuffixProposer:
@@ -91,17 +91,16 @@ class SuffixProposer:
         if live is None:
             live = self._live[req.request_id] = _Live()
         tokens = live.buffer.sync(req.all_token_ids)
-        new_output = tokens[req.num_prompt_tokens + len(live.output) :].tolist()
+        new_output = tokens[req.num_prompt_tokens + len(live.cursor.tokens) :].tolist()
         if new_output:
             self.tree.extend(live.cursor, new_output)
-            live.output += new_output
         return tokens
 
     def _retire(self, req_id: str) -> None:
-        live = self._live.pop(req_id)
-        if not live.output:
+        output = self._live.pop(req_id).cursor.tokens
+        if not output:
             return
-        self._cached[req_id] = live.output
+        self._cached[req_id] = output
         while len(self._cached) > self.max_cached_requests:
             _, output = self._cached.popitem(last=False)
             self.tree.remove(output)
