@@ -17,6 +17,11 @@ steps synchronously): there is no "overlapped" row.
 
     python bench/structured.py                     # the demo model, 64 requests
     python bench/structured.py --model path/to/hf_checkpoint --num-requests 256
+    python bench/structured.py --speculative-config '{"method": "ngram", "policy": "always"}'
+
+With ``--speculative-config`` every row speculates (drafts checked against the grammar, a mask
+per verification row); seeded drafts keep every row's tokens those without speculation, and
+the rows report the drafts verified and accepted.
 
 Prints a table and writes bench/results/structured.json (or --output).
 """
@@ -74,9 +79,15 @@ def _params(lengths: list[int], fraction: float) -> list[SamplingParams]:
 
 def _row(llm: LLM, prompts: list[list[int]], fraction: float, lengths: list[int]) -> dict:
     params = _params(lengths, fraction)
+    before = llm.get_stats()
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
+    after = llm.get_stats()
+    spec = {
+        key: after.get(key, 0) - before.get(key, 0)
+        for key in ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+    }
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     valid = sum(
         1
@@ -103,6 +114,8 @@ def _row(llm: LLM, prompts: list[list[int]], fraction: float, lengths: list[int]
         "prepare_ms_per_step": 1e3 * float(np.mean([t.prepare_s for t in traces])),
         "device_ms_per_step": 1e3 * float(np.mean([t.device_s for t in traces])),
         "mean_rows_per_step": float(np.mean([len(t.q_lens) for t in traces])),
+        "draft_tokens": spec["spec_decode_num_draft_tokens"],
+        "accepted_tokens": spec["spec_decode_num_accepted_tokens"],
     }
 
 
@@ -122,6 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--max-model-len", type=int, default=256)
+    ap.add_argument("--speculative-config", type=json.loads, default=None)
     ap.add_argument("--output", type=Path, default=RESULTS / "structured.json")
     args = ap.parse_args(argv)
     llm = LLM(
@@ -130,6 +144,7 @@ def main(argv: list[str] | None = None) -> dict:
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         max_num_batched_tokens=max(256, args.max_num_seqs),
+        speculative_config=args.speculative_config,
     )
     vocab = llm.engine.info.vocab_size
     rng = np.random.default_rng(0)
@@ -146,7 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
     base = rows[0]["output_tok_per_s"]
     print(f"{'constrained':>11} {'tok/s':>9} {'vs 0%':>6} {'valid':>7} {'sched ms':>9} "
           f"{'update ms':>9} {'exec ms':>8} {'prep ms':>8} {'device ms':>9} "
-          f"{'rows':>5}")  # fmt: skip
+          f"{'rows':>5} {'drafts':>7} {'accepted':>8}")  # fmt: skip
     for r in rows:
         r["vs_unconstrained"] = r["output_tok_per_s"] / base
         print(
@@ -154,7 +169,8 @@ def main(argv: list[str] | None = None) -> dict:
             f"{r['vs_unconstrained']:>6.2f} {r['constrained_valid']:>3}/{r['constrained']:<3} "
             f"{r['schedule_ms_per_step']:>9.3f} {r['update_ms_per_step']:>9.3f} "
             f"{r['execute_ms_per_step']:>8.2f} {r['prepare_ms_per_step']:>8.3f} "
-            f"{r['device_ms_per_step']:>9.2f} {r['mean_rows_per_step']:>5.1f}"
+            f"{r['device_ms_per_step']:>9.2f} {r['mean_rows_per_step']:>5.1f} "
+            f"{r['draft_tokens']:>7} {r['accepted_tokens']:>8}"
         )
     recompiled = llm.get_stats()["recompilations"]
     print(f"compilations after warm-up: {len(recompiled)}")

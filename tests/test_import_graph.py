@@ -44,6 +44,7 @@ HOST_MODULES = [
     "jaxserve.sampling_constraints",
     "jaxserve.structured.manager",
     "jaxserve.structured.step_masks",
+    "jaxserve.structured.draft_checks",
     "jaxserve.structured.llguidance_backend",
     # the fronts over replicas: no jax, so they never take the devices they hand out
     "jaxserve.fleet.data_parallel",

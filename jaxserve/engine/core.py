@@ -21,7 +21,13 @@ from jaxserve.request import Request, RequestStatus
 from jaxserve.runner.step_trace import ReadyWatch, StepTrace
 from jaxserve.spec_decode import SpecDecoder
 from jaxserve.spec_decode.spec_decoder import Proposer
-from jaxserve.structured.step_masks import advance_matchers, with_finish_reasons, with_token_masks
+from jaxserve.structured.draft_checks import cut_drafts, run_lengths
+from jaxserve.structured.step_masks import (
+    advance_matchers,
+    dead_ends_reached,
+    with_finish_reasons,
+    with_token_masks,
+)
 
 
 class Runner(Protocol):
@@ -55,7 +61,7 @@ class _Dispatched:
     """A step the runner has started: what was scheduled, the runner's handle, and when."""
 
     so: SchedulerOutput
-    dead_ends: list[str]  # its constrained requests that no token may continue
+    dead_ends: dict[str, int]  # constrained request -> its row that no token may continue
     handle: Any
     scheduled_at: float  # perf_counter when its scheduling began
     dispatched_at: float  # ... and when its dispatch began
@@ -192,30 +198,38 @@ class EngineCore:
         spec.observe_step(sum(len(o.new_token_ids) for o in outputs),
                           now - step_start + self._proposal_s, so.num_scheduled_tokens,
                           so.scheduled_spec_decode_tokens)  # fmt: skip
-        sched.set_spec_tokens(spec.propose(sched.running))
+        drafts = spec.propose(sched.running)
+        if drafts and self._constrained:  # checked against their constraints
+            drafts = cut_drafts(drafts, sched.requests, self._constrained, spec.drafts_sampled)
+        sched.set_spec_tokens(drafts)
         self._proposal_s = time.perf_counter() - now
 
-    def _schedule(self) -> tuple[SchedulerOutput, list[str]]:
+    def _schedule(self) -> tuple[SchedulerOutput, dict[str, int]]:
         """The scheduler's step, with the token masks of its constrained requests, and their
         dead ends (which _update ends)."""
         so = self.scheduler.schedule()
         if not self._constrained:
-            return so, []
+            return so, {}
         requests = self.scheduler.requests
         self._constrained.intersection_update(requests)
         return with_token_masks(so, requests, self._constrained)
 
     def _update(
-        self, so: SchedulerOutput, runner_output: ModelRunnerOutput, dead_ends: list[str]
+        self, so: SchedulerOutput, runner_output: ModelRunnerOutput, dead_ends: dict[str, int]
     ) -> list[EngineCoreOutput]:
-        """The scheduler learns the step; then constrained requests' matchers advance, and a
-        request whose grammar is complete finishes ("stop"), one whose matcher rejected a
-        token ends ("abort", logged)."""
+        """The scheduler learns the step (a constrained request's verified run cut at its
+        grammar's end); then constrained requests' matchers advance, and a request whose
+        grammar is complete finishes ("stop"), one whose matcher rejected a token, or that
+        reached a dead end, ends ("abort", logged)."""
+        requests = self.scheduler.requests
+        if so.token_masks and so.scheduled_spec_decode_tokens:
+            runner_output = run_lengths(so, runner_output, requests, dead_ends)
         outputs = self.scheduler.update_from_output(so, runner_output)
         if not so.token_masks:
             return outputs
-        complete, failed = advance_matchers(outputs, self.scheduler.requests)
-        failed = list(dict.fromkeys(failed + dead_ends))  # a dead end's EOS: not a stop
+        complete, failed = advance_matchers(outputs, requests)
+        # a dead end's EOS: not a stop
+        failed = list(dict.fromkeys(failed + dead_ends_reached(outputs, dead_ends)))
         complete = [rid for rid in complete if rid not in failed]
         if complete:
             self.scheduler.finish_requests(complete, RequestStatus.FINISHED_STOPPED)

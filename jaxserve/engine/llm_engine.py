@@ -84,12 +84,7 @@ class LLMEngine:
             self.config.model.model,
         )
         self.core = EngineCore(self.config, runner, info.num_kv_blocks, info.host_tier)
-        self.structured = StructuredOutputs(
-            self.tokenizer,
-            info.vocab_size,
-            info.eos_token_ids,
-            speculative=self.config.speculative is not None,
-        )
+        self.structured = StructuredOutputs(self.tokenizer, info.vocab_size, info.eos_token_ids)
         self._states: dict[str, RequestState] = {}  # user request id -> state
         self._child_of: dict[str, tuple[str, int]] = {}  # scheduler id -> (user id, index)
         self._seed_rng = np.random.default_rng(self.config.model.seed)
