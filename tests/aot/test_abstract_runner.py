@@ -7,29 +7,29 @@ compiles are tests/aot's other modules, where libtpu or the CUDA plugin is insta
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 
-from jaxserve.aot.abstract_engine import _abstract_checkpoint, _abstract_draft
+from jaxserve.aot.abstract_engine import abstract_runner
 from jaxserve.checkpoints_tools.hub import CONFIG_FILES
 from jaxserve.checkpoints_tools.load import load_arch
 from jaxserve.checkpoints_tools.load import resolve_model as resolve_model_source
 from jaxserve.config import EngineConfig
-from jaxserve.runner.factory import make_runner, resolve_model
-from jaxserve.runner.kv_cache import abstract_kv_caches
+from jaxserve.runner.factory import resolve_model
 from jaxserve.runner.machine import Machine
 from jaxserve.runner.sharding import make_mesh
 
 
 def _abstract_runner(**kwargs):
     config = EngineConfig.from_kwargs(model="tiny-random-llama", warmup=False, **kwargs)
-    resolved = resolve_model(config, Machine.of_mesh(make_mesh(1, jax.devices()[:1])))
     arch = load_arch(resolve_model_source("tiny-random-llama", files=CONFIG_FILES))
-    ckpt = _abstract_checkpoint(resolved, arch, "tiny-random-llama")
+    # The CPU as a compile-only target would be seen: not attached (no self-check run).
+    attached = Machine.of_mesh(make_mesh(1, jax.devices()[:1]))
+    machine = dataclasses.replace(attached, attached=False, memory_bytes=1 << 30)
+    resolved = resolve_model(config, machine)  # planning may use the default device
     with jax.transfer_guard("disallow_explicit"):  # as a compile-only client: no transfer
-        runner, _ = make_runner(
-            resolved, ckpt, kv_allocator=abstract_kv_caches, load_draft=_abstract_draft
-        )
-    return runner
+        return abstract_runner(resolved, arch, "tiny-random-llama")
 
 
 def test_the_abstract_runner_allocates_nothing():
