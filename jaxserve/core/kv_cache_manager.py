@@ -138,7 +138,7 @@ class KVCacheManager:
                 continue
             slot = host.lookup(hashes[i]) if host is not None else None
             if slot is None:
-                hits.extend(self.remote.lookup(hashes[i:max_hit_blocks]))
+                hits.extend(self.remote.lookup(hashes[i:max_hit_blocks], request, i))
                 break
             hits.append(HostHit(slot, hashes[i]))
             num_host_hits += 1

@@ -95,7 +95,7 @@ class KVConnectorWorker:
             future.cancel()
         self._jobs.clear()
 
-    def _read(self, job: LoadJob) -> list[np.ndarray]:
+    def _read(self, job: LoadJob) -> Any:
         """The job's leading blocks the store gives (in the reader thread)."""
         try:
             return self.connector.store.read_prefix(job.hashes)
@@ -110,10 +110,14 @@ class KVConnectorWorker:
         for req_id, (job, future) in list(self._jobs.items()):
             if future.done():
                 del self._jobs[req_id]
-                loads = list(zip(job.block_ids, future.result(), strict=False))
-                kv_caches = self.load(kv_caches, loads)
-                self._done[req_id] = len(loads)
+                kv_caches, self._done[req_id] = self._write(kv_caches, job, future.result())
         return kv_caches
+
+    def _write(self, kv_caches: KVCaches, job: LoadJob, data: Any) -> tuple[KVCaches, int]:
+        """Write what ``_read`` gave for ``job`` into its blocks; returns the new pages and
+        the number of blocks written (its first ones)."""
+        loads = list(zip(job.block_ids, data, strict=False))
+        return self.load(kv_caches, loads), len(loads)
 
     def load(self, kv_caches: KVCaches, loads: list[tuple[int, np.ndarray]]) -> KVCaches:
         """Write (device block id, data) pairs into the pages; returns the new pages."""

@@ -15,6 +15,7 @@ answer (max_tokens 1) leaves.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -30,17 +31,39 @@ class LoadJob:
     req_id: str
     block_ids: tuple[int, ...]
     hashes: tuple[BlockHash, ...]
+    # Where the blocks come from, for a connector that pulls them from a named producer
+    # (core/kv_connector/transfer.py's PullSource); None for a store looked up by hash.
+    source: Any = None
+
+
+@dataclass(frozen=True)
+class Offer:
+    """A producer's prefill whose prompt this step completes: after the forward, its full
+    prompt blocks ``block_ids`` (in table order) are gathered on the device and offered under
+    ``transfer_id`` until ``expires_at`` (Unix time) or the consumer's pull."""
+
+    req_id: str
+    transfer_id: int
+    block_ids: tuple[int, ...]
+    expires_at: float
 
 
 @dataclass
 class KVConnectorMeta:
     """loads: (device block id, data [L, 2, K, P, H] in the pages' dtype) to write before the
     forward. load_jobs: asynchronous loads to start. saves: (device block id, its prefix hash)
-    to read after the forward and store."""
+    to read after the forward and store. offers: prompts to gather and offer after the
+    forward."""
 
     loads: list[tuple[int, np.ndarray]] = field(default_factory=list)
     load_jobs: list[LoadJob] = field(default_factory=list)
     saves: list[tuple[int, BlockHash]] = field(default_factory=list)
+    offers: list[Offer] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.loads or self.load_jobs or self.saves)
+        return bool(self.loads or self.load_jobs or self.saves or self.offers)
+
+    @property
+    def after_forward(self) -> bool:
+        """Whether the runner has work after the step's forward (saves or offers)."""
+        return bool(self.saves or self.offers)

@@ -114,7 +114,7 @@ class RemoteKV:
         if self.connector is None or not self.connector.config.saves:
             return
         params = {
-            r.request_id: self.connector.producer_params(r.num_prompt_tokens)
+            r.request_id: self.connector.producer_params(r)
             for r in finished
             if (r.sampling_params.kv_transfer_params or {}).get("do_remote_decode")
         }
