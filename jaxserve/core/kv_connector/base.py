@@ -14,12 +14,19 @@ answer (max_tokens 1) leaves.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from jaxserve.core.kv_cache_utils import BlockHash
+
+if TYPE_CHECKING:  # pragma: no cover
+    from jaxserve.core.kv_cache_manager import KVCacheManager
+    from jaxserve.core.sched.output import SchedulerOutput
+    from jaxserve.kv_transfer_config import KVTransferConfig
+    from jaxserve.request import Request
 
 
 @dataclass(frozen=True)
@@ -67,3 +74,36 @@ class KVConnectorMeta:
     def after_forward(self) -> bool:
         """Whether the runner has work after the step's forward (saves or offers)."""
         return bool(self.saves or self.offers)
+
+
+class KVConnector(Protocol):
+    """The scheduler's half of a KV connector, as the KV cache manager and the scheduler use
+    it (shared_storage.py: SharedStorageConnector over a store, transfer.py:
+    TransferConnector device to device)."""
+
+    config: KVTransferConfig
+    block_size: int
+    load_async: bool  # lookups only count blocks; the runner loads them (LoadJob)
+
+    def lookup(
+        self, hashes: list[BlockHash], request: Request | None = None, first_block: int = 0
+    ) -> list[Any]:
+        """One entry per leading block of ``hashes`` it can give (its data, or None when it
+        loads asynchronously)."""
+
+    def queue_load(self, block_id: int, data: np.ndarray) -> None: ...
+
+    def queue_job(self, job: LoadJob) -> None: ...
+
+    def count_loaded(self, num_blocks: int) -> None: ...
+
+    def producer_params(self, req: Request) -> dict[str, object]:
+        """A finished prefill's (do_remote_decode) kv_transfer_params for its decode."""
+
+    def build_meta(
+        self, so: SchedulerOutput, requests: Mapping[str, Request], kv: KVCacheManager
+    ) -> KVConnectorMeta | None: ...
+
+    def describe(self) -> str: ...
+
+    def stats(self) -> dict[str, int]: ...

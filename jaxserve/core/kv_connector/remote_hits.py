@@ -18,7 +18,7 @@ from jaxserve.core.block_pool import BlockPool
 from jaxserve.core.kv_cache_utils import BlockHash, KVCacheBlock
 
 if TYPE_CHECKING:  # pragma: no cover
-    from jaxserve.core.kv_connector.shared_storage import SharedStorageConnector
+    from jaxserve.core.kv_connector.base import KVConnector
     from jaxserve.request import Request
 
 
@@ -38,7 +38,7 @@ class RemoteBlocks:
     block_pool: the device pool the fresh blocks come from.
     """
 
-    def __init__(self, connector: SharedStorageConnector | None, block_pool: BlockPool) -> None:
+    def __init__(self, connector: KVConnector | None, block_pool: BlockPool) -> None:
         self.connector = connector
         self.block_pool = block_pool
         # req_id -> its blocks waiting for an asynchronous load, with their hashes, in table
