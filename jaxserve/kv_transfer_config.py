@@ -86,7 +86,8 @@ class KVTransferConfig:
     shared_storage_path: the store's folder (kv_connector_extra_config; default
         default_storage_path()); each model and KV layout has a subfolder of its own.
     lease_s: seconds a saved block stays in the store for consumers (> 0); a producer deletes
-        its older blocks as it saves new ones.
+        its older blocks as it saves new ones. JaxTransferConnector: how long an offer's
+        gathered copy may wait for its pull, holding device memory until then.
     ray_address, ray_namespace: the Ray cluster to join ("auto": this host's) and the
         namespace of the store's actor ("RayStoreConnector" only).
     transfer_host, transfer_port: "JaxTransferConnector" only: where the engine's

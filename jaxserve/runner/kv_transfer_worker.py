@@ -82,7 +82,10 @@ class TransferWorker(KVConnectorWorker):
     # ---- consumer -------------------------------------------------------------------------
     def _read(self, job: LoadJob) -> jax.Array | None:
         """The job's offer pulled onto this device (in the reader thread), or None (logged)."""
-        source: PullSource = job.source
+        source: PullSource | None = job.source
+        if source is None:  # not a pull the scheduler's half set up (logged, loads nothing)
+            logger.warning("KV transfer: the load of %s names no offer", job.req_id)
+            return None
         where = _host_port(source.host, source.port)
         if source.expires_at <= time.time():
             logger.warning("KV transfer: %s's offer on %s expired; not pulled", job.req_id, where)

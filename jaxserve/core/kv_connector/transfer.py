@@ -145,7 +145,7 @@ class TransferConnector:
 
     def queue_job(self, job: LoadJob) -> None:
         """Start an asynchronous load (a pull of the offer its lookup found) with this step."""
-        self._jobs.append(replace(job, source=self._sources.pop(job.req_id)))
+        self._jobs.append(replace(job, source=self._sources.pop(job.req_id, None)))
 
     def count_loaded(self, num_blocks: int) -> None:
         """An asynchronous load wrote ``num_blocks`` blocks."""
