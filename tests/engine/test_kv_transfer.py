@@ -208,3 +208,34 @@ def test_the_config_refuses_what_the_transfer_connector_cannot_honour():
         _kv("kv_consumer", kv_connector_extra_config={"transfer_port": 0, "pull_timeout_s": 5})
     )
     assert ok.transport == "jax_transfer" and ok.loads and not ok.saves
+
+
+def test_aborts_on_either_side_free_every_block(producer, consumer):
+    """A consumer's request aborted while its pull runs frees its blocks and its load is
+    dropped; a prefill aborted before its answer leaves no offer behind in the books."""
+    prompts = random_prompts(2, seed=30, lo=30, hi=50)
+    (params,) = _prefill(producer, prompts[:1], "ap")
+    sp = SamplingParams(max_tokens=8, temperature=0.0, kv_transfer_params=params)
+    consumer.add_request("gone", {"prompt_token_ids": prompts[0]}, sp)
+    consumer.step()
+    assert consumer.get_stats()["num_requests_waiting_for_remote_kvs"] == 1
+    consumer.abort_request("gone")
+    assert_nothing_held(consumer)
+    for _ in range(50):  # hands the abort to the runner: the pull's result is never written
+        consumer.step()
+        if consumer.runner.kv_connector.num_pending_loads == 0:
+            break
+    assert consumer.runner.kv_connector.num_pending_loads == 0
+    assert_nothing_held(consumer)
+    long = SamplingParams(
+        max_tokens=4, temperature=0.0, kv_transfer_params={"do_remote_decode": True}
+    )
+    producer.add_request("cut", {"prompt_token_ids": prompts[1]}, long)
+    for _ in range(3):
+        producer.step()
+    offered = producer.scheduler.kv_connector._offered
+    assert [rid.split("#")[0] for rid in offered] == ["cut"]  # offered, not answered yet
+    producer.abort_request("cut")
+    producer.step()  # the abort reaches the connector's books
+    assert not offered
+    assert_nothing_held(producer)
