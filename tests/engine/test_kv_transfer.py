@@ -143,7 +143,7 @@ def test_fail_policy_ends_the_request_and_fp8_pages_travel():
     engine = LLMEngine("tiny-random-llama", kv_cache_dtype="fp8",
                        kv_transfer_config=_kv("kv_both", kv_load_failure_policy="fail"),
                        **CONFIG)  # fmt: skip
-    prompts = random_prompts(2, seed=4, lo=30, hi=50)
+    prompts = random_prompts(1, seed=4, lo=30, hi=50)
     want = _greedy(engine, prompts, "f")
     params = _prefill(engine, prompts, "fp")
     assert engine.reset_prefix_cache()
@@ -151,10 +151,10 @@ def test_fail_policy_ends_the_request_and_fp8_pages_travel():
     assert [list(o.outputs[0].token_ids) for o in outs] == want
     assert engine.get_stats()["kv_connector_loaded_blocks"] == sum((len(p) - 1) // 8
                                                                    for p in prompts)  # fmt: skip
-    (params,) = _prefill(engine, prompts[:1], "gp")
+    (params,) = _prefill(engine, prompts, "gp")
     assert engine.reset_prefix_cache()
     params["remote_port"] = _dead_port()
-    (out,) = _decode(engine, prompts[:1], [params], "gc")
+    (out,) = _decode(engine, prompts, [params], "gc")
     assert out.outputs[0].finish_reason == "error"
     assert_nothing_held(engine)
 
