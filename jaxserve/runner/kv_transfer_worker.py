@@ -143,11 +143,18 @@ def make_transfer_connector(
     fingerprint = hashlib.sha256(layout.encode()).hexdigest()[:16]
     client = (sharding.mesh.devices.flat[0] if sharding is not None else jax.devices()[0]).client
     host = config.transfer_host
-    server = transfer.start_transfer_server(
-        client,
-        address=_host_port(host, config.transfer_port),
-        transport_addresses=[_host_port(host, 0)],
-    )
+    try:  # one transport (data) socket per local device, as tpu-inference's servers have
+        server = transfer.start_transfer_server(
+            client,
+            address=_host_port(host, config.transfer_port),
+            transport_addresses=[_host_port(host, 0)] * jax.local_device_count(),
+        )
+    except Exception as e:
+        raise RuntimeError(
+            f"kv_connector 'JaxTransferConnector': jax.experimental.transfer could not start a "
+            f"server on {_host_port(host, config.transfer_port)} for the {client.platform} "
+            f"devices ({e})"
+        ) from e
     port = int(server.address().rsplit(":", 1)[1])
     connector = TransferConnector(config, page_shape[2], fingerprint, (host, port))
     return TransferWorker(connector, copies, server, config.pull_timeout_s)

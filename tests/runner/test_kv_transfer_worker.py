@@ -107,3 +107,12 @@ def test_a_hung_pull_is_abandoned_and_an_expired_offer_not_pulled() -> None:
             server.release.set()
     pages = _pages("float32")
     assert worker._write(pages, job, None) == (pages, 0)
+
+
+def test_a_server_that_cannot_start_is_refused_by_name() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        config = _config(transfer_port=taken.getsockname()[1])
+        with pytest.raises(RuntimeError, match="JaxTransferConnector"):
+            make_transfer_connector(config, "m", L, (K, S, P, H), jnp.float32, None)
