@@ -49,6 +49,7 @@ class KVConnectorWorker:
     """
 
     idle_wait_s = 0.05  # an empty step's wait for a load being read
+    num_reader_threads = 1  # loads read at once (a store's reads are short)
 
     def __init__(self, connector: SharedStorageConnector, staging: KVOffloader) -> None:
         self.connector = connector
@@ -73,7 +74,7 @@ class KVConnectorWorker:
         if meta is not None and meta.load_jobs:
             if self._reader is None:
                 self._reader = concurrent.futures.ThreadPoolExecutor(
-                    1, thread_name_prefix="jaxserve-kv-load"
+                    self.num_reader_threads, thread_name_prefix="jaxserve-kv-load"
                 )
             for job in meta.load_jobs:
                 self._jobs[job.req_id] = (job, self._reader.submit(self._read, job))

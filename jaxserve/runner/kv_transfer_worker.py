@@ -8,8 +8,8 @@ KV this forward wrote; the request's blocks may be reused once it finishes, the 
 is what travels) and offered with ``await_pull`` under the offer's id, with the lease's end as
 the server's timeout: the server drops the array after the pull or when the lease ends.
 
-Consumer: each LoadJob (its ``source`` a PullSource) is pulled in the worker's reader thread
-(KVConnectorWorker's asynchronous loads): a fresh connection to the producer's server, one pull
+Consumer: each LoadJob (its ``source`` a PullSource) is pulled in one of the worker's reader
+threads (KVConnectorWorker's asynchronous loads): a fresh connection to the producer's server, one pull
 of the offer's padded shape, waited for; then the first step dispatched after it scatters the
 rows of the blocks the request lacks into its fresh blocks. A pull of a producer that is gone
 would wait forever, and so would one of an offer the producer no longer holds: the producer is
@@ -56,6 +56,10 @@ class TransferWorker(KVConnectorWorker):
     server: this engine's jax.experimental.transfer server.
     pull_timeout_s: the longest one pull is waited for.
     """
+
+    # Pulls of several requests at once, each over its own connection: one slow or hung
+    # producer does not hold up the loads from the others.
+    num_reader_threads = 4
 
     def __init__(
         self,
