@@ -9,13 +9,13 @@ is what travels) and offered with ``await_pull`` under the offer's id, with the 
 the server's timeout: the server drops the array after the pull or when the lease ends.
 
 Consumer: each LoadJob (its ``source`` a PullSource) is pulled in one of the worker's reader
-threads (KVConnectorWorker's asynchronous loads): a fresh connection to the producer's server, one pull
-of the offer's padded shape, waited for; then the first step dispatched after it scatters the
-rows of the blocks the request lacks into its fresh blocks. A pull of a producer that is gone
-would wait forever, and so would one of an offer the producer no longer holds: the producer is
-first probed with a TCP connection (refused: nothing loads), an offer past its lease is not
-pulled, and a pull that has not ended after ``pull_timeout_s`` is abandoned (its thread left
-blocked, logged). Each loads nothing: the request's promised KV is missing, and its
+threads (KVConnectorWorker's asynchronous loads): a fresh connection to the producer's server,
+one pull of the offer's padded shape, waited for; then the first step dispatched after it
+scatters the rows of the blocks the request lacks into its fresh blocks. A pull of a producer
+that is gone would wait forever, and so would one of an offer the producer no longer holds: the
+producer is first probed with a TCP connection (refused: nothing loads), an offer past its lease
+is not pulled, and a pull that has not ended after ``pull_timeout_s`` is abandoned (its thread
+left blocked, logged). Each loads nothing: the request's promised KV is missing, and its
 kv_load_failure_policy applies (sched/remote_kv.py).
 """
 
