@@ -126,6 +126,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cache", default=str(CACHE), help="checkpoints, tokenizer, compile cache")
     p.add_argument("--log-dir", help="server logs (default <cache>/serve-logs)")
     p.add_argument("--output", help="results JSON (default bench/results/<preset file>)")
+    _add_fleet_flags(p)
+    p.add_argument(
+        "--plot",
+        nargs="?",
+        const="",
+        default=None,
+        help="write a PNG (default: the JSON's path with .png)",
+    )
+    return p
+
+
+def _add_fleet_flags(p: argparse.ArgumentParser) -> None:
+    """--data-parallel-size and --disagg: the comparisons of bench/_serve_fleet.py instead."""
     p.add_argument(
         "--data-parallel-size",
         type=int,
@@ -147,14 +160,6 @@ def _parser() -> argparse.ArgumentParser:
         help="--disagg's connectors, comma-separated, each a disaggregated run: shared_storage, "
         "jax_transfer",
     )
-    p.add_argument(
-        "--plot",
-        nargs="?",
-        const="",
-        default=None,
-        help="write a PNG (default: the JSON's path with .png)",
-    )
-    return p
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
