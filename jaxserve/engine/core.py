@@ -93,8 +93,10 @@ class EngineCore:
         # Speculative decoding: proposes each step's drafts (None: off).
         self.spec = None
         if config.speculative is not None:
-            # The runner's own proposer (a draft model), or None: the config's.
-            self.spec = SpecDecoder(config.speculative, proposer=runner.spec_proposer)
+            # The runner's own proposer (a draft model), or None: the config's; the runner's
+            # token buckets give the policy drafts that fit the step's padding.
+            buckets = getattr(getattr(runner, "buckets", None), "token_buckets", None)
+            self.spec = SpecDecoder(config.speculative, runner.spec_proposer, buckets)
         self._proposal_s = 0.0  # host time of the last proposal (the policy counts it)
         # Async scheduling: the step dispatched and not yet learned, and when the last one
         # was learned.
@@ -201,7 +203,7 @@ class EngineCore:
         drafts = spec.propose(sched.running)
         if drafts and self._constrained:  # checked against their constraints
             drafts = cut_drafts(drafts, sched.requests, self._constrained, spec.drafts_sampled)
-        sched.set_spec_tokens(drafts)
+        sched.set_spec_tokens(drafts, spec.max_step_tokens)
         self._proposal_s = time.perf_counter() - now
 
     def _schedule(self) -> tuple[SchedulerOutput, dict[str, int]]:
@@ -342,5 +344,5 @@ class EngineCore:
         stats["num_compilation_cache_hits"] = self.runner.num_compilation_cache_hits
         stats["recompilations"] = self.runner.recompilations
         if self.spec is not None:
-            stats["spec_decode_proposer_seconds"] = self.spec.proposer_seconds
+            stats.update(self.spec.stats())
         return stats

@@ -11,11 +11,13 @@ token per step, while the others speculate.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from typing import Protocol
 
 from jaxserve.request import Request
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.spec_decode.draft_arms import padded_tokens
 from jaxserve.spec_decode.ngram_proposer import NgramProposer
 from jaxserve.spec_decode.policy import SpecPolicy
 from jaxserve.spec_decode.suffix_proposer import SuffixProposer
@@ -72,16 +74,19 @@ class SpecDecoder:
         config: the validated speculative_config.
         proposer: what proposes the drafts (``propose(requests, k) -> {req_id: drafts}``);
             default: the one config.method names.
+        token_buckets: the runner's token buckets (plain ints), for the policy's "fit" arm
+            (drafts that fill the step's padding); None: no such arm.
     """
 
     def __init__(
         self,
         config: SpeculativeConfig,
         proposer: Proposer | None = None,
+        token_buckets: Sequence[int] | None = None,
     ) -> None:
         self.config = config
         self.proposer = proposer or host_proposer(config)
-        self.policy = SpecPolicy(config)
+        self.policy = SpecPolicy(config, token_buckets)
         self.proposer_seconds = 0.0  # host time in the proposer, all calls (get_stats)
 
     def propose(self, running: Iterable[Request]) -> dict[str, list[int]]:
@@ -106,6 +111,18 @@ class SpecDecoder:
         (structured/draft_checks.py)."""
         samples = getattr(self.proposer, "samples_drafts", None)
         return bool(samples is not None and samples(request))
+
+    @property
+    def max_step_tokens(self) -> Callable[[int], int] | None:
+        """For the scheduler, with the drafts just proposed: the most tokens a step whose other
+        tokens number n may reach with its drafts (the bucket n pads to), when the policy chose
+        the "fit" arm; None otherwise (only the budget limits them)."""
+        buckets = self.policy.token_buckets
+        return partial(padded_tokens, token_buckets=buckets) if self.policy.fitting else None
+
+    def stats(self) -> dict[str, object]:
+        """get_stats() keys: the proposer's host time and the policy's choices."""
+        return {"spec_decode_proposer_seconds": self.proposer_seconds, **self.policy.stats()}
 
     def observe_step(
         self, num_emitted: int, seconds: float, num_scheduled: dict[str, int],

@@ -43,6 +43,11 @@ _op = st.one_of(
 )
 
 
+def _pad_to_4(num_tokens: int) -> int:
+    """A step's padded size with token buckets 4, 8, 12, ..."""
+    return -(-num_tokens // 4) * 4
+
+
 class _Harness:
     """Drives the scheduler as EngineCore does. With ``run_ahead`` (async scheduling), each step
     is scheduled and run before the previous one's results are learned: the fake runner
@@ -68,6 +73,7 @@ class _Harness:
         self.slack = slack  # slots a table may hold past its computed tokens
         self.run_ahead = run_ahead
         self.in_flight = None  # (SchedulerOutput, ModelRunnerOutput) not yet learned
+        self.cap = None  # the next step's max_step_tokens (the policy's "fit" arm), or None
 
     def step(self) -> None:
         prev = self.in_flight or self._dispatch()
@@ -84,10 +90,13 @@ class _Harness:
 
     def _dispatch(self):
         so = self.sched.schedule()
-        num_rows = len(so.num_scheduled_tokens) + sum(
-            map(len, so.scheduled_spec_decode_tokens.values())
-        )
+        num_drafts = sum(map(len, so.scheduled_spec_decode_tokens.values()))
+        num_rows = len(so.num_scheduled_tokens) + num_drafts
         assert num_rows <= self.sched.max_num_sampling_rows, "more logits rows than the runner has"
+        if self.cap is not None:  # drafts only fill the padding of the step's own bucket
+            without = so.total_num_scheduled_tokens - num_drafts
+            assert so.total_num_scheduled_tokens <= self.cap(without)
+        self.cap = None
         check_invariants(self.sched, lookahead=self.slack)
         return so, self.runner.execute(so)
 
@@ -96,7 +105,8 @@ class _Harness:
             merge_output(self.results, out)
         check_invariants(self.sched, lookahead=self.slack)
         if self.spec_k:
-            self.sched.set_spec_tokens(self._drafts())
+            self.cap = _pad_to_4 if self.rng.random() < 0.5 else None
+            self.sched.set_spec_tokens(self._drafts(), self.cap)
 
     def _drafts(self) -> dict[str, list[int]]:
         """Up to k drafts for each running decode, each the fake model's next token (accepted)

@@ -98,6 +98,26 @@ def test_suffix_decoding_tokens_are_those_without_speculation(plain):
     assert accepted > 0.8 * drafts > 0
 
 
+def test_auto_policy_tries_every_draft_length_and_changes_no_token(plain, spec):
+    """The automatic policy measures each of its arms in every batch bucket it meets: "k",
+    "off", and at 2 running requests "fit" (2 tokens pad to 4: one draft each fills the
+    padding); greedy tokens stay those without speculation whichever it runs."""
+    core = spec.engine.core
+    always = core.spec
+    config = SpeculativeConfig(**{**NGRAM, "policy": "auto"})
+    core.spec = SpecDecoder(config, token_buckets=core.runner.buckets.token_buckets)
+    try:
+        prompts = _prompts()
+        for batch in (prompts, prompts[:2]):
+            assert _tokens(spec, batch, GREEDY) == _tokens(plain, batch, GREEDY)
+        stats = spec.get_stats()
+    finally:
+        core.spec = always
+    per_length = stats["spec_decode_policy_steps_per_length"]
+    assert len(per_length) == K + 1 and all(per_length[n] > 0 for n in (0, 1, K))
+    assert stats["spec_decode_policy_best_arm"][2] in ("k:3", "fit:1", "off:0")
+
+
 @pytest.mark.parametrize("wrong", [False, True], ids=["always-right", "always-wrong"])
 def test_oracle_drafts_change_steps_not_tokens(plain, wrong):
     prompts = _prompts()

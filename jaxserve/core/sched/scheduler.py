@@ -11,7 +11,7 @@ samples, checks stops and frees finished requests. Parallel sampling (n > 1): ch
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.core.host_block_pool import HostTier
@@ -96,6 +96,7 @@ class Scheduler:
         self.spec_stats = SpecDecodeStats(k) if k else None  # counters of verified drafts
         self.num_lookahead_tokens = num_lookahead_tokens
         self.max_num_sampling_rows = max(max_num_sampling_rows or 0, self.max_num_seqs)
+        self._max_step_tokens: Callable[[int], int] | None = None  # set_spec_tokens' cap
 
     # ----------------------------------------------------------------------------- requests
 
@@ -123,8 +124,15 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
-    def set_spec_tokens(self, drafts: dict[str, list[int]]) -> None:
-        """Drafts for running requests, verified next step as far as they fit (spec_tokens)."""
+    def set_spec_tokens(
+        self,
+        drafts: dict[str, list[int]],
+        max_step_tokens: Callable[[int], int] | None = None,
+    ) -> None:
+        """Drafts for running requests, verified next step as far as they fit (spec_tokens);
+        ``max_step_tokens(n)``, when given: the most tokens the next step may reach with its
+        drafts when its other tokens number n (e.g. the bucket n pads to)."""
+        self._max_step_tokens = max_step_tokens
         for req_id, draft_ids in drafts.items():
             req = self.requests.get(req_id)
             if req is not None and req.status is _RUNNING:
@@ -242,7 +250,9 @@ class Scheduler:
             schedule_waiting(self, step)
         if self.spec_stats is not None:
             schedule_drafts(self.running, step, self.kv_cache_manager,
-                            self.max_num_sampling_rows, self.num_lookahead_tokens)  # fmt: skip
+                            self.max_num_sampling_rows, self.num_lookahead_tokens,
+                            self._max_step_tokens)  # fmt: skip
+            self._max_step_tokens = None
         return self._build_output(step)
 
     def _schedule_running(self, step: StepBatch) -> None:

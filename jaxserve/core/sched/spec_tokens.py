@@ -11,6 +11,8 @@ the request's table and are overwritten by later steps.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.sched.step_batch import StepBatch
 from jaxserve.outputs import ModelRunnerOutput
@@ -23,6 +25,7 @@ def schedule_drafts(
     kv_cache_manager: KVCacheManager,
     max_rows: int,
     num_lookahead: int,
+    max_step_tokens: Callable[[int], int] | None = None,
 ) -> None:
     """Schedule the running decodes' drafts: last, after every running request's own tokens and
     the waiting requests admitted, so that speculation spends only the budget and sampling rows
@@ -31,7 +34,11 @@ def schedule_drafts(
     large batches). In running order while budget and rows last; a request whose drafts need
     blocks the pool lacks verifies none this step (nothing is preempted for a guess), and a
     prefill chunk carries none. Every running request's drafts are consumed: a draft is
-    verified in the step after its proposal or dropped."""
+    verified in the step after its proposal or dropped. ``max_step_tokens(n)`` (the policy's
+    "fit" arm): the step, n tokens before its drafts, reaches at most that many with them."""
+    limit = step.max_budget
+    if max_step_tokens is not None:
+        limit = min(limit, max_step_tokens(step.num_scheduled_tokens))
     for req in running:
         drafts, req.spec_token_ids = req.spec_token_ids, []
         num_new = step.cached_tokens.get(req.request_id)
@@ -39,7 +46,8 @@ def schedule_drafts(
         if not drafts or num_new is None or req.num_inflight_tokens != num_new:
             continue
         end = req.num_computed_tokens + num_new
-        room = min(step.budget, max_rows - step.num_sampling_rows, req.max_num_tokens - end - 1)
+        room = min(limit - step.num_scheduled_tokens, max_rows - step.num_sampling_rows,
+                   req.max_num_tokens - end - 1)  # fmt: skip
         if end < len(req.all_token_ids) or room <= 0:
             continue
         drafts = drafts[:room]
