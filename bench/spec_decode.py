@@ -103,6 +103,11 @@ def _run(llm: LLM, prompts, params, concurrency: int) -> tuple[float, list[list[
         for key in ("num_steps", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
                     "spec_decode_proposer_seconds")
     }  # fmt: skip
+    # The policy's decisions in this run, by drafts per decode, and its best arm per batch bucket
+    key = "spec_decode_policy_steps_per_length"
+    per_length = zip(after.get(key, []), before.get(key, []), strict=False)
+    delta["steps_per_length"] = {n: a - b for n, (a, b) in enumerate(per_length) if a > b}
+    delta["best_arm"] = after.get("spec_decode_policy_best_arm", {})
     return seconds, [tokens[i] for i in range(len(prompts))], delta
 
 
@@ -125,6 +130,7 @@ def _measure(plain, name, llm, workloads, batch, params) -> list[dict]:
             ratio=base_s / seconds, steps=delta["num_steps"], draft_tokens=drafts,
             acceptance=delta["spec_decode_num_accepted_tokens"] / drafts if drafts else None,
             proposer_share=delta["spec_decode_proposer_seconds"] / seconds,
+            steps_per_length=delta["steps_per_length"], best_arm=delta["best_arm"],
         ))  # fmt: skip
         _print_row(rows[-1])
     return rows
@@ -134,7 +140,10 @@ def _print_row(r: dict) -> None:
     acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
     head = f"{r['workload']:<11}{r['batch']:>6} {r['engine']:<13}{r['output_tok_s']:>9.1f}"
     tail = f"{r['steps']:>7}{r['draft_tokens']:>8}{acc:>8}{100 * r['proposer_share']:>9.1f}"
-    print(f"{head}{r['ratio']:>9.2f}{tail}", flush=True)
+    lengths = " ".join(f"{n}:{c}" for n, c in r["steps_per_length"].items())
+    best = " ".join(f"{b}:{arm}" for b, arm in r["best_arm"].items())
+    arms = f"  {lengths} | {best}" if best else ""
+    print(f"{head}{r['ratio']:>9.2f}{tail}{arms}", flush=True)
 
 
 def _verification_cost(folder, engine_kw, vocab, max_len) -> dict:
@@ -193,6 +202,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--requests-per-slot", type=int, default=4)
     p.add_argument("--methods", help="comma list of the engines to run (default: all)")
     p.add_argument("--output")
+    p.add_argument("--no-extras", dest="extras", action="store_false",
+                   help="skip the verification-step cost and the sampled-drafts runs")  # fmt: skip
     args = p.parse_args(argv)
     preset = PRESETS[args.preset]
     folder = ensure_checkpoint(preset, CACHE)
@@ -215,7 +226,8 @@ def main(argv: list[str] | None = None) -> dict:
     }  # fmt: skip
     vocab = preset.model["vocab_size"]
     print(f"{'workload':<11}{'batch':>6} {'engine':<13}{'tok/s':>9}{'x plain':>9}"
-          f"{'steps':>7}{'drafts':>8}{'accept':>8}{'propose%':>9}", flush=True)  # fmt: skip
+          f"{'steps':>7}{'drafts':>8}{'accept':>8}{'propose%':>9}"
+          "  policy steps by drafts/decode | best arm by batch bucket", flush=True)  # fmt: skip
     plain, rows = LLM(str(folder), **engine_kw), []
     if args.methods:
         specs = {name: specs[name] for name in args.methods.split(",")}
@@ -228,15 +240,18 @@ def main(argv: list[str] | None = None) -> dict:
             rows += _measure(plain, name, llm, workloads, batch, params)
         del llm
     del plain
-    cost = _verification_cost(folder, engine_kw, vocab, max_len)
-    sampled = _sampled_drafts({"draft=target": str(folder), "draft-small": str(draft_folder)},
-                              folder, engine_kw, vocab, max_len)  # fmt: skip
-    report = {"preset": args.preset, "k": K, "max_tokens": max_tokens, "rows": rows,
-              "verification_cost": cost, "sampled_drafts": sampled}  # fmt: skip
-    print(
-        f"\nbatch 1: a verification step of {1 + K} tokens takes {cost['ratio']:.2f}x a "
-        f"one-token decode step ({cost['spec_ms']:.2f} vs {cost['plain_ms']:.2f} ms, device)"
-    )
+    report = {"preset": args.preset, "k": K, "max_tokens": max_tokens, "rows": rows}
+    if args.extras:
+        cost = _verification_cost(folder, engine_kw, vocab, max_len)
+        report["sampled_drafts"] = _sampled_drafts(
+            {"draft=target": str(folder), "draft-small": str(draft_folder)},
+            folder, engine_kw, vocab, max_len,
+        )  # fmt: skip
+        report["verification_cost"] = cost
+        print(
+            f"\nbatch 1: a verification step of {1 + K} tokens takes {cost['ratio']:.2f}x a "
+            f"one-token decode step ({cost['spec_ms']:.2f} vs {cost['plain_ms']:.2f} ms, device)"
+        )
     suffix = "" if args.preset == "default" else f"_{args.preset}"
     out = Path(args.output) if args.output else RESULTS / f"spec_decode{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
