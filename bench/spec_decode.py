@@ -18,6 +18,8 @@ others gained). One engine per method serves every B (max_num_seqs = the largest
                  method's overheads, measured)
     draft-small  a one-layer draft (random weights, so it rarely agrees with the target)
 
+The policy's choices ("auto" rows): its steps by drafts per decode, and the fastest arm it
+measured in each batch bucket (k drafts, "fit": as many as the step's padding holds, or off).
 Also the cost of a verification step: the oracle's steps of 1 + k tokens against the plain
 engine's one-token decode steps at batch 1 (device time, from the step tracer), and the
 proposer's host time as a share of each run's wall time ("propose%", get_stats()'s
@@ -31,6 +33,7 @@ the oracle row shows what acceptance 1 is worth on this machine.
 
     python bench/spec_decode.py                          # the 57M preset, batch 1, 4, 16
     python bench/spec_decode.py --preset quick --batch-sizes 1,4,16,64,256
+    python bench/spec_decode.py --methods ngram,ngram-auto --no-extras --step-costs
 
 Prints a table and writes bench/results/spec_decode[_<preset>].json.
 """
@@ -170,6 +173,28 @@ def _verification_cost(folder, engine_kw, vocab, max_len) -> dict:
             "ratio": times["spec"] / times["plain"]}  # fmt: skip
 
 
+def _step_costs(folder, engine_kw, vocab, max_len, max_batch: int = 8) -> dict[int, float]:
+    """Median device ms of the plain engine's decode steps of T = 1..max_batch tokens (T
+    requests decoding together; the step pads T to its token bucket): what a verification
+    step of T tokens costs, and where drafts fill padding for free."""
+    llm = LLM(str(folder), **{**engine_kw, "max_num_seqs": max_batch, "warmup": False})
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    buckets = llm.engine.core.runner.buckets.token_buckets
+    print(f"\n{'T':>3}{'pads to':>9}{'device ms':>11}")
+    out = {}
+    for t in range(1, max_batch + 1):
+        prompts = _prompts("sharegpt", t, vocab, max_len, seed=100 + t)
+        _run(llm, prompts, params, t)  # compiles the buckets it meets
+        traces = []
+        llm.engine.core.set_step_tracer(traces.append)
+        _run(llm, prompts, params, t)
+        llm.engine.core.set_step_tracer(None)
+        out[t] = 1e3 * float(np.median([x.device_s for x in traces if x.num_tokens == t]))
+        pad = next(b for b in buckets if b >= t)
+        print(f"{t:>3}{pad:>9}{out[t]:>11.2f}", flush=True)
+    return out
+
+
 def _sampled_drafts(drafts: dict[str, str], folder, engine_kw, vocab, max_len) -> dict:
     """Acceptance of a draft model's drafts for random requests (temperature 1): unseeded
     ones get sampled drafts (the general-q rule), seeded ones greedy drafts (one-hot: accepted
@@ -202,8 +227,17 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--requests-per-slot", type=int, default=4)
     p.add_argument("--methods", help="comma list of the engines to run (default: all)")
     p.add_argument("--output")
-    p.add_argument("--no-extras", dest="extras", action="store_false",
-                   help="skip the verification-step cost and the sampled-drafts runs")  # fmt: skip
+    p.add_argument(
+        "--no-extras",
+        dest="extras",
+        action="store_false",
+        help="skip the verification-step cost and the sampled-drafts runs",
+    )
+    p.add_argument(
+        "--step-costs",
+        action="store_true",
+        help="also the plain engine's decode steps' device time by token count",
+    )
     args = p.parse_args(argv)
     preset = PRESETS[args.preset]
     folder = ensure_checkpoint(preset, CACHE)
@@ -241,6 +275,8 @@ def main(argv: list[str] | None = None) -> dict:
         del llm
     del plain
     report = {"preset": args.preset, "k": K, "max_tokens": max_tokens, "rows": rows}
+    if args.step_costs:
+        report["step_ms_by_tokens"] = _step_costs(folder, engine_kw, vocab, max_len)
     if args.extras:
         cost = _verification_cost(folder, engine_kw, vocab, max_len)
         report["sampled_drafts"] = _sampled_drafts(

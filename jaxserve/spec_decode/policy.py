@@ -14,9 +14,9 @@ power of two), each a ratio of exponentially decayed sums of tokens emitted and 
 
 The ways it measures are arms, draft lengths (draft_arms.py): "k" drafts per decode, "fit"
 (as many as the step's padding rows hold: nearly free on every platform) and "off"; arms of
-equal length are one. In a bucket where an arm is unmeasured, it tries it; afterwards it takes
-the fastest, and now and then one step of another (a probe), so all stay measured as the text,
-the batch and the acceptance rate change. A probe of an arm ``gap`` times slower costs about
+equal length are one. In a bucket where an arm has fewer than MIN_WEIGHT (decayed) steps
+measured, it tries it; afterwards it takes the fastest, and now and then one step of another
+(a probe), so all stay measured as the text, the batch and the acceptance rate change. A probe of an arm ``gap`` times slower costs about
 ``gap - 1`` steps' worth of throughput, so its probes are spaced ``(gap - 1) / budget`` steps
 apart (within [MIN_PROBE_INTERVAL, MAX_PROBE_INTERVAL]), ``budget`` being PROBE_BUDGET (1%)
 shared by the other arms: the probes' cost stays near it however much the other arms lose,
@@ -38,6 +38,10 @@ logger = logging.getLogger("jaxserve")
 PROBE_BUDGET = 0.01  # the share of throughput the probes of the slower arms may cost
 MIN_PROBE_INTERVAL, MAX_PROBE_INTERVAL = 16, 256  # the fewest and the most steps between probes
 _DECAY = 0.95  # weight of the past in the decayed sums
+# Steps' worth of weight an arm needs before it is compared: single steps vary by several
+# times on a loaded machine (3-16 ms for the same one-token step of the 1M model), and an arm
+# judged on one slow step was then probed only every ~150 steps.
+MIN_WEIGHT = 4.0
 
 
 def probe_interval(gap: float, budget: float = PROBE_BUDGET) -> int:
@@ -61,7 +65,7 @@ class SpecPolicy:
         self.auto = config.policy == "auto"
         self.disable_by_batch_size = config.disable_by_batch_size
         self.token_buckets = tuple(token_buckets) if token_buckets else None
-        # (batch bucket, arm) -> decayed [tokens emitted, seconds]
+        # (batch bucket, arm) -> decayed [tokens emitted, seconds, steps]
         self._rates: dict[tuple[int, str], list[float]] = {}
         self._pending: tuple[int, str] | None = None  # the decision the next step runs under
         self._since_probe: dict[tuple[int, str], int] = {}  # steps since the arm's last probe
@@ -91,10 +95,10 @@ class SpecPolicy:
         """The arm of the next step in a batch bucket: a missing one first, else the fastest
         measured, or another one whose probe is due (each of the m others probed within
         PROBE_BUDGET / m, so that all the probes together stay within the budget)."""
-        rates = {arm: self.rate(bucket, arm) for arm in arms}
-        missing = [arm for arm, rate in rates.items() if rate is None]
+        missing = [arm for arm in arms if self._weight(bucket, arm) < MIN_WEIGHT]
         if missing:
             return missing[0]
+        rates = {arm: self.rate(bucket, arm) for arm in arms}
         best = max(rates, key=rates.__getitem__)
         changed = self._best.get(bucket, ("",))[0] != best
         self._best[bucket] = (best, arms[best])
@@ -116,6 +120,11 @@ class SpecPolicy:
         sums = self._rates.get((bucket, arm))
         return None if sums is None or sums[1] <= 0.0 else sums[0] / sums[1]
 
+    def _weight(self, bucket: int, arm: str) -> float:
+        """The decayed count of steps measured under an arm (each weighted as observed)."""
+        sums = self._rates.get((bucket, arm))
+        return 0.0 if sums is None else sums[2]
+
     def stats(self) -> dict[str, object]:
         """get_stats() keys: decisions by drafts per decode, and each batch bucket's fastest
         measured arm ("auto" only) as "arm:drafts per decode" (when last measured)."""
@@ -130,7 +139,8 @@ class SpecPolicy:
         arm it ran under). A weight w decays the past by _DECAY ** w."""
         if self._pending is None or seconds <= 0.0 or weight <= 0.0:
             return
-        sums = self._rates.setdefault(self._pending, [0.0, 0.0])
+        sums = self._rates.setdefault(self._pending, [0.0, 0.0, 0.0])
         decay = _DECAY**weight
         sums[0] = decay * sums[0] + weight * num_emitted
         sums[1] = decay * sums[1] + weight * seconds
+        sums[2] = decay * sums[2] + weight

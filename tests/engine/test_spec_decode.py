@@ -108,8 +108,9 @@ def test_auto_policy_tries_every_draft_length_and_changes_no_token(plain, spec):
     core.spec = SpecDecoder(config, token_buckets=core.runner.buckets.token_buckets)
     try:
         prompts = _prompts()
-        for batch in (prompts, prompts[:2]):
-            assert _tokens(spec, batch, GREEDY) == _tokens(plain, batch, GREEDY)
+        longer = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+        for batch, params in ((prompts, GREEDY), (prompts[:2], longer)):  # each arm W steps
+            assert _tokens(spec, batch, params) == _tokens(plain, batch, params)
         stats = spec.get_stats()
     finally:
         core.spec = always

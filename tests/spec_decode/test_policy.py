@@ -9,6 +9,7 @@ import pytest
 from jaxserve.spec_decode.policy import (
     MAX_PROBE_INTERVAL,
     MIN_PROBE_INTERVAL,
+    MIN_WEIGHT,
     PROBE_BUDGET,
     SpecPolicy,
     probe_interval,
@@ -17,6 +18,8 @@ from jaxserve.spec_decode.spec_decoder import SpecDecoder, decode_share
 from jaxserve.speculative_config import SpeculativeConfig
 
 GPU_BUCKETS = (4, 8, 16, 32, 64)  # powers of two from MIN_TOKEN_BUCKET (runner/buckets.py)
+# Steps an arm is tried before it is compared: MIN_WEIGHT of full steps, decayed by 0.95 each
+W = next(n for n in range(1, 100) if (1 - 0.95**n) / 0.05 >= MIN_WEIGHT)
 
 
 def _config(**kw) -> SpeculativeConfig:
@@ -41,13 +44,26 @@ def _serve(policy: SpecPolicy, num_running: int, tok_s: dict[int, float], steps:
 def test_measures_both_ways_then_takes_the_faster_and_probes_the_other():
     policy = _policy()  # no buckets: arms "k" and "off"
     interval = probe_interval(300.0 / 100.0)
-    decisions = _serve(policy, 3, {4: 300.0, 0: 100.0}, 2 + 4 * interval)
-    assert decisions[:2] == [4, 0]  # speculation measured first, then without
+    decisions = _serve(policy, 3, {4: 300.0, 0: 100.0}, 2 * W + 4 * interval)
+    assert decisions[: 2 * W] == [4] * W + [0] * W  # speculation measured first, then without
     assert policy.rate(4, "k") == pytest.approx(300.0)
     assert policy.rate(4, "off") == pytest.approx(100.0)
-    later = decisions[2:]
+    later = decisions[2 * W :]
     assert later.count(0) == 4  # probes only, one every `interval` steps
     assert [i for i, n in enumerate(later) if not n] == [interval * j - 1 for j in (1, 2, 3, 4)]
+
+
+def test_one_slow_first_step_does_not_condemn_an_arm():
+    """Each arm runs W steps before it is compared: a first step 5x slower than the arm's
+    others (a loaded machine) does not make it look slower than "off"."""
+    policy = _policy()
+    first = True
+    for _ in range(W):
+        assert policy.num_drafts(1) == 4
+        policy.observe_step(10, 10 / (60.0 if first else 300.0))
+        first = False
+    decisions = _serve(policy, 1, {4: 300.0, 0: 100.0}, W + 50)
+    assert decisions[:W] == [0] * W and decisions[W:].count(4) >= 49
 
 
 @pytest.mark.parametrize("gap", [1.001, 1.05, 1.3, 2.0, 3.0, 50.0])
@@ -64,14 +80,14 @@ def test_probes_cost_about_the_budget_of_throughput(gap):
 
 def test_three_arms_the_fastest_taken_and_the_others_probed_within_the_budget():
     """Batch 1 with power-of-two buckets: a step of 1 token pads to 4, so "fit" is 3 drafts.
-    Each arm is measured once (k, fit, off), then the fastest runs and the two others share
+    Each arm is measured W steps (k, fit, off), then the fastest runs and the two others share
     the probe budget: their probes together cost about PROBE_BUDGET of the time."""
     policy = _policy(GPU_BUCKETS)
     rates = {4: 250.0, 3: 300.0, 0: 200.0}  # "fit" fastest; gaps 1.2 and 1.5
     steps = 2000
-    decisions = _serve(policy, 1, rates, 3 + steps)
-    assert decisions[:3] == [4, 3, 0]
-    later = decisions[3:]
+    decisions = _serve(policy, 1, rates, 3 * W + steps)
+    assert decisions[: 3 * W] == [4] * W + [3] * W + [0] * W
+    later = decisions[3 * W :]
     assert later.count(3) > 0.95 * steps
     assert later.count(4) > 0 and later.count(0) > 0  # both others probed
     cost = sum(rates[3] / rates[n] - 1.0 for n in later) / steps  # extra time, as a share
@@ -98,7 +114,7 @@ def test_duplicate_arms_are_collapsed():
     for buckets, k, batch in ((GPU_BUCKETS, 3, 1), (GPU_BUCKETS, 4, 4), (None, 4, 1)):
         policy = _policy(buckets, num_speculative_tokens=k)
         decisions = _serve(policy, batch, {k: 200.0, 0: 100.0}, 300)
-        assert decisions[:2] == [k, 0] and set(decisions) == {k, 0}
+        assert decisions[: 2 * W] == [k] * W + [0] * W and set(decisions) == {k, 0}
         assert not policy.fitting
 
 
@@ -127,15 +143,16 @@ def test_the_fit_arm_caps_the_step_at_its_padded_size():
     """SpecDecoder hands the scheduler a step cap only under the "fit" arm: the bucket the
     step's other tokens pad to."""
     spec = SpecDecoder(_config(), proposer=_NoProposer(), token_buckets=GPU_BUCKETS)
-    spec.policy._rates[(1, "k")] = [10.0, 1.0]  # measured: "fit" fastest at batch 1
-    spec.policy._rates[(1, "off")] = [10.0, 1.0]
-    spec.policy._rates[(1, "fit")] = [30.0, 1.0]
+    # measured: "fit" fastest at batch 1 ([tokens, seconds, steps])
+    spec.policy._rates[(1, "k")] = [10.0, 1.0, MIN_WEIGHT]
+    spec.policy._rates[(1, "off")] = [10.0, 1.0, MIN_WEIGHT]
+    spec.policy._rates[(1, "fit")] = [30.0, 1.0, MIN_WEIGHT]
     spec.propose([])  # nothing running: no decision, no cap
     assert spec.max_step_tokens is None
     assert spec.policy.num_drafts(1) == 3
     cap = spec.max_step_tokens
     assert cap is not None and [cap(n) for n in (1, 4, 5, 9)] == [4, 4, 8, 16]
-    spec.policy._rates[(1, "k")] = [90.0, 1.0]
+    spec.policy._rates[(1, "k")] = [90.0, 1.0, MIN_WEIGHT]
     assert spec.policy.num_drafts(1) == 4 and spec.max_step_tokens is None
 
 
