@@ -16,12 +16,13 @@ The ways it measures are arms, draft lengths (draft_arms.py): "k" drafts per dec
 (as many as the step's padding rows hold: nearly free on every platform) and "off"; arms of
 equal length are one. In a bucket where an arm has fewer than MIN_WEIGHT (decayed) steps
 measured, it tries it; afterwards it takes the fastest, and now and then one step of another
-(a probe), so all stay measured as the text, the batch and the acceptance rate change. A probe of an arm ``gap`` times slower costs about
-``gap - 1`` steps' worth of throughput, so its probes are spaced ``(gap - 1) / budget`` steps
-apart (within [MIN_PROBE_INTERVAL, MAX_PROBE_INTERVAL]), ``budget`` being PROBE_BUDGET (1%)
-shared by the other arms: the probes' cost stays near it however much the other arms lose,
-and arms that measure close are probed often. vLLM's disable_by_batch_size applies on top;
-"always" speculates with k drafts at every batch size.
+(a probe), so all stay measured as the text, the batch and the acceptance rate change. A probe
+of an arm ``gap`` times slower costs about ``gap - 1`` steps' worth of throughput, so its
+probes are spaced ``(gap - 1) / budget`` steps apart (within [MIN_PROBE_INTERVAL,
+MAX_PROBE_INTERVAL]), ``budget`` being PROBE_BUDGET (1%) shared by the other arms: the probes'
+cost stays near it however much the other arms lose, and arms that measure close are probed
+often. vLLM's disable_by_batch_size applies on top; "always" speculates with k drafts at every
+batch size.
 """
 
 from __future__ import annotations
