@@ -22,11 +22,21 @@ def with_token_masks(
 ) -> tuple[SchedulerOutput, list[str]]:
     """``so`` with the mask row (u32[ceil(V / 32)]) of every scheduled request that has
     constraints and samples this step (its chunk reaches its last token); ``so`` itself when
-    there is none. Also the dead ends: requests whose constraints leave no token at all (a
-    grammar and allowed_token_ids that do not meet, bad words that ban every allowed id);
-    their row allows EOS only, and the caller ends them with "abort" after the step.
-    ``constrained``: the ids of the requests that may have constraints (the others are not
-    looked at)."""
+    there is none. Also the dead ends (``token_masks``). ``constrained``: the ids of the
+    requests that may have constraints (the others are not looked at)."""
+    sampling = sampling_constrained(so, requests, constrained)
+    if not sampling:
+        return so, []
+    masks, dead_ends = token_masks(sampling)
+    return dataclasses.replace(so, token_masks=masks), dead_ends
+
+
+def sampling_constrained(
+    so: SchedulerOutput, requests: dict[str, Request], constrained: Iterable[str]
+) -> list[Request]:
+    """The requests of ``constrained`` that have constraints and sample in ``so``, asked
+    right after it was scheduled (a step still in flight, async scheduling, counts as done:
+    the request samples when this step's tokens reach its last one, placeholders included)."""
     sampling = []
     scheduled = so.num_scheduled_tokens
     for rid in constrained:
@@ -34,11 +44,23 @@ def with_token_masks(
         req = requests.get(rid)
         if num is None or req is None or req.constraints is None:
             continue
-        if req.num_computed_tokens + num < req.num_tokens:
-            continue  # a prefill chunk that samples nothing
-        sampling.append(req)
+        # The scheduler counted this step's sample among the placeholders (step_batch.py).
+        end = req.num_computed_tokens + req.num_inflight_tokens
+        placeholders = req.num_output_placeholders
+        if placeholders and end >= req.num_tokens + placeholders - 1:
+            sampling.append(req)
+    return sampling
+
+
+def token_masks(sampling: list[Request]) -> tuple[dict[str, np.ndarray], list[str]]:
+    """The mask row of each of ``sampling`` (requests with constraints, whose matchers have
+    accepted every output token so far; finished ones are skipped), and the dead ends:
+    requests whose constraints leave no token at all (a grammar and allowed_token_ids that
+    do not meet, bad words that ban every allowed id); their row allows EOS only, and the
+    caller ends them with "abort" after the step."""
+    sampling = [req for req in sampling if not req.is_finished]
     if not sampling:
-        return so, []
+        return {}, []
     # One block for the step's rows (each row a contiguous view): no allocation per request.
     block = np.full((len(sampling), sampling[0].constraints.num_words), ALL_ALLOWED, np.uint32)
     masks: dict[str, np.ndarray] = {}
@@ -51,7 +73,7 @@ def with_token_masks(
             set_bits(row, req.eos_token_ids)
             dead_ends.append(rid)
         masks[rid] = row
-    return dataclasses.replace(so, token_masks=masks), dead_ends
+    return masks, dead_ends
 
 
 def advance_matchers(
