@@ -119,6 +119,10 @@ class EngineCore:
         # Ids of the requests with constraints queued so far, less those gone (pruned each
         # step): an engine without any pays nothing per step for structured outputs.
         self._constrained: set[str] = set()
+        # Whether a step ahead with constrained requests runs its forward half before the
+        # step before is learned (its masks built meanwhile); False: it waits for that step,
+        # as before the step was split (benchmarks compare the two: bench/structured.py).
+        self.overlap_masks = True
         # Called with each step's StepTrace while set (set_step_tracer); None: off.
         self.step_tracer: Callable[[StepTrace], None] | None = None
         self._ready_watch: ReadyWatch | None = None
@@ -163,8 +167,11 @@ class EngineCore:
         """Whether the next step may be scheduled before ``prev`` is learned: not when a
         speculative proposal needs prev's tokens (the steps run one after the other, the next
         dispatched as soon as prev is learned). Constrained requests' token masks need them
-        too, but only for the sample half (_dispatch with masks_later)."""
-        return self.spec is None
+        too, but only for the sample half (_dispatch with masks_later), unless overlap_masks
+        is off."""
+        if self.spec is not None:
+            return False
+        return self.overlap_masks or (not self._constrained and not prev.so.token_masks)
 
     def _dispatch(self, masks_later: bool = False) -> _Dispatched:
         """Schedule a step and start it on the runner without waiting for the device; with

@@ -234,13 +234,15 @@ def padding_sample_inputs(
     runner: ModelRunner, padded_rows: int, widths: tuple[int, int]
 ) -> tuple[Any, ...]:
     """The sample half's arguments for ``padded_rows`` padding rows with sampling lists of
-    ``widths``; the forward's results as their shapes (jax.ShapeDtypeStruct)."""
+    ``widths``; the forward's results as their shapes (jax.ShapeDtypeStruct), placed as the
+    forward places them (jax keys its executables by the arguments' shardings too)."""
     rows = np.full(padded_rows, -1, np.int32)
-    logits = jax.ShapeDtypeStruct((padded_rows, runner.vocab_size), np.float32)
+    placed = None if runner.sharding is None else runner.sharding.replicated
+    logits = jax.ShapeDtypeStruct((padded_rows, runner.vocab_size), np.float32, sharding=placed)
     *_, draft_q = DraftModel.step_args(runner.draft, rows)
     return (
         logits,
-        jax.ShapeDtypeStruct((padded_rows,), np.int32),  # pending outputs
+        jax.ShapeDtypeStruct((padded_rows,), np.int32, sharding=placed),  # pending outputs
         rows,  # no drafts
         neutral_sampling(padded_rows, runner.vocab_size, widths),
         runner.last_sampled,
