@@ -306,7 +306,8 @@ def run_orbax(work: pathlib.Path) -> dict[str, Any]:
 # Warm-up at tp 4 and 8 with table widths to bucket: llama's 2 KV heads do not split 4 or 8 ways,
 # so the reference attention runs, the step's forward half per token bucket x width (2 x 3), its
 # sample half per row bucket x sampler variant (2 x 2), and 3 copies: 13 executables (~2 s each
-# to compile on 8 devices), each holding its memory maps (test_buckets.py checks how the map budget thins the widths when there would be too many).
+# to compile on 8 devices), each holding its memory maps (test_buckets.py checks how the map
+# budget thins the widths when there would be too many).
 MAPS_ENGINE = {
     **ENGINE,
     "block_size": 8,
