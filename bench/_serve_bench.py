@@ -144,8 +144,14 @@ class ServeBench:
         a, model, engine = self.args, self.model, self.preset.engine
         port = free_port()
         log = Path(a.log_dir) / f"{name}.log"
-        if name == "jaxserve":
-            cmd = jaxserve_command(model, engine, port, self.cache / "jax", a.seed)
+        if name in ("jaxserve", "jaxserve-sync"):
+            # "jaxserve" leaves async scheduling to the plan unless "jaxserve-sync" runs too.
+            on = None
+            if name == "jaxserve-sync":
+                on = False
+            elif "jaxserve-sync" in a.servers:
+                on = True
+            cmd = jaxserve_command(model, engine, port, self.cache / "jax", a.seed, on)
             return ServerProcess(name, cmd, dict(os.environ), port, log)
         if model.builtin:
             return f"{model.path} is a jaxserve built-in model: no checkpoint folder for vLLM"

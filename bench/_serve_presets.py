@@ -15,7 +15,9 @@ import throughput  # noqa: E402
 CACHE = HERE / ".cache"
 RESULTS = HERE / "results"
 DEFAULT_VLLM_PYTHON = throughput.DEFAULT_VLLM_PYTHON
-SERVERS = ("jaxserve", "vllm")
+# "jaxserve-sync" is jaxserve with --no-async-scheduling: `--servers jaxserve,jaxserve-sync`
+# runs async scheduling on and off side by side (comparison["async_over_sync"]).
+SERVERS = ("jaxserve", "jaxserve-sync", "vllm")
 SERVED_NAME = "bench"  # --served-model-name of both servers
 TTFT_SLO_S = 2.0
 WARM_UP_MAX_TOKENS = 8
@@ -35,7 +37,7 @@ class ServePreset:
     dataset_kw: dict = field(default_factory=dict)
     rates: tuple[float, ...] | None = None  # fixed rates (req/s); None: fractions
     rate_fractions: tuple[float, ...] = (0.5, 1.0, 2.0)
-    servers: tuple[str, ...] = SERVERS
+    servers: tuple[str, ...] = ("jaxserve", "vllm")
     output: str = "serve.json"
     # Saturation runs of jaxserve, each right after an offline run of the same requests: the
     # served / offline goal is the median of those pairs (the 2-core machine's speed drifts by

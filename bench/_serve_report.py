@@ -99,11 +99,11 @@ def next_search_rate(runs: dict[float, dict]) -> float | None:
 
 def compare(report: dict) -> dict:
     js, vl = _runs(report, "jaxserve"), _runs(report, "vllm")
+    every = {name: _runs(report, name) for name in report["servers"]}
     out: dict = {
-        "sustained_rate": {
-            name: sustained_rate(runs) for name, runs in (("jaxserve", js), ("vllm", vl)) if runs
-        },
+        "sustained_rate": {name: sustained_rate(runs) for name, runs in every.items() if runs},
         "per_rate": [],
+        "async_over_sync": _async_over_sync(js, every.get("jaxserve-sync") or {}),
     }
     for rate in sorted(set(js) & set(vl)):
         a, b = js[rate], vl[rate]
@@ -132,6 +132,19 @@ def compare(report: dict) -> dict:
             sat["output_tokens_per_s"] / off["output_tokens_per_s"]
         )
     return out
+
+
+def _async_over_sync(on: dict[float, dict], off: dict[float, dict]) -> list[dict]:
+    """Per rate both ran: jaxserve with async scheduling (the "jaxserve" server, on by the
+    plan on every platform) over "jaxserve-sync" (--no-async-scheduling), side by side."""
+    rows = []
+    for rate in sorted(set(on) & set(off)):
+        row = {"rate": rate}
+        for key in ("output_tokens_per_s", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99"):
+            if on[rate].get(key) is not None and off[rate].get(key):
+                row[key] = on[rate][key] / off[rate][key]
+        rows.append(row)
+    return rows
 
 
 def _no_worse(a: dict, b: dict, key: str) -> bool | None:
@@ -252,27 +265,27 @@ def _print_runs(report: dict) -> None:
         f"{report['machine']['loadavg'].get('end')}"
     )
     head = (
-        f"{'server':8s} {'rate':>6s} {'ok':>7s} {'req/s':>6s} {'out tok/s':>9s} "
+        f"{'server':13s} {'rate':>6s} {'ok':>7s} {'req/s':>6s} {'out tok/s':>9s} "
         f"{'ttft p50':>8s} {'ttft p99':>8s} {'itl p50':>8s} {'itl p99':>8s} "
         f"{'e2e p50':>8s} {'e2e p99':>8s} {'tok/chk':>7s}"
     )
     print(head + "\n" + "-" * len(head))
     for name, info in report["servers"].items():
         if info.get("skipped"):
-            print(f"{name:8s} skipped: {info['skipped']}")
+            print(f"{name:13s} skipped: {info['skipped']}")
             continue
         runs = sorted(info.get("runs", []), key=lambda r: r["rate"])
         for r in runs:
             rate = _rate_str(r["rate"]) + ("*" if r.get("search") else "")
             print(
-                f"{name:8s} {rate:>6s} "
+                f"{name:13s} {rate:>6s} "
                 f"{r['tokens_match']:>3d}/{r['num_requests']:<3d} {_num(r['requests_per_s'])} "
                 f"{_num(r['output_tokens_per_s'], 9, 1)} {_ms(r['ttft_ms_p50'])} "
                 f"{_ms(r['ttft_ms_p99'])} {_ms(r['itl_ms_p50'])} {_ms(r['itl_ms_p99'])} "
                 f"{_ms(r['e2e_ms_p50'])} {_ms(r['e2e_ms_p99'])} {_num(r['tokens_per_chunk'], 7)}"
             )
         if info.get("error"):
-            print(f"{name:8s} FAILED: {info['error'][:300]}")
+            print(f"{name:13s} FAILED: {info['error'][:300]}")
     print(
         "(times in ms; ok = requests that got exactly the tokens asked for; * a run of the "
         "sustained-rate search)"
@@ -303,6 +316,13 @@ def _print_comparison(report: dict) -> None:
             f"{_num(row.get('ttft_ms_p99_jaxserve/vllm'), 5)}, p99 ITL "
             f"{_num(row.get('itl_ms_p99_jaxserve/vllm'), 5)}, out tok/s "
             f"{_num(row.get('output_tokens_per_s_jaxserve/vllm'), 5)}"
+        )
+    for row in c.get("async_over_sync") or []:
+        print(
+            f"  rate {_rate_str(row['rate']):>5s}: async / sync scheduling out tok/s "
+            f"{_num(row.get('output_tokens_per_s'), 5)}, p99 TTFT "
+            f"{_num(row.get('ttft_ms_p99'), 5)}, p50 ITL {_num(row.get('itl_ms_p50'), 5)}, "
+            f"p99 ITL {_num(row.get('itl_ms_p99'), 5)}"
         )
 
 

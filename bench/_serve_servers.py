@@ -177,9 +177,17 @@ class ServerProcess:
 
 
 def jaxserve_command(
-    model: Model, engine: dict, port: int, compile_cache: Path, seed: int
+    model: Model,
+    engine: dict,
+    port: int,
+    compile_cache: Path,
+    seed: int,
+    async_scheduling: bool | None = None,
 ) -> list[str]:
+    """`jaxserve serve`'s command line; ``async_scheduling`` None leaves it to the plan."""
     cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--model", model.path]
+    if async_scheduling is not None:
+        cmd.append("--async-scheduling" if async_scheduling else "--no-async-scheduling")
     if model.tokenizer:
         cmd += ["--tokenizer", model.tokenizer]
     cmd += [

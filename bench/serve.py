@@ -44,6 +44,7 @@ speed drifts between runs minutes apart by more than serving costs).
     python bench/serve.py --rates 0.5,1,2 --num-requests 64 --plot
     python bench/serve.py --preset tiny --data-parallel-size 2   # prefix vs round-robin routing
     python bench/serve.py --preset tiny --disagg                 # colocated vs disaggregated
+    python bench/serve.py --servers jaxserve,jaxserve-sync  # async scheduling on and off
 
 Writes bench/results/serve.json (--output), and with --plot a PNG beside it (p99 TTFT and
 output throughput against the rate). vLLM runs from its own interpreter (--vllm-python, a venv
@@ -157,6 +158,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = set(args.servers) - set(SERVERS)
     if unknown:
         p.error(f"unknown servers {sorted(unknown)}; choose from {SERVERS}")
+    if len(set(args.servers)) < len(args.servers):
+        p.error(f"--servers names a server twice: {args.servers}")
     if args.rates is None and preset.rates is not None:
         args.rates = list(preset.rates)
     if args.rate_fractions is None:

@@ -27,6 +27,12 @@ Each fraction runs in three modes (``--modes``), on the same compiled engine:
     python bench/structured.py                     # the demo model, 64 requests
     python bench/structured.py --model path/to/hf_checkpoint --num-requests 256
     python bench/structured.py --num-requests 4 --max-tokens 8 --fractions 0,1   # a smoke run
+    python bench/structured.py --speculative-config '{"method": "ngram", "policy": "always"}'
+
+With ``--speculative-config`` every row speculates (drafts checked against the grammar, a mask
+per verification row); seeded drafts keep every row's tokens those without speculation, and
+the rows report the drafts verified and accepted. Speculating steps wait for the step before
+(drafts need its tokens): the three modes differ only in the steps that do not speculate.
 
 Prints a table and writes bench/results/structured.json (or --output).
 """
@@ -104,7 +110,13 @@ def _row(llm: LLM, prompts: list[list[int]], fraction: float, lengths: list[int]
     repeat), then one traced pass for the host phases."""
     _set_mode(llm, mode)
     params = _params(lengths, fraction)
+    before = llm.get_stats()
     outs = llm.generate(prompts, params, use_tqdm=False)
+    after = llm.get_stats()
+    spec = {
+        key: after.get(key, 0) - before.get(key, 0)
+        for key in ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+    }
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     valid = sum(
         1
@@ -133,6 +145,8 @@ def _row(llm: LLM, prompts: list[list[int]], fraction: float, lengths: list[int]
         **{f"{f}_ms_per_step": mean_ms(f"{f}_s") for f in
            ("schedule", "masks", "update", "execute", "prepare", "device", "device_idle")},
         "mean_rows_per_step": float(np.mean([len(t.q_lens) for t in traces])),
+        "draft_tokens": spec["spec_decode_num_draft_tokens"],
+        "accepted_tokens": spec["spec_decode_num_accepted_tokens"],
     }  # fmt: skip
 
 
@@ -172,6 +186,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--fractions", default=",".join(str(f) for f in FRACTIONS))
     ap.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES)}")
     ap.add_argument("--repeats", type=int, default=3, help="timed rounds; each row's best")
+    ap.add_argument("--speculative-config", type=json.loads, default=None)
     ap.add_argument("--output", type=Path, default=RESULTS / "structured.json")
     args = ap.parse_args(argv)
     fractions = [float(f) for f in args.fractions.split(",")]
@@ -186,6 +201,7 @@ def main(argv: list[str] | None = None) -> dict:
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         max_num_batched_tokens=max(args.max_num_batched_tokens, args.max_num_seqs),
+        speculative_config=args.speculative_config,
     )
     vocab = llm.engine.info.vocab_size
     rng = np.random.default_rng(0)
@@ -228,7 +244,8 @@ def _report(rows: list[dict], fractions: list[float], modes: list[str]) -> None:
         r["same_tokens"] = r["token_ids"] == first["token_ids"]
     print(f"{'constrained':>11} {'mode':>10} {'tok/s':>9} {'vs 0%':>6} {'vs ' + modes[0]:>14} "
           f"{'same':>5} {'valid':>7} {'sched ms':>9} {'masks ms':>9} {'update ms':>9} "
-          f"{'exec ms':>8} {'device ms':>9} {'idle ms':>8} {'rows':>5}")  # fmt: skip
+          f"{'exec ms':>8} {'device ms':>9} {'idle ms':>8} {'rows':>5} {'drafts':>7} "
+          f"{'accepted':>8}")  # fmt: skip
     for f in fractions:
         for m in modes:
             r = by[(f, m)]
@@ -240,7 +257,8 @@ def _report(rows: list[dict], fractions: list[float], modes: list[str]) -> None:
                 f"{r['schedule_ms_per_step']:>9.3f} {r['masks_ms_per_step']:>9.3f} "
                 f"{r['update_ms_per_step']:>9.3f} {r['execute_ms_per_step']:>8.2f} "
                 f"{r['device_ms_per_step']:>9.2f} {r['device_idle_ms_per_step']:>8.2f} "
-                f"{r['mean_rows_per_step']:>5.1f}"
+                f"{r['mean_rows_per_step']:>5.1f} {r['draft_tokens']:>7} "
+                f"{r['accepted_tokens']:>8}"
             )
 
 

@@ -9,6 +9,12 @@ their prefix hash (the same in every process), so a consumer needs no word from 
 a request whose prompt a producer has prefilled finds its blocks by itself. Every key is checked
 before anything loads; an unknown key or a bad value is a ValueError naming the key, the value
 and the limit.
+
+A request's ``kv_transfer_params`` (vLLM's, in the completion body; SamplingParams here) say
+what it expects of the connector: a prefill (``do_remote_decode``) answers with the params its
+decode passes on (``do_remote_prefill``, ``remote_num_tokens``), and a consumer that cannot
+find that many of the prompt's tokens recomputes them or fails the request, as
+``kv_load_failure_policy`` says. ``check_kv_transfer_params`` checks them.
 """
 
 from __future__ import annotations
@@ -26,9 +32,15 @@ KV_CONNECTORS = {
     "ray": "ray",
 }
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
-KV_LOAD_FAILURE_POLICIES = ("recompute",)
+KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 _KEYS = ("kv_connector", "kv_role", "kv_load_failure_policy", "kv_connector_extra_config")
-_EXTRA_KEYS = ("shared_storage_path", "lease_s", "ray_address", "ray_namespace")
+_EXTRA_KEYS = ("shared_storage_path", "lease_s", "ray_address", "ray_namespace", "load_async")
+# A request's kv_transfer_params: key -> (type, meaning).
+KV_TRANSFER_PARAMS = {
+    "do_remote_decode": (bool, "a prefill whose KV a decode server loads: its answer says how"),
+    "do_remote_prefill": (bool, "the prompt's KV was computed by a prefill server"),
+    "remote_num_tokens": (int, "prompt tokens of KV the prefill server stored"),
+}
 
 
 def default_storage_path() -> str:
@@ -47,16 +59,20 @@ class KVTransferConfig:
         share a named Ray actor holding the blocks (core/kv_connector/ray_store.py).
     kv_role: "kv_producer" saves its prompts' blocks, "kv_consumer" loads them, "kv_both" does
         both.
-    kv_load_failure_policy: what a consumer does with a block it cannot load (missing, expired,
-        unreadable, of another layout): "recompute" computes it and what follows. vLLM's "fail"
-        is refused: failing a request needs its kv_transfer_params, which jaxserve's requests do
-        not carry.
+    kv_load_failure_policy: what a consumer does when a request's expected KV (its
+        kv_transfer_params' ``remote_num_tokens``) cannot be loaded (missing, expired,
+        unreadable, of another layout): "recompute" computes it and what follows; "fail" ends
+        the request with finish_reason "error" (the server answers 500, naming the policy).
     shared_storage_path: the store's folder (kv_connector_extra_config; default
         default_storage_path()); each model and KV layout has a subfolder of its own.
     lease_s: seconds a saved block stays in the store for consumers (> 0); a producer deletes
         its older blocks as it saves new ones.
     ray_address, ray_namespace: the Ray cluster to join ("auto": this host's) and the
         namespace of the store's actor ("RayStoreConnector" only).
+    load_async: a consumer's loads run in the background (the runner reads the store in a
+        thread; the request waits in WAITING_FOR_REMOTE_KVS, and the engine steps on); False:
+        the scheduler reads the blocks when it admits the request and they are written before
+        that step's forward.
     """
 
     kv_connector: str = "SharedStorageConnector"
@@ -66,6 +82,7 @@ class KVTransferConfig:
     lease_s: float = 600.0
     ray_address: str = "auto"
     ray_namespace: str = "jaxserve"
+    load_async: bool = True
 
     def __post_init__(self) -> None:
         if self.kv_connector not in KV_CONNECTORS:
@@ -80,8 +97,11 @@ class KVTransferConfig:
         if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
             raise ValueError(
                 f"kv_transfer_config['kv_load_failure_policy']={self.kv_load_failure_policy!r} "
-                f"is not supported; choose from {list(KV_LOAD_FAILURE_POLICIES)} ('fail' needs "
-                "per-request kv_transfer_params, which jaxserve requests do not carry)"
+                f"is not supported; choose from {list(KV_LOAD_FAILURE_POLICIES)}"
+            )
+        if not isinstance(self.load_async, bool):
+            raise ValueError(
+                f"kv_transfer_config load_async must be a bool, got {self.load_async!r}"
             )
         lease = self.lease_s
         if isinstance(lease, bool) or not isinstance(lease, (int, float)) or not lease > 0:
@@ -134,3 +154,73 @@ class KVTransferConfig:
             )
         top = {k: v for k, v in value.items() if k != "kv_connector_extra_config"}
         return cls(**top, **extra)
+
+
+def check_kv_transfer_params(value: Any) -> dict[str, Any] | None:
+    """A request's kv_transfer_params, checked (a copy), or None.
+
+    Raises:
+        TypeError: not a dict, or a value of the wrong type (named).
+        ValueError: an unknown key (the known ones named), or a negative remote_num_tokens.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise TypeError(f"SamplingParams.kv_transfer_params must be a dict, got {value!r}")
+    unknown = sorted(set(value) - set(KV_TRANSFER_PARAMS))
+    if unknown:
+        raise ValueError(
+            f"SamplingParams.kv_transfer_params has unknown keys {unknown}; jaxserve's "
+            f"connector knows {list(KV_TRANSFER_PARAMS)}"
+        )
+    for key, item in value.items():
+        kind = KV_TRANSFER_PARAMS[key][0]
+        if not isinstance(item, kind) or (kind is int and isinstance(item, bool)):
+            raise TypeError(
+                f"SamplingParams.kv_transfer_params[{key!r}] must be "
+                f"{'an int' if kind is int else 'a bool'}, got {item!r}"
+            )
+    if value.get("remote_num_tokens", 0) < 0:
+        raise ValueError(
+            "SamplingParams.kv_transfer_params['remote_num_tokens'] must be >= 0, got "
+            f"{value['remote_num_tokens']}"
+        )
+    if value.get("do_remote_decode") and value.get("do_remote_prefill"):
+        raise ValueError(
+            "SamplingParams.kv_transfer_params: do_remote_decode and do_remote_prefill are "
+            "exclusive (a request is either a prefill for a decode server or a decode)"
+        )
+    return dict(value)
+
+
+def expected_remote_tokens(params: dict[str, Any] | None) -> int:
+    """Prompt tokens of KV a request's kv_transfer_params promise it (0: none promised)."""
+    if not params or not params.get("do_remote_prefill"):
+        return 0
+    return int(params.get("remote_num_tokens", 0))
+
+
+def check_params_for(
+    params: dict[str, Any] | None, config: KVTransferConfig | None, enable_prefix_caching: bool
+) -> None:
+    """Raise ValueError unless an engine of ``config`` can honour a request's (checked)
+    kv_transfer_params: a prefill for a decode server needs a connector that saves, a decode
+    of a remote prefill one that loads (and prefix caching, through which it loads)."""
+    if not params:
+        return
+    if params.get("do_remote_decode") and (config is None or not config.saves):
+        raise ValueError(
+            "SamplingParams.kv_transfer_params do_remote_decode needs an engine whose KV "
+            "connector saves (kv_transfer_config kv_role 'kv_producer' or 'kv_both')"
+        )
+    if params.get("do_remote_prefill"):
+        if config is None or not config.loads:
+            raise ValueError(
+                "SamplingParams.kv_transfer_params do_remote_prefill needs an engine whose KV "
+                "connector loads (kv_transfer_config kv_role 'kv_consumer' or 'kv_both')"
+            )
+        if not enable_prefix_caching:
+            raise ValueError(
+                "SamplingParams.kv_transfer_params do_remote_prefill needs "
+                "enable_prefix_caching=True (the KV connector loads through the prefix cache)"
+            )

@@ -44,12 +44,15 @@ class ModelRunnerOutput:
     logprobs: req_id -> one TokenLogprobs per sampled token, for requests that asked.
     prompt_logprobs: req_id -> TokenLogprobs for each prompt token computed this step whose
         logprob is known (the token after each computed position), for requests that asked.
+    kv_loads: req_id -> blocks written, for each asynchronous KV connector load the runner
+        finished this step (fewer than the job's blocks: the store lacked the next one).
     """
 
     req_ids: list[str] = field(default_factory=list)
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    kv_loads: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -57,8 +60,11 @@ class EngineCoreOutput:
     """Scheduler -> LLMEngine: what one request gained this step.
 
     finish_reason: None while running; "stop" (EOS, stop token, stop string), "length"
-        (max_tokens or max_model_len) or "abort".
-    stop_reason: the stop token id that ended it, if any.
+        (max_tokens or max_model_len), "abort", or "error" (its promised KV could not be
+        loaded and kv_load_failure_policy is "fail").
+    stop_reason: the stop token id that ended it, if any; for "error", why.
+    kv_transfer_params: a finished prefill's (kv_transfer_params do_remote_decode) answer to
+        pass to its decode request (the KV connector's producer_params), else None.
     """
 
     req_id: str
@@ -68,6 +74,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    kv_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:
@@ -83,7 +90,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: SampleLogprobs | None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None: running
     stop_reason: int | str | None = None
 
     @property
@@ -122,3 +129,5 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # A finished prefill's kv_transfer_params for its decode request (vLLM's), else None.
+    kv_transfer_params: dict | None = None

@@ -22,9 +22,15 @@ class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH_CAPPED = 4
-    FINISHED_ABORTED = 5
+    # Admitted, holding its blocks, while its KV loads from another engine (the KV connector,
+    # asynchronously): scheduled in the first step after the load finished.
+    WAITING_FOR_REMOTE_KVS = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH_CAPPED = 5
+    FINISHED_ABORTED = 6
+    # Failed: the KV it was promised (kv_transfer_params) could not be loaded and
+    # kv_load_failure_policy is "fail"; its stop_reason says why.
+    FINISHED_ERROR = 7
 
     @property
     def is_finished(self) -> bool:
@@ -40,6 +46,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import difflib
 import enum
 from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
+from jaxserve.kv_transfer_config import check_kv_transfer_params
 from jaxserve.sampling_constraints import (
     StructuredOutputsParams,
     check_allowed_token_ids,
@@ -89,6 +91,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # The KV connector's per-request settings (vLLM's kv_transfer_params, which vLLM carries
+    # in extra_args): kv_transfer_config.check_kv_transfer_params gives the keys.
+    kv_transfer_params: dict[str, Any] | None = None
     # Normalised views filled by __post_init__.
     stop_strings: tuple[str, ...] = field(default=(), init=False, repr=False)
     all_stop_token_ids: frozenset[int] = field(default=frozenset(), init=False, repr=False)
@@ -112,6 +117,7 @@ class SamplingParams:
         self.logit_bias = check_logit_bias(self.logit_bias)
         self.allowed_token_ids = check_allowed_token_ids(self.allowed_token_ids)
         self.bad_words = check_bad_words(self.bad_words)
+        self.kv_transfer_params = check_kv_transfer_params(self.kv_transfer_params)
         if not isinstance(self.output_kind, RequestOutputKind):
             raise TypeError(
                 "SamplingParams.output_kind must be a RequestOutputKind "
@@ -210,6 +216,11 @@ class SamplingParams:
             else self.logit_bias,
             allowed_token_ids=_copy_list(self.allowed_token_ids),
             bad_words=_copy_list(self.bad_words),
+            kv_transfer_params=(
+                dict(self.kv_transfer_params)
+                if isinstance(self.kv_transfer_params, dict)
+                else self.kv_transfer_params
+            ),
         )
 
     @staticmethod

@@ -84,11 +84,19 @@ def build_abstract_engine(config: EngineConfig, target: AcceleratorTarget) -> Ab
     arch = load_arch(source)
     machine = target_machine(target, config.runner.tensor_parallel_size)
     resolved = resolve_model(config, machine)
+    runner = abstract_runner(resolved, arch, source)
+    return AbstractEngine(target=target, resolved=resolved, arch=arch, runner=runner)
+
+
+def abstract_runner(resolved: ResolvedModel, arch: ModelArchConfig, source: str) -> ModelRunner:
+    """The runner of ``resolved`` over abstract params and KV pages (the model ``arch``, read
+    from ``source``): nothing is allocated on its devices or transferred to them, which a
+    compile-only client would refuse."""
     ckpt = _abstract_checkpoint(resolved, arch, source)
     runner, _ = make_runner(
         resolved, ckpt, kv_allocator=abstract_kv_caches, load_draft=_abstract_draft
     )
-    return AbstractEngine(target=target, resolved=resolved, arch=arch, runner=runner)
+    return runner
 
 
 def _abstract_draft(resolved: ResolvedModel) -> DraftSpec | None:

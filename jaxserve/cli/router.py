@@ -39,8 +39,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--pass-kv-transfer-params",
         action="store_true",
-        help="send vLLM's kv_transfer_params to the servers (servers with a KV connector); "
-        "without it the decode server computes the prompt again",
+        help="send vLLM's kv_transfer_params to the servers (all of them need a KV connector): "
+        "a decode server then knows the KV its prefill stored and applies its "
+        "kv_load_failure_policy when it is missing; without it, it still finds the blocks by "
+        "their prefix hash and computes what it does not find",
     )
     p.add_argument(
         "--max-request-body-bytes",

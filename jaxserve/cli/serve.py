@@ -34,6 +34,7 @@ from jaxserve.cli.flags import (
 from jaxserve.entrypoints.openai.body import DEFAULT_MAX_BODY_BYTES
 from jaxserve.entrypoints.openai.settings import ServerSettings
 from jaxserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
+from jaxserve.fleet.front_watch import exit_with_front
 
 TOOL_PARSER_NAMES = sorted(TOOL_PARSERS)
 
@@ -164,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
     if args.data_parallel_size > 1:
         return _run_data_parallel(args, settings)
     try:
+        exit_with_front()  # a data-parallel replica: it exits when its front is gone
         return run_server({"model": args.model, **engine_kwargs(args)}, settings)
     except (OSError, TypeError, ValueError) as e:  # bad model or flag, a port that is taken
         return fail("serve", str(e))

@@ -19,15 +19,15 @@ slots while it waits and copies them back into new device blocks when it resumes
 tokens kept.
 
 KV connector (optional, core/kv_connector/): a lookup that misses on both tiers goes on in the
-connector's store; each block found there takes a fresh device block, is queued as a load and
-enters the prefix cache (``RemoteHit``), as a host hit does.
+connector's store; each block found there takes a fresh device block that receives its KV
+(``RemoteHit``, core/kv_connector/remote_hits.py), before the step's forward or, loaded
+asynchronously, in a later step (``finish_remote_load``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from jaxserve.core.block_pool import BlockPool
 from jaxserve.core.host_block_pool import HostBlockPool
@@ -37,6 +37,7 @@ from jaxserve.core.kv_cache_utils import (
     extend_block_hashes,
     shared_write_indices,
 )
+from jaxserve.core.kv_connector.remote_hits import RemoteBlocks, RemoteHit
 from jaxserve.core.kv_swap import KVSwap
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -50,15 +51,6 @@ class HostHit:
 
     slot: int
     block_hash: BlockHash
-
-
-@dataclass(frozen=True, eq=False)
-class RemoteHit:
-    """A prefix-cache hit in the KV connector's store (core/kv_connector/): the block's
-    contents ``data`` [L, 2, K, P, H], already read into host memory."""
-
-    block_hash: BlockHash
-    data: Any
 
 
 class KVCacheManager:
@@ -86,8 +78,6 @@ class KVCacheManager:
         connector: SharedStorageConnector | None = None,
     ) -> None:
         self.block_size = block_size
-        # The KV connector's store, looked up past both tiers (None: no connector).
-        self.connector = connector if enable_caching else None
         self.enable_caching = enable_caching
         self.max_model_len = max_model_len
         self.host_pool = host_pool
@@ -95,6 +85,8 @@ class KVCacheManager:
         self.host_cache = host_pool if enable_caching else None
         on_evict = self.host_cache.offload if self.host_cache is not None else None
         self.block_pool = BlockPool(num_blocks, enable_caching, on_evict)
+        # The KV connector's store, looked up past both tiers (with prefix caching only).
+        self.remote = RemoteBlocks(connector if enable_caching else None, self.block_pool)
         # req_id -> block table in logical order; entries are added by allocate_slots (and
         # replaced by copy-on-write), dropped by free.
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -146,7 +138,7 @@ class KVCacheManager:
                 continue
             slot = host.lookup(hashes[i]) if host is not None else None
             if slot is None:
-                hits.extend(self._remote_hits(hashes[i:max_hit_blocks]))
+                hits.extend(self.remote.lookup(hashes[i:max_hit_blocks]))
                 break
             hits.append(HostHit(slot, hashes[i]))
             num_host_hits += 1
@@ -165,21 +157,6 @@ class KVCacheManager:
             self.prefix_cache_queries -= len(request.all_token_ids)
             self.prefix_cache_hits -= num_hit_tokens
             self.host_cache_hits -= num_host_hit_tokens
-
-    def pending_block_hashes(self, requests: Iterable[Request]) -> set[BlockHash]:
-        """Hashes of the full blocks that these (running) requests have scheduled or will
-        schedule but that are not in the prefix cache yet: a waiting request whose next block
-        is among them gets a hit by waiting until they are computed."""
-        pending: set[BlockHash] = set()
-        if not self.enable_caching:
-            return pending
-        num_cached_blocks = self.num_cached_blocks
-        for request in requests:
-            hashes = request.block_hashes
-            num_cached = num_cached_blocks.get(request.request_id, len(hashes))
-            if num_cached < len(hashes):
-                pending.update(hashes[num_cached:])
-        return pending
 
     def allocate_slots(
         self,
@@ -229,7 +206,7 @@ class KVCacheManager:
             table = self.req_to_blocks[req_id] = []
             self.num_cached_blocks[req_id] = num_new_computed_tokens // bs
         if num_host:
-            table.extend(self._take_with_restores(new_computed_blocks, num_host))
+            table.extend(self._take_with_restores(new_computed_blocks, num_host, req_id))
         elif num_borrowed:
             self.block_pool.touch(new_computed_blocks)
             table.extend(new_computed_blocks)
@@ -279,8 +256,19 @@ class KVCacheManager:
         """Release every block the request holds, tail first (evicted first), and the host
         slots it holds while swapped out. Idempotent."""
         self._free_table(request.request_id)
+        self.remote.drop(request.request_id)
         if self.swap is not None:
             self.swap.release(request.request_id)
+
+    def finish_remote_load(self, request: Request, num_loaded: int) -> int:
+        """The request's asynchronous load (RemoteBlocks) wrote its first ``num_loaded``
+        blocks: they enter the prefix cache, the rest are freed. Returns the tokens its table
+        now holds (all computed)."""
+        req_id = request.request_id
+        table = self.req_to_blocks[req_id]
+        self.remote.finish(req_id, table, num_loaded)
+        self.num_cached_blocks[req_id] = len(table)
+        return len(table) * self.block_size
 
     def _free_table(self, req_id: str) -> None:
         table = self.req_to_blocks.pop(req_id, None)
@@ -290,12 +278,12 @@ class KVCacheManager:
 
     # ---- host tier ----------------------------------------------------------------------------
     def _take_with_restores(
-        self, borrowed: list[KVCacheBlock | HostHit], num_host: int
+        self, borrowed: list[KVCacheBlock | HostHit | RemoteHit], num_host: int, req_id: str
     ) -> list[KVCacheBlock]:
         """The borrowed blocks as device blocks: device hits touched, each HostHit restored
-        into a fresh block that enters the prefix cache under its hash. The hit slots are
-        locked before any block is taken, so the offloads those evictions cause cannot take
-        them."""
+        into a fresh block that enters the prefix cache under its hash, each RemoteHit a fresh
+        block that receives its KV (RemoteBlocks.take). The hit slots are locked before any
+        block is taken, so the offloads those evictions cause cannot take them."""
         host = self.host_cache
         if host is not None:
             host.lock(b.slot for b in borrowed if isinstance(b, HostHit))
@@ -307,19 +295,12 @@ class KVCacheManager:
                 block = next(fresh)
                 if isinstance(b, HostHit):
                     host.restore(b.slot, block.block_id)
+                    self.block_pool.cache_block(block, b.block_hash)
                 else:
-                    self.connector.queue_load(block.block_id, b.data)
-                self.block_pool.cache_block(block, b.block_hash)
+                    self.remote.take(b, block, req_id)
                 b = block
             out.append(b)
         return out
-
-    def _remote_hits(self, hashes: list[BlockHash]) -> list[RemoteHit]:
-        """The leading ``hashes`` the KV connector's store holds ([] without a connector)."""
-        if self.connector is None or not hashes:
-            return []
-        found = self.connector.lookup(hashes)
-        return [RemoteHit(h, data) for h, data in zip(hashes, found, strict=False)]
 
     def is_swapped(self, req_id: str) -> bool:
         return self.swap is not None and self.swap.is_swapped(req_id)
@@ -398,6 +379,7 @@ class KVCacheManager:
         self.req_to_blocks.clear()
         self.num_cached_blocks.clear()
         self.pending_block_copies.clear()
+        self.remote.clear()
         # Queued host copies may not have run: the host tier's contents are not trusted.
         if self.swap is not None:
             self.swap.clear()

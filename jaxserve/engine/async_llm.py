@@ -14,8 +14,10 @@ Threads and hand-offs:
     consumer gone (cancelled, aclose,         ("abort", id) from the consumer's finally:
       an error): puts ("abort", id)           the request's blocks are freed
 
-A channel keeps only the latest output (each is cumulative), so a slow consumer never makes the
-engine queue outputs; DELTA outputs are the difference from what the consumer last received.
+Admission (ids in use, the max_waiting_requests bound, shutdown) is the RequestGate's
+(request_gate.py), which also owns the inbox. A channel keeps only the latest output (each is
+cumulative), so a slow consumer never makes the engine queue outputs; DELTA outputs are the
+difference from what the consumer last received.
 A step that raises aborts every request (LLMEngine's contract): each consumer gets EngineError,
 and the engine keeps serving new requests.
 
@@ -43,20 +45,14 @@ from jaxserve.engine.llm_engine import CheckedRequest, LLMEngine
 from jaxserve.engine.metrics import EngineMetrics
 from jaxserve.engine.output_channel import OutputChannel
 from jaxserve.engine.prompts import PromptType
+from jaxserve.engine.request_gate import EngineError, QueueFullError, RequestGate, cause
 from jaxserve.engine.streaming import OutputDelta
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
+__all__ = ["AsyncLLM", "CheckedRequest", "EngineError", "QueueFullError"]
+
 logger = logging.getLogger("jaxserve")
-
-
-class QueueFullError(RuntimeError):
-    """max_waiting_requests requests already wait: try again later (a server's 503)."""
-
-
-class EngineError(RuntimeError):
-    """The engine could not finish the request: a step failed (every request running then was
-    aborted), or the engine is shut down."""
 
 
 class AsyncLLM:
@@ -76,8 +72,8 @@ class AsyncLLM:
         served_model_name: str | None = None,
         **kwargs: Any,
     ) -> None:
-        _check_max_waiting(max_waiting_requests)
-        self._start(LLMEngine(model=model, **kwargs), max_waiting_requests, served_model_name)
+        gate = RequestGate(max_waiting_requests)
+        self._start(LLMEngine(model=model, **kwargs), gate, served_model_name)
 
     @classmethod
     def from_engine(
@@ -89,28 +85,20 @@ class AsyncLLM:
     ) -> AsyncLLM:
         """Drive an LLMEngine already built (it must have no unfinished request, and nothing
         else may step it while this runs)."""
-        _check_max_waiting(max_waiting_requests)
+        gate = RequestGate(max_waiting_requests)
         if engine.has_unfinished_requests():
             raise ValueError("AsyncLLM.from_engine needs an engine with no unfinished request")
         self = cls.__new__(cls)
-        self._start(engine, max_waiting_requests, served_model_name)
+        self._start(engine, gate, served_model_name)
         return self
 
-    def _start(
-        self, engine: LLMEngine, max_waiting: int | None, served_model_name: str | None
-    ) -> None:
+    def _start(self, engine: LLMEngine, gate: RequestGate, served_model_name: str | None) -> None:
         self.engine = engine
-        self.max_waiting_requests = max_waiting
         self.metrics = EngineMetrics(served_model_name or engine.config.model.model)
-        self._inbox: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._active: set[str] = set()  # request ids from generate() until they end
-        self._num_queued = 0  # in the inbox, not yet added to the engine
-        self._num_waiting = 0  # the scheduler's waiting count after the latest step
+        self._gate = gate
+        self._inbox = gate.inbox
         self._streams: dict[str, OutputChannel] = {}  # engine thread only
         self._num_incremental = 0  # streams in it that want more than their final output
-        self._dead: BaseException | None = None
-        self._stopping = False
         self.metrics.observe_stats(engine.get_stats())
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
@@ -118,11 +106,16 @@ class AsyncLLM:
     # ---- the client side --------------------------------------------------------------------
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive() and not self._stopping
+        return self._thread.is_alive() and not self._gate.stopping
 
     @property
     def errored(self) -> bool:
-        return self._dead is not None
+        return self._gate.dead is not None
+
+    @property
+    def max_waiting_requests(self) -> int | None:
+        """Refuse a new request (QueueFullError) while this many wait to start."""
+        return self._gate.max_waiting_requests
 
     # ---- what a server asks of the engine ----------------------------------------------------
     @property
@@ -222,7 +215,7 @@ class AsyncLLM:
         checked = self._check(prompt, sampling_params, request_id, priority)
         params = checked.params
         stream = OutputChannel(asyncio.get_running_loop(), params.output_kind, params.n)
-        self._submit(request_id, ("add", request_id, checked, priority, stream))
+        self._gate.submit(request_id, ("add", request_id, checked, priority, stream))
         sent = OutputDelta() if stream.kind is RequestOutputKind.DELTA else None
         finished = False
         try:
@@ -253,24 +246,6 @@ class AsyncLLM:
             return prompt
         return self.engine.check_request(prompt, params)
 
-    def _submit(self, request_id: str, command: tuple) -> None:
-        """Queue an add command, or raise. Under the lock that shutdown() takes, so a command
-        is either in the inbox before shutdown's sentinel, or refused."""
-        limit = self.max_waiting_requests
-        with self._lock:
-            if self._dead is not None or self._stopping:
-                raise EngineError("the engine is not running" + _cause(self._dead))
-            if request_id in self._active:
-                raise ValueError(f"request_id {request_id!r} is already in use")
-            if limit is not None and self._num_queued + self._num_waiting >= limit:
-                raise QueueFullError(
-                    f"{self._num_queued + self._num_waiting} requests are waiting: at "
-                    f"max_waiting_requests={limit}; try again later"
-                )
-            self._active.add(request_id)
-            self._num_queued += 1
-            self._inbox.put(command)
-
     async def abort(self, request_id: str) -> None:
         """Abort a request (its consumer gets a final output with finish_reason "abort");
         an unknown or finished id is ignored."""
@@ -278,11 +253,7 @@ class AsyncLLM:
 
     def shutdown(self) -> None:
         """Stop the engine thread (idempotent); unfinished requests fail with EngineError."""
-        with self._lock:
-            if self._stopping:
-                return
-            self._stopping = True
-            self._inbox.put(None)
+        self._gate.stop()
         if threading.current_thread() is not self._thread:
             self._thread.join()
 
@@ -297,9 +268,8 @@ class AsyncLLM:
                     self._step()
         except BaseException as e:  # a bug of the loop itself: nothing can be served
             logger.exception("the engine loop stopped")
-            with self._lock:
-                self._dead = e
-        error = EngineError("the engine shut down" + _cause(self._dead))
+            self._gate.die(e)
+        error = EngineError("the engine shut down" + cause(self._gate.dead))
         engine.abort_request(list(self._streams))
         while True:  # adds queued before the sentinel (none can come after it)
             try:
@@ -330,9 +300,7 @@ class AsyncLLM:
         return True
 
     def _add(self, request_id: str, checked: CheckedRequest, priority: int, stream: OutputChannel):
-
-        with self._lock:
-            self._num_queued -= 1
+        self._gate.taken()
         try:
             self.engine.add_request(request_id, checked, priority=priority)
         except Exception as e:  # checked before: only an engine fault lands here
@@ -383,12 +351,11 @@ class AsyncLLM:
 
     def _observe_stats(self) -> None:
         stats = self.engine.get_stats(include_plan=False)
-        self._num_waiting = stats["num_requests_waiting"]
+        self._gate.num_waiting = stats["num_requests_waiting"]
         self.metrics.observe_stats(stats)
 
     def _end(self, request_id: str) -> None:
-        with self._lock:
-            self._active.discard(request_id)
+        self._gate.end(request_id)
 
     def _fail_all(self, error: EngineError) -> None:
         streams, self._streams = self._streams, {}
@@ -397,16 +364,3 @@ class AsyncLLM:
             self._end(request_id)
             self.metrics.observe_abort(request_id, stream.num_samples)
             stream.fail(error)
-
-
-def _check_max_waiting(value: int | None) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"max_waiting_requests must be an int or None, got {value!r}")
-    if value < 1:
-        raise ValueError(f"max_waiting_requests must be >= 1, got {value}")
-
-
-def _cause(error: BaseException | None) -> str:
-    return "" if error is None else f" ({type(error).__name__}: {error})"

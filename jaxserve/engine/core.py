@@ -21,8 +21,10 @@ from jaxserve.request import Request, RequestStatus
 from jaxserve.runner.step_trace import ReadyWatch, StepTrace
 from jaxserve.spec_decode import SpecDecoder
 from jaxserve.spec_decode.spec_decoder import Proposer
+from jaxserve.structured.draft_checks import cut_drafts, run_lengths
 from jaxserve.structured.step_masks import (
     advance_matchers,
+    dead_ends_reached,
     sampling_constrained,
     token_masks,
     with_finish_reasons,
@@ -70,12 +72,11 @@ class Runner(Protocol):
 
 @dataclasses.dataclass
 class _Dispatched:
-    """A step the runner has started: what was scheduled, the runner's handle, and when; or,
-    while only its forward half runs, the handle of that half and the constrained requests
-    whose masks its sample half waits for."""
+    """A step the runner has started: what was scheduled, the runner's handle, and when (while
+    only its forward half runs: that half's handle, and the requests its masks wait for)."""
 
     so: SchedulerOutput
-    dead_ends: list[str]  # its constrained requests that no token may continue
+    dead_ends: dict[str, int]  # constrained request -> its row that no token may continue
     handle: Any
     scheduled_at: float  # perf_counter when its scheduling began
     dispatched_at: float  # ... and when its dispatch began
@@ -165,10 +166,9 @@ class EngineCore:
 
     def _may_run_ahead(self, prev: _Dispatched) -> bool:
         """Whether the next step may be scheduled before ``prev`` is learned: not when a
-        speculative proposal needs prev's tokens (the steps run one after the other, the next
-        dispatched as soon as prev is learned). Constrained requests' token masks need them
-        too, but only for the sample half (_dispatch with masks_later), unless overlap_masks
-        is off."""
+        speculative proposal needs prev's tokens (the next is dispatched once prev is learned).
+        Token masks need them only in the sample half (_dispatch with masks_later), unless
+        overlap_masks is off."""
         if self.spec is not None:
             return False
         return self.overlap_masks or (not self._constrained and not prev.so.token_masks)
@@ -185,7 +185,7 @@ class EngineCore:
             forward = self.runner.dispatch_forward(so, trace, [r.request_id for r in later])
             if trace is not None:
                 trace.record_phases(t1 - t0, time.perf_counter() - t1)
-            return _Dispatched(so, [], None, t0, t1, trace, forward, later)
+            return _Dispatched(so, {}, None, t0, t1, trace, forward, later)
         handle = self.runner.dispatch(so, trace)
         t2 = time.perf_counter()
         if trace is not None:
@@ -197,7 +197,7 @@ class EngineCore:
         """The masks of ``step``'s constrained requests, from their matchers (now past the
         step before's tokens), and its sample half started with them."""
         t0 = time.perf_counter()
-        masks, step.dead_ends = token_masks(step.masks_for)
+        masks, step.dead_ends = token_masks(step.masks_for, step.so)
         if masks:
             step.so = dataclasses.replace(step.so, token_masks=masks)
         t1 = time.perf_counter()
@@ -248,33 +248,41 @@ class EngineCore:
         spec.observe_step(sum(len(o.new_token_ids) for o in outputs),
                           now - step_start + self._proposal_s, so.num_scheduled_tokens,
                           so.scheduled_spec_decode_tokens)  # fmt: skip
-        sched.set_spec_tokens(spec.propose(sched.running))
+        drafts = spec.propose(sched.running)
+        if drafts and self._constrained:  # checked against their constraints
+            drafts = cut_drafts(drafts, sched.requests, self._constrained, spec.drafts_sampled)
+        sched.set_spec_tokens(drafts)
         self._proposal_s = time.perf_counter() - now
 
-    def _schedule(self, masks_later: bool = False) -> tuple[SchedulerOutput, list[str], list]:
+    def _schedule(self, masks_later: bool = False) -> tuple[SchedulerOutput, dict, list]:
         """The scheduler's step, with the token masks of its constrained requests and their
         dead ends (which _update ends); with ``masks_later``, without masks but with the
         constrained requests that sample, whose masks _dispatch_sample builds."""
         so = self.scheduler.schedule()
         if not self._constrained:
-            return so, [], []
+            return so, {}, []
         requests = self.scheduler.requests
         self._constrained.intersection_update(requests)
         if masks_later:
-            return so, [], sampling_constrained(so, requests, self._constrained)
+            return so, {}, sampling_constrained(so, requests, self._constrained)
         return *with_token_masks(so, requests, self._constrained), []
 
     def _update(
-        self, so: SchedulerOutput, runner_output: ModelRunnerOutput, dead_ends: list[str]
+        self, so: SchedulerOutput, runner_output: ModelRunnerOutput, dead_ends: dict[str, int]
     ) -> list[EngineCoreOutput]:
-        """The scheduler learns the step; then constrained requests' matchers advance, and a
-        request whose grammar is complete finishes ("stop"), one whose matcher rejected a
-        token ends ("abort", logged)."""
+        """The scheduler learns the step (a constrained request's verified run cut at its
+        grammar's end); then constrained requests' matchers advance, and a request whose
+        grammar is complete finishes ("stop"), one whose matcher rejected a token, or that
+        reached a dead end, ends ("abort", logged)."""
+        requests = self.scheduler.requests
+        if so.token_masks and so.scheduled_spec_decode_tokens:
+            runner_output = run_lengths(so, runner_output, requests, dead_ends)
         outputs = self.scheduler.update_from_output(so, runner_output)
         if not so.token_masks:
             return outputs
-        complete, failed = advance_matchers(outputs, self.scheduler.requests)
-        failed = list(dict.fromkeys(failed + dead_ends))  # a dead end's EOS: not a stop
+        complete, failed = advance_matchers(outputs, requests)
+        # a dead end's EOS: not a stop
+        failed = list(dict.fromkeys(failed + dead_ends_reached(outputs, dead_ends)))
         complete = [rid for rid in complete if rid not in failed]
         if complete:
             self.scheduler.finish_requests(complete, RequestStatus.FINISHED_STOPPED)
@@ -381,7 +389,8 @@ class EngineCore:
         sched = self.scheduler
         stats: dict[str, Any] = dict(sched.get_stats())
         stats["num_requests_running"] = len(sched.running)
-        stats["num_requests_waiting"] = len(sched.waiting)
+        # requests waiting for KV from another engine wait too (vLLM counts them so)
+        stats["num_requests_waiting"] = len(sched.waiting) + len(sched.remote.loading)
         stats["num_compilations"] = self.runner.num_compilations
         stats["num_compilation_cache_hits"] = self.runner.num_compilation_cache_hits
         stats["recompilations"] = self.runner.recompilations

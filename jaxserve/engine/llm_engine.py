@@ -35,6 +35,7 @@ from jaxserve.engine.core import EngineCore
 from jaxserve.engine.interrupts import defer_sigint
 from jaxserve.engine.prompts import PromptProcessor, PromptType
 from jaxserve.engine.request_state import RequestState
+from jaxserve.kv_transfer_config import check_params_for
 from jaxserve.outputs import RequestOutput
 from jaxserve.request import Request, RequestStatus
 from jaxserve.runner.factory import build_runner
@@ -83,12 +84,7 @@ class LLMEngine:
             self.config.model.model,
         )
         self.core = EngineCore(self.config, runner, info.num_kv_blocks, info.host_tier)
-        self.structured = StructuredOutputs(
-            self.tokenizer,
-            info.vocab_size,
-            info.eos_token_ids,
-            speculative=self.config.speculative is not None,
-        )
+        self.structured = StructuredOutputs(self.tokenizer, info.vocab_size, info.eos_token_ids)
         self._states: dict[str, RequestState] = {}  # user request id -> state
         self._child_of: dict[str, tuple[str, int]] = {}  # scheduler id -> (user id, index)
         self._seed_rng = np.random.default_rng(self.config.model.seed)
@@ -155,6 +151,9 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         params = params.clone()
+        config = self.config
+        check_params_for(params.kv_transfer_params, config.kv_transfer,
+                         config.cache.enable_prefix_caching)  # fmt: skip
         text, token_ids = self.process_prompt(prompt)
         self.core.check_prompt_length(len(token_ids))
         # Last: a grammar compiles (or comes from the cache) only for a request that can run.

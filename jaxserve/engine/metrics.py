@@ -48,6 +48,8 @@ _MIRRORED = {
     # the KV connector's blocks (0 without one): loaded from and saved to its store
     "kv_connector_loaded_blocks": "kv_connector_loaded_blocks",
     "kv_connector_saved_blocks": "kv_connector_saved_blocks",
+    # lookups or loads that gave a request less KV than its kv_transfer_params promised
+    "kv_connector_load_failures": "kv_connector_load_failures",
     # speculative decoding (vLLM's names; 0 while it is off)
     "spec_decode_num_drafts": "spec_decode_num_drafts",
     "spec_decode_num_draft_tokens": "spec_decode_num_draft_tokens",

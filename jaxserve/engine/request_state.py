@@ -96,6 +96,7 @@ class RequestState:
             for i in range(params.n)
         ]
         self.num_cached_tokens = 0
+        self.kv_transfer_params: dict | None = None  # a finished prefill's, for its decode
 
     @property
     def finished(self) -> bool:
@@ -107,6 +108,8 @@ class RequestState:
         c = self.completions[index]
         if index == 0:
             self.num_cached_tokens = out.num_cached_tokens
+            if out.kv_transfer_params is not None:
+                self.kv_transfer_params = out.kv_transfer_params
         if out.new_token_ids:
             m = self.metrics
             m.last_token_time = now = time.monotonic()
@@ -154,4 +157,5 @@ class RequestState:
             finished=finished,
             num_cached_tokens=self.num_cached_tokens,
             metrics=replace(m),
+            kv_transfer_params=self.kv_transfer_params,
         )

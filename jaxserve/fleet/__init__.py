@@ -10,6 +10,7 @@ router). Modules:
     routing.py      which replica serves a request: round-robin, least load, longest prefix
     placement.py    each replica's share of the machine (cores, GPUs) as environment and affinity
     replicas.py     start, watch and stop the replica processes
+    front_watch.py  a replica exits when its front is gone (SIGKILLed)
     backends.py     the replicas as the front sees them: in-flight counts, polled load
     metrics.py      /metrics of every replica, labelled by replica, and their sums
     forwarding.py   one request to a backend, its answer streamed back, cut when the client goes

@@ -2,12 +2,16 @@
 sent to a prefill server (a producer) with ``max_tokens`` 1, which computes its prompt's KV,
 then as it came to a decode server (a consumer), whose answer is streamed to the client.
 
-The producer's answer may carry ``kv_transfer_params`` (where its KV blocks are, as vLLM's
-connectors say it); the router hands them to the consumer in the decode request. Whether the
-consumer then loads the KV or computes it again is its KV connector's business: the tokens are
-the same either way. A producer that cannot be reached or fails with a 5xx does not fail the
-request: the consumer computes the prompt itself (logged). A producer's 4xx (bad input) is the
-client's answer, and nothing reaches a consumer. Each pool picks its least loaded server.
+With ``pass_kv_transfer_params`` (vLLM's protocol), the prefill request asks for
+``kv_transfer_params`` {"do_remote_decode": true}, the producer's answer carries the params of
+its stored KV (jaxserve's: {"do_remote_prefill": true, "remote_num_tokens": N}), and the router
+hands them to the consumer in the decode request's body: a consumer that then cannot load that
+KV computes it or fails the request (500), as its ``kv_load_failure_policy`` says. Without it,
+a jaxserve consumer still finds the producer's blocks by their prefix hash (computing what it
+does not find). The tokens are the same either way. A producer that cannot be reached or fails
+with a 5xx does not fail the request: the consumer computes the prompt itself (logged). A
+producer's 4xx (bad input) is the client's answer, and nothing reaches a consumer. Each pool
+picks its least loaded server.
 """
 
 from __future__ import annotations
@@ -61,9 +65,8 @@ def build_router_app(
 ) -> FastAPI:
     """The router's app over the ``prefill`` and ``decode`` pools (polled while it runs).
 
-    pass_kv_transfer_params: send vLLM's ``kv_transfer_params`` to the servers (for servers
-    that take them; jaxserve's connector finds blocks by their prefix hash and needs none, and
-    its server refuses the field)."""
+    pass_kv_transfer_params: send vLLM's ``kv_transfer_params`` to the servers (every server
+    needs a KV connector: one without refuses the field)."""
 
     app = FastAPI(title="jaxserve-router", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=pools_lifespan(prefill, decode))  # fmt: skip

@@ -20,6 +20,7 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from jaxserve.fleet.front_watch import front_environment
 from jaxserve.fleet.placement import Placement
 
 logger = logging.getLogger("jaxserve")
@@ -56,7 +57,7 @@ def start_replicas(
         port = free_port()
         argv = [sys.executable, "-m", "jaxserve.cli", "serve", *serve_args]
         argv += ["--host", "127.0.0.1", "--port", str(port)]
-        env = {**environ, **placement.env}
+        env = {**environ, **placement.env, **front_environment()}  # exits with the front
         env.pop("JAXSERVE_API_KEY", None)  # the front checks the key; replicas are loopback
         process = subprocess.Popen(argv, env=env, start_new_session=True)
         if placement.cpus is not None and hasattr(os, "sched_setaffinity"):

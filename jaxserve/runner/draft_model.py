@@ -230,6 +230,10 @@ class DraftModel:
         self.q_base = {r.request_id: self.k * i for i, r in enumerate(requests) if sampled_draft(r)}
         return {r.request_id: drafts[i, :k].tolist() for i, r in enumerate(requests)}
 
+    def samples_drafts(self, request) -> bool:
+        """Whether ``request``'s drafts are sampled, with their q (the Proposer protocol)."""
+        return sampled_draft(request)
+
     def _propose_rows(self, requests: list, first: int) -> np.ndarray:
         """i32[R, k] drafts of these requests (R: their padded count), the ``first``-th of
         the proposal onwards (their q rows start at k * first)."""

@@ -11,22 +11,19 @@ the runner.
     build_runner(config)
         resolve_model(config)      -> ResolvedModel: plan, memory plan, shardings, host tier size
         _load_weights(resolved)    -> LoadedCheckpoint (each weight in its sharding)
-        make_runner(resolved, ckpt) -> ModelRunner (given its KVOffloader), HostTier | None
+        make_runner(resolved, ckpt) -> ModelRunner (its KV scales, host tier and connector:
+                                       kv_attachments.py), HostTier | None
         use_executable_store(...)  serialized executables in the compilation cache folder
         warm_up_all(runner, workers)  when warmup is True (else per job: engine/job_warmup.py)
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import pathlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
-
-import jax
-import jax.numpy as jnp
 
 from jaxserve.checkpoints_tools import LoadedCheckpoint, TokenizerInfo, load_checkpoint
 from jaxserve.checkpoints_tools.hub import CONFIG_FILES
@@ -42,16 +39,14 @@ from jaxserve.checkpoints_tools.quantization import resolve_quantization
 from jaxserve.checkpoints_tools.tokenizer import load_tokenizer
 from jaxserve.config import EngineConfig
 from jaxserve.core.host_block_pool import HostTier
-from jaxserve.models import CausalLM, ModelArchConfig, get_model
+from jaxserve.models import ModelArchConfig, get_model
 from jaxserve.pallas_kernels.ragged_paged_attention.impl import AttentionImpl, head_split_refusal
 from jaxserve.runner.compile_cache import enable_compilation_cache
 from jaxserve.runner.draft_model import DraftSpec
 from jaxserve.runner.executable_store import fields_of, use_executable_store
+from jaxserve.runner.kv_attachments import host_tier_of, kv_connector_of, kv_scales_of
 from jaxserve.runner.kv_cache import KVAllocator, allocate_kv_caches
-from jaxserve.runner.kv_calibration import calculate_kv_scales
-from jaxserve.runner.kv_connector_worker import KVConnectorWorker, make_kv_connector
-from jaxserve.runner.kv_offload import KVOffloader, host_kv_blocks
-from jaxserve.runner.kv_scales import kv_scales_for
+from jaxserve.runner.kv_offload import host_kv_blocks
 from jaxserve.runner.machine import Machine
 from jaxserve.runner.memory_plan import MemoryPlan, memory_plan_for, resolve_max_model_len
 from jaxserve.runner.model_runner import ModelRunner
@@ -355,7 +350,7 @@ def make_runner(
         max_model_len=config.model.max_model_len,
         quantization=ckpt.quantization,
     )
-    offload = _host_tier(model, resolved)
+    offload = host_tier_of(model, resolved)
     runner = ModelRunner(
         model,
         ckpt.params,
@@ -367,72 +362,11 @@ def make_runner(
         eos_token_ids=ckpt.eos_token_ids,
         sharding=resolved.sharding,
         plan=plan,
-        kv_scales=_kv_scales(resolved, model, ckpt),
+        kv_scales=kv_scales_of(resolved, model, ckpt),
         kv_offload=offload,
         draft=(load_draft or _load_draft)(resolved),
         kv_allocator=kv_allocator,
-        kv_connector=_kv_connector(model, resolved),
+        kv_connector=kv_connector_of(model, resolved),
     )
     host_tier = None if offload is None else HostTier(resolved.num_host_blocks, offload.block_bytes)
     return runner, host_tier
-
-
-def _kv_scales(resolved: ResolvedModel, model: CausalLM, ckpt: LoadedCheckpoint):
-    """An FP8 KV cache's f32[L, 2] scales (kv_scales.py; None for pages in the model dtype):
-    computed from a calibration pass when the checkpoint has none and calculate_kv_scales is
-    on, unless the params are abstract (jaxserve/aot compiles: the scales are step data, their
-    values change no compiled shape)."""
-    concrete = all(isinstance(p, jax.Array) for p in jax.tree_util.tree_leaves(ckpt.params))
-    calculate = None
-    if resolved.config.cache.calculate_kv_scales and concrete:
-        calculate = functools.partial(calculate_kv_scales, model, ckpt.params, resolved.sharding)
-    return kv_scales_for(
-        resolved.plan.kv_cache_dtype, ckpt.path, ckpt.arch.num_layers, calculate=calculate
-    )
-
-
-def _kv_connector(model: CausalLM, resolved: ResolvedModel) -> KVConnectorWorker | None:
-    """The KV connector of ``kv_transfer_config`` (kv_connector_worker.py), or None."""
-    config = resolved.config
-    if config.kv_transfer is None:
-        return None
-    cache = config.cache
-    worker = make_kv_connector(
-        config.kv_transfer,
-        config.model.model,
-        model.arch.num_layers,
-        model.kv_cache_shape(cache.num_kv_blocks, cache.block_size),
-        jnp.dtype(resolved.plan.kv_cache_dtype),
-        resolved.sharding,
-    )
-    logger.info(
-        "KV connector: %s as %s, blocks in %s",
-        config.kv_transfer.kv_connector,
-        config.kv_transfer.kv_role,
-        worker.connector.store.folder,
-    )
-    return worker
-
-
-def _host_tier(model: CausalLM, resolved: ResolvedModel) -> KVOffloader | None:
-    """The host KV tier (kv_offload.py) of ``resolved.num_host_blocks`` slots for the pages of
-    ``model``, allocated here once (its size was checked before any weight was read:
-    host_kv_blocks); None, and nothing allocated, for 0."""
-    num_host_blocks = resolved.num_host_blocks
-    if num_host_blocks == 0:
-        return None
-    cache = resolved.config.cache
-    offload = KVOffloader(
-        model.arch.num_layers,
-        model.kv_cache_shape(cache.num_kv_blocks, cache.block_size),
-        jnp.dtype(resolved.plan.kv_cache_dtype),
-        num_host_blocks,
-        resolved.sharding,
-    )
-    logger.info(
-        "host KV tier: %d blocks of %d bytes (%.3g GiB)",
-        num_host_blocks,
-        offload.block_bytes,
-        num_host_blocks * offload.block_bytes / (1 << 30),
-    )
-    return offload

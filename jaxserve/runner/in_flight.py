@@ -15,7 +15,7 @@ samples never reach the host's buffers.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -45,6 +45,7 @@ class ForwardStep:
     # the draft model's DraftQ or None), on device
     forward: tuple = ()
     trace: Any = None  # StepTrace, when traced
+    kv_loads: dict = dataclasses.field(default_factory=dict)  # InFlightStep.kv_loads
 
     def write_masks(self, token_masks: dict[str, np.ndarray]) -> None:
         """Each mask (req_id -> u32[M]) into its request's sampling row; a request of
@@ -66,6 +67,8 @@ class InFlightStep:
     out: Any = None  # SamplerOutput
     plp: Any = None  # prompt logprobs (LogprobsArrays)
     num_emitted: Any = None  # i32[R] tokens each logits segment emits
+    # KV connector loads written by this step's dispatch: req_id -> blocks (ModelRunnerOutput)
+    kv_loads: dict[str, int] = field(default_factory=dict)
 
     def ready(self) -> None:
         """Block until the step's sampled ids are computed."""
@@ -94,7 +97,7 @@ def collect(
     request that verified drafts gets its accepted drafts and one more token."""
     batch = step.batch
     if batch is None:
-        return ModelRunnerOutput()
+        return ModelRunnerOutput(kv_loads=step.kv_loads)
     rows = live_sampling_rows(batch, ib)  # requests that sample
     slots = batch.slots[rows]
     req_ids = [batch.req_ids[r] for r in rows.tolist()]
@@ -110,7 +113,7 @@ def collect(
         ib.append_tokens(slots, token_ids)
         sampling.append_output_tokens(slots, token_ids)
         sampled = [[t] for t in token_ids.tolist()]
-    result = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+    result = ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, kv_loads=step.kv_loads)
     if num_logprobs and any(req_id in num_logprobs for req_id in req_ids):
         _attach_logprobs(result, jax.device_get(step.out), num_logprobs, first, counts,
                          logprobs_width(vocab_size))  # fmt: skip

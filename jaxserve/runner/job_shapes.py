@@ -30,9 +30,9 @@ hits, ``n > 1`` forks, speculative drafts):
   step copies at most one block per sequence it schedules: sizes up to the padded number of
   forked sequences (or max_num_seqs).
 
-Everything else warm-up compiles (host KV tier copies, a draft model's proposals) is small and
-compiled in full. A shape outside the set would still compile when met, with the warning of
-step_compiles.py; the tests assert that it never happens.
+Everything else warm-up compiles (host KV tier copies, the KV connector's copies, a draft
+model's proposals) is small and compiled in full. A shape outside the set would still compile
+when met, with the warning of step_compiles.py; the tests assert that it never happens.
 """
 
 from __future__ import annotations

@@ -84,6 +84,7 @@ class KVOffloader:
         num_host_blocks: host slots (Sh), >= 1.
         sharding: the pages' sharding plan (tensor parallelism), or None: one device.
         max_copy_bucket: the largest padded copy count; a power of two.
+        name: what the compilation counter calls these copies (the logs).
     """
 
     def __init__(
@@ -94,6 +95,7 @@ class KVOffloader:
         num_host_blocks: int,
         sharding: ShardingPlan | None = None,
         max_copy_bucket: int = 64,
+        name: str = "the host KV tier's block copies",
     ) -> None:
         if num_host_blocks < 1:
             raise ValueError(f"num_host_blocks must be >= 1, got {num_host_blocks}")
@@ -106,7 +108,7 @@ class KVOffloader:
         # [Sh, L, 2, K, P, H]; np.zeros maps pages lazily: memory is committed as slots fill.
         self.host = np.zeros((num_host_blocks, *self.block_shape), self.dtype)
         self.copy_sizes = tuple(1 << k for k in range(max_copy_bucket.bit_length()))
-        self.compiles = StepCompiles("the host KV tier's block copies")
+        self.compiles = StepCompiles(name)
         if sharding is None:
             gather_sh: dict[str, Any] = {}
             scatter_sh: dict[str, Any] = {}

@@ -60,7 +60,7 @@ from jaxserve.runner.step import (
 from jaxserve.runner.step_compiles import StepCompiles
 from jaxserve.runner.step_inputs import prepare_step, update_states
 from jaxserve.runner.step_trace import StepTrace
-from jaxserve.runner.token_feed import TokenFeed
+from jaxserve.runner.token_feed import TokenFeed, initial_last_sampled
 from jaxserve.runner.warmup import warm_up
 
 
@@ -140,9 +140,7 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_caches()
         # Per slot, the last token its request sampled, on device: the next step's
         # placeholder inputs read it (token_feed.py).
-        self.last_sampled = jax.device_put(
-            np.zeros(max_num_seqs, np.int32), None if sharding is None else sharding.replicated
-        )
+        self.last_sampled = initial_last_sampled(max_num_seqs, sharding, like=self.kv_caches)
         self.warmed: set = set()  # steps and block copies warm-up ran (warmup.py)
         self.draft = None
         if draft is not None:
@@ -218,7 +216,8 @@ class ModelRunner:
 
     def all_compiles(self) -> list[StepCompiles]:
         """The counters of every jitted function the runner calls."""
-        offload = [self.kv_offload.compiles] if self.kv_offload is not None else []
+        copies = (self.kv_offload, self.kv_connector and self.kv_connector.staging)
+        offload = [c.compiles for c in copies if c is not None]
         draft = [self.draft.compiles, self.draft.copy_compiles] if self.draft is not None else []
         return [self.forward_compiles, self.sample_compiles, self.copy_compiles, *offload, *draft]
 
@@ -229,6 +228,8 @@ class ModelRunner:
         failed computation); then they are reallocated, zeroed, and it returns True: every
         cached prefix is gone, and the scheduler must drop its prefix cache."""
         self._init_host_state()
+        if self.kv_connector is not None:
+            self.kv_connector.reset()
         if self.draft is not None:  # only guesses live in its pages: nothing to report
             self.draft.reset(self.input_batch, pages_ok=pages_usable(self.draft.kv_caches))
         if pages_usable(self.kv_caches):
@@ -285,10 +286,8 @@ class ModelRunner:
     def dispatch_forward(
         self, so: SchedulerOutput, trace: StepTrace | None = None, masks_later: Any = ()
     ) -> ForwardStep:
-        """Start a step's forward half; ``dispatch_sample`` starts its sample half. The rows
-        of ``masks_later`` (request ids whose token masks are not built yet) take the list
-        variant, their masks written by dispatch_sample; the masks of ``so`` are used as
-        they are."""
+        """Start a step's forward half (``dispatch_sample`` starts the rest). The rows of
+        ``masks_later`` (ids of requests whose masks are built later) take the list variant."""
         update_states(so, self.input_batch, self.sampling, self._prompt_logprobs,
                       self._num_logprobs)  # fmt: skip
         if so.device_to_host or so.host_to_device:
@@ -297,12 +296,14 @@ class ModelRunner:
                 self.kv_caches, so.device_to_host, so.host_to_device
             )
         connector = so.kv_connector if self.kv_connector is not None else None
-        if connector is not None and connector.loads:
-            self.kv_caches = self.kv_connector.load(self.kv_caches, connector)
+        kv_loads = {}
+        if self.kv_connector is not None:  # KV from other engines (kv_connector_worker.py)
+            idle = so.is_empty and not len(self.input_batch)  # may wait a little for a load
+            self.kv_caches, kv_loads = self.kv_connector.before_forward(self.kv_caches, so, idle)
         if so.block_copies:
             self.copy_blocks(*padded_copies(so.block_copies))
         if so.is_empty:
-            return ForwardStep()
+            return ForwardStep(kv_loads=kv_loads)
         start = time.perf_counter()
         batch, sampling_md, mask_rows = prepare_step(
             so, self.input_batch, self.sampling, self.buckets, masks_later
@@ -315,21 +316,20 @@ class ModelRunner:
             # The blocks this forward completes (the gather waits for it: a producer's step
             # that saves does not overlap the next one's scheduling).
             self.kv_caches = self.kv_connector.save(self.kv_caches, connector)
-        return ForwardStep(batch, sampling_md, mask_rows, forward, trace)
+        return ForwardStep(batch, sampling_md, mask_rows, forward, trace, kv_loads)
 
     def dispatch_sample(
         self, fwd: ForwardStep, token_masks: dict[str, np.ndarray] | None = None
     ) -> InFlightStep:
-        """Start the sample half of a step whose forward ``dispatch_forward`` started, with
-        ``token_masks`` (req_id -> u32[M]) for its ``masks_later`` rows (a row without one
-        allows every token: its request finished since)."""
+        """Start the sample half after ``dispatch_forward``, with ``token_masks`` (req_id ->
+        u32[M]) for its ``masks_later`` rows (a row without one: its request finished)."""
         batch = fwd.batch
         if batch is None:
-            return InFlightStep()
+            return InFlightStep(kv_loads=fwd.kv_loads)
         fwd.write_masks(token_masks or {})
         out, num_emitted = self.run_sample(batch, fwd.forward, fwd.sampling_md, fwd.trace)
         self.input_batch.num_pending[batch.slots[batch.sampling_rows]] += 1
-        return InFlightStep(batch, out, fwd.forward[1], num_emitted)
+        return InFlightStep(batch, out, fwd.forward[1], num_emitted, fwd.kv_loads)
 
     def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Copy-on-write: KV pages src[i] -> dst[i], in place (a padded count: copy_sizes)."""

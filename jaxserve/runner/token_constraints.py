@@ -3,10 +3,10 @@
 Host side, ``ConstraintRows`` keeps what each slot's request fixes for its whole life
 (``allowed_token_ids`` as a bitmask row, ``logit_bias`` as id / value lists) and gathers, each
 step, the sampling rows' bitmask (the step's mask from the engine where there is one: a
-grammar, bad words, with the allowed ids folded in; SchedulerOutput.token_masks; else that
-row) and biases. Device side, ``apply_token_constraints`` adds
-the biases and sets every token outside the bitmask to -inf, inside the one jitted step before
-sampling.
+grammar, bad words, with the allowed ids folded in; SchedulerOutput.token_masks, one row per
+verification row of a request with speculative drafts; else that row) and biases. Device
+side, ``apply_token_constraints`` adds the biases and sets every token outside the bitmask to
+-inf, inside the one jitted step before sampling.
 
 Shapes: the bitmask is u32[R, M] with M = ceil(V / 32) (bit ``t % 32`` of word ``t // 32`` is
 token t; V is the model's logits width, which may exceed the tokenizer's vocabulary), the biases
@@ -94,16 +94,23 @@ class ConstraintRows:
         """The step's rows: (bitmask u32[R, M], bias ids i32[R, NB] (-1 pads), bias values
         f32[R, NB]) for ``slots`` i64[R] (padding rows name no slot of ours: unconstrained);
         ``step_masks``: slot -> u32[M], the engine's whole mask of this step for the slot (its
-        allowed ids included), used instead of the slot's allowed-ids row."""
+        allowed ids included), used instead of the slot's allowed-ids row; or u32[1 + k, M]
+        for a slot verifying k drafts, whose k + 1 rows come one after the other in ``slots``
+        (spec_rows.logits_row_owners): its j-th row takes mask row j. Biases are the same on
+        every row of a slot."""
         num_rows = slots.shape[0]
         bitmask = np.full((num_rows, self.num_words), ALL_ALLOWED, np.uint32)
         bias_ids = np.full((num_rows, self.bias_width), -1, np.int32)
         bias_values = np.zeros((num_rows, self.bias_width), np.float32)
+        seen: dict[int, int] = {}  # slot -> its rows so far (a 2-D mask's row index)
         for row, slot in enumerate(slots.tolist()):
             # The engine's step mask already holds the request's allowed ids (and may allow
             # only EOS where nothing else is left: structured/step_masks.py).
             mask = step_masks.get(slot)
-            if mask is None:
+            if mask is not None and mask.ndim == 2:
+                j = seen[slot] = seen.get(slot, -1) + 1
+                mask = mask[j]
+            elif mask is None:
                 mask = self._allowed.get(slot)
             if mask is not None:
                 bitmask[row] = mask

@@ -18,6 +18,7 @@ sample of its current request when a placeholder reads it (the device runs steps
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +27,16 @@ import numpy as np
 # sample_slot of a logits row that records nothing (padding, mid-prefill chunks, the drafts'
 # rows): past every slot, so the scatter drops it (a negative index would wrap).
 NO_SLOT = np.iinfo(np.int32).max
+
+
+def initial_last_sampled(num_slots: int, sharding: Any, like: Any) -> Any:
+    """``last_sampled`` before any step: zeros on the device (``sharding``: the runner's
+    ShardingPlan or None), or its jax.ShapeDtypeStruct when the KV pages ``like`` are abstract
+    (jaxserve/aot compiles for devices that are not attached: nothing may be allocated)."""
+    replicated = None if sharding is None else sharding.replicated
+    if isinstance(jax.tree.leaves(like)[0], jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct((num_slots,), jnp.int32, sharding=replicated)
+    return jax.device_put(np.zeros(num_slots, np.int32), replicated)
 
 
 @jax.tree_util.register_dataclass

@@ -6,10 +6,10 @@ both sampler variants (a batch without penalties or bans, and one with them at t
 every accepted request fits: SamplingInputs.variant_widths), the copy-on-write block copy (n >
 1) for every size of the runner's copy_sizes. An offline job's is the part of it that its
 requests can reach (job_shapes.job_warmup_set), warmed up before the job's first step; a later
-job adds what it needs more. Always the host KV tier's copies when there is one, and a draft
-model's proposal at every row bucket (with its pages' block copies) when speculative decoding
-has one. Every other sampling feature (greedy or sampled rows, seeds, logprobs, prompt logprobs,
-min_tokens) runs in these same compiled steps.
+job adds what it needs more. Always the host KV tier's and the KV connector's copies when
+there is one, and a draft model's proposal at every row bucket (with its pages' block copies)
+when speculative decoding has one. Every other sampling feature (greedy or sampled rows, seeds,
+logprobs, prompt logprobs, min_tokens) runs in these same compiled steps.
 
 Each is lowered and compiled ahead of time, ``workers`` at a time (threads: XLA compiles without
 the GIL), for the arguments of an all-padding batch. jax keeps the executables, and the engine's
@@ -150,6 +150,8 @@ def compilations(runner: ModelRunner, what: WarmupSet) -> list[Compilation]:
                                what.copy_sizes)  # fmt: skip
     if runner.kv_offload is not None:
         jobs += runner.kv_offload.compilations(runner.kv_caches)
+    if runner.kv_connector is not None:  # its staging copies (kv_connector_worker.py)
+        jobs += runner.kv_connector.staging.compilations(runner.kv_caches)
     if runner.draft is not None:
         jobs += _draft_compilations(runner)
     return jobs

@@ -96,15 +96,15 @@ def propose_ngram(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[in
 def suffix_matches(tokens: np.ndarray, max_n: int) -> tuple[np.ndarray, np.ndarray]:
     """The earlier occurrences of the last token (their positions e < len - 1, ascending) and
     how many tokens of the sequence's suffix each matches, ending at e (1..max_n): one
-    vectorised comparison, then at most max_n - 1 gathers over the candidates."""
+    vectorised comparison, then one [candidates, max_n - 1] gather of the tokens before them
+    (the length: 1 + how many of those agree with the suffix before a first mismatch)."""
     size = tokens.shape[0]
     ends = np.flatnonzero(tokens[: size - 1] == tokens[size - 1])  # occurrences of the last token
-    length = np.ones(ends.shape[0], np.int32)  # matched suffix length at each candidate end
-    for j in range(1, min(max_n, size - 1)):
-        prev = ends - j
-        ok = (prev >= 0) & (length == j)
-        ok[ok] = tokens[prev[ok]] == tokens[size - 1 - j]
-        length += ok
-        if not ok.any():
-            break
+    n = min(max_n, size - 1)
+    if n <= 1 or not ends.size:
+        return ends, np.ones(ends.shape[0], np.int32)
+    back = np.arange(1, n)  # j tokens before each end
+    prev = ends[:, None] - back  # [C, n - 1]
+    agree = (prev >= 0) & (tokens[np.maximum(prev, 0)] == tokens[size - 1 - back])
+    length = 1 + np.cumprod(agree, axis=1, dtype=np.int32).sum(axis=1, dtype=np.int32)
     return ends, length

@@ -27,6 +27,10 @@ class Proposer(Protocol):
         """Up to k drafts for each of the given running decodes (none where it has no guess)."""
         ...
 
+    # Optional: ``samples_drafts(request) -> bool``, whether the request's drafts are drawn
+    # from a distribution (a draft model's, verified by the general-q rule) rather than
+    # one-hot guesses; a proposer without it proposes one-hot drafts only.
+
 
 def host_proposer(config: SpeculativeConfig) -> Proposer:
     """The proposer of a host-side method ("ngram", "suffix"); a draft model's is the
@@ -96,6 +100,12 @@ class SpecDecoder:
         drafts = self.proposer.propose(eligible, k)
         self.proposer_seconds += time.perf_counter() - start
         return drafts
+
+    def drafts_sampled(self, request: Request) -> bool:
+        """Whether ``request``'s drafts are sampled (not one-hot): constraints never cut those
+        (structured/draft_checks.py)."""
+        samples = getattr(self.proposer, "samples_drafts", None)
+        return bool(samples is not None and samples(request))
 
     def observe_step(
         self, num_emitted: int, seconds: float, num_scheduled: dict[str, int],

@@ -22,6 +22,16 @@ class Matcher(Protocol):
         in an error state for good)."""
         ...
 
+    def num_valid(self, token_ids: list[int]) -> int:
+        """How many leading tokens of ``token_ids`` the grammar would accept in turn from the
+        current state (the state does not change)."""
+        ...
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (speculative drafts tried tentatively:
+        structured/draft_checks.py)."""
+        ...
+
     def is_terminated(self) -> bool:
         """True once the grammar is complete and cannot continue (or accepted EOS)."""
         ...

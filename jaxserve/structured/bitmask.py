@@ -30,6 +30,11 @@ def set_bits(row: np.ndarray, token_ids: Iterable[int]) -> None:
             row[token >> 5] |= np.uint32(1 << (token & 31))
 
 
+def has_bit(row: np.ndarray, token: int) -> bool:
+    """Whether ``row`` allows ``token`` (a token past the row is never allowed)."""
+    return 0 <= token < 32 * row.shape[0] and bool((int(row[token >> 5]) >> (token & 31)) & 1)
+
+
 def clear_bit(row: np.ndarray, token: int) -> None:
     """Disallow ``token`` in ``row`` (in place); a token past the row is never allowed anyway."""
     if token < 32 * row.shape[0]:

@@ -36,6 +36,13 @@ class LLGuidanceMatcher:
     def accept_token(self, token_id: int) -> bool:
         return self._matcher.consume_token(token_id)
 
+    def num_valid(self, token_ids: list[int]) -> int:
+        return self._matcher.validate_tokens(token_ids)
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens and not self._matcher.rollback(num_tokens):
+            raise RuntimeError(f"llguidance could not roll back {num_tokens} tokens")
+
     def is_terminated(self) -> bool:
         return self._matcher.is_stopped()
 

@@ -19,8 +19,6 @@ from jaxserve.structured.bitmask import token_bitmask
 from jaxserve.structured.grammar_compiler import GrammarCompiler
 from jaxserve.structured.request_constraints import ConstraintSpec
 
-CONSTRAINT_FIELDS = ("structured_outputs", "logit_bias", "allowed_token_ids", "bad_words")
-
 
 class StructuredOutputs:
     """Checks constraints against one model and tokenizer.
@@ -30,8 +28,6 @@ class StructuredOutputs:
             checkpoints), not logit_bias or allowed_token_ids.
         vocab_size: the model's logits width V: ids must be below it.
         eos_token_ids: allowed by a grammar once it is complete.
-        speculative: speculative decoding is on: every constraint is refused (drafts are not
-            checked against grammars yet).
     """
 
     def __init__(
@@ -39,12 +35,10 @@ class StructuredOutputs:
         tokenizer: Tokenizer | None,
         vocab_size: int,
         eos_token_ids: Iterable[int],
-        speculative: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.speculative = speculative
         self.num_words = (vocab_size + 31) // 32
         self._compiler: GrammarCompiler | None = None
         self._lock = threading.Lock()  # requests are checked from several threads (AsyncLLM)
@@ -77,13 +71,6 @@ class StructuredOutputs:
         """
         if not params.has_constraints:
             return None
-        if self.speculative:
-            used = [name for name in CONSTRAINT_FIELDS if getattr(params, name)]
-            raise ValueError(
-                f"SamplingParams.{used[0]}: {', '.join(used)} cannot be combined with "
-                "speculative decoding (speculative_config is set): drafts are not checked "
-                "against them"
-            )
         self._check_ids(params)
         grammar = None
         if params.structured_outputs is not None:

@@ -6,6 +6,11 @@ and tells it the tokens the request accepted after the step. The matcher follows
 output tokens only, which survive preemption (recompute keeps them, and they are fed back as
 prompt, never re-sampled), so its state needs no rollback; each sample of an n > 1 request
 has its own.
+
+With speculative decoding (draft_checks.py) the matcher also tries a step's drafts tentatively,
+and rolls them back: ``num_draft_tokens`` before the drafts are scheduled, ``fill_masks`` for
+the masks of the verification rows (row j: the state after drafts 0..j-1), ``run_length``
+after the step; only ``accept`` advances it for good.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import numpy as np
 
 from jaxserve.structured.backend import CompiledGrammar, Matcher
 from jaxserve.structured.bad_words import banned_next_tokens
-from jaxserve.structured.bitmask import ALL_ALLOWED, clear_bit
+from jaxserve.structured.bitmask import ALL_ALLOWED, clear_bit, has_bit
 
 __all__ = ["ALL_ALLOWED", "ConstraintSpec", "RequestConstraints"]
 
@@ -63,6 +68,8 @@ class RequestConstraints:
         self.bad_words = bad_words
         self.num_words = num_words
         self.allowed = allowed  # u32[num_words] or None; shared read-only by the n samples
+        # Output tokens a bad-word match looks back at (the longest word's length - 1).
+        self._lookback = max((len(s) - 1 for s in bad_words), default=0)
         # The library writes a full row of its own width; the step keeps the first num_words
         # (no scratch row when the widths agree: it writes into the step's row directly).
         self._scratch = None
@@ -98,3 +105,79 @@ class RequestConstraints:
             if matcher.is_terminated():
                 return "stop"
         return None
+
+    # ---- speculative drafts: tried tentatively, the matcher left as it was -------------------
+
+    def num_draft_tokens(self, output_token_ids: list[int], drafts: list[int]) -> int:
+        """How many leading ``drafts`` may be verified: up to the first one that
+        allowed_token_ids, a bad word or the grammar forbids, and never the one that would end
+        the grammar (so that a grammar ends on a step's last sampled row, as without drafts:
+        a draft past the end would be emitted)."""
+        n = len(drafts)
+        if self.allowed is not None:
+            n = next((j for j in range(n) if not has_bit(self.allowed, drafts[j])), n)
+        if self.bad_words:
+            prefix = self._tail(output_token_ids)
+            for j in range(n):
+                if drafts[j] in banned_next_tokens(self.bad_words, prefix):
+                    n = j
+                    break
+                prefix.append(drafts[j])
+        matcher = self.matcher
+        if matcher is None or n == 0:
+            return n
+        n = matcher.num_valid(drafts[:n])
+        for j in range(n):
+            matcher.accept_token(drafts[j])
+            if matcher.is_terminated():
+                matcher.rollback(j + 1)
+                return j
+        matcher.rollback(n)
+        return n
+
+    def fill_masks(self, rows: np.ndarray, output_token_ids: list[int], drafts: list[int]) -> int:
+        """Write into ``rows`` (u32[1 + len(drafts), num_words], prefilled with ALL_ALLOWED)
+        the mask of each verification row: row j allows what may follow the outputs and
+        drafts[:j]. Filling stops after the row whose draft it forbids, and after a draft that
+        ends the grammar: the rows past it stay all-allowed, and are never emitted (the draft
+        is rejected there; tokens past a grammar's end are trimmed: draft_checks.run_lengths).
+        Returns the rows filled (>= 1)."""
+        prefix = self._tail(output_token_ids) if self.bad_words else output_token_ids
+        matcher, consumed = self.matcher, 0
+        try:
+            for j, row in enumerate(rows):
+                self.fill_mask(row, prefix)
+                if j == len(drafts) or not has_bit(row, drafts[j]):
+                    return j + 1
+                if matcher is not None:
+                    matcher.accept_token(drafts[j])  # allowed by the row: the grammar accepts
+                    consumed += 1
+                    if matcher.is_terminated():
+                        return j + 1
+                if self.bad_words:
+                    prefix.append(drafts[j])
+            return len(rows)
+        finally:
+            if consumed:
+                matcher.rollback(consumed)
+
+    def run_length(self, token_ids: list[int]) -> int:
+        """How many of a step's emitted ``token_ids`` to keep: up to and including the one
+        that ends the grammar (all of them when none does)."""
+        matcher = self.matcher
+        if matcher is None or len(token_ids) < 2:
+            return len(token_ids)
+        n = matcher.num_valid(token_ids)
+        for j in range(n):
+            matcher.accept_token(token_ids[j])
+            if matcher.is_terminated():
+                matcher.rollback(j + 1)
+                return j + 1
+        matcher.rollback(n)
+        return len(token_ids)
+
+    def _tail(self, output_token_ids: list[int]) -> list[int]:
+        """A copy of the outputs' last tokens that a bad word can reach back to."""
+        if not self._lookback:
+            return []
+        return list(output_token_ids[-self._lookback :])

@@ -19,15 +19,15 @@ logger = logging.getLogger("jaxserve")
 
 def with_token_masks(
     so: SchedulerOutput, requests: dict[str, Request], constrained: Iterable[str]
-) -> tuple[SchedulerOutput, list[str]]:
-    """``so`` with the mask row (u32[ceil(V / 32)]) of every scheduled request that has
-    constraints and samples this step (its chunk reaches its last token); ``so`` itself when
-    there is none. Also the dead ends (``token_masks``). ``constrained``: the ids of the
-    requests that may have constraints (the others are not looked at)."""
+) -> tuple[SchedulerOutput, dict[str, int]]:
+    """``so`` with the mask of every scheduled request that has constraints and samples this
+    step (its chunk reaches its last token); ``so`` itself when there is none. Also the dead
+    ends (``token_masks``). ``constrained``: the ids of the requests that may have
+    constraints (the others are not looked at)."""
     sampling = sampling_constrained(so, requests, constrained)
     if not sampling:
-        return so, []
-    masks, dead_ends = token_masks(sampling)
+        return so, {}
+    masks, dead_ends = token_masks(sampling, so)
     return dataclasses.replace(so, token_masks=masks), dead_ends
 
 
@@ -52,28 +52,50 @@ def sampling_constrained(
     return sampling
 
 
-def token_masks(sampling: list[Request]) -> tuple[dict[str, np.ndarray], list[str]]:
-    """The mask row of each of ``sampling`` (requests with constraints, whose matchers have
-    accepted every output token so far; finished ones are skipped), and the dead ends:
-    requests whose constraints leave no token at all (a grammar and allowed_token_ids that
-    do not meet, bad words that ban every allowed id); their row allows EOS only, and the
-    caller ends them with "abort" after the step."""
+def token_masks(
+    sampling: list[Request], so: SchedulerOutput
+) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    """The masks of ``sampling`` (requests with constraints that sample in ``so``, whose
+    matchers have accepted every output token so far; finished ones are skipped): one row
+    u32[ceil(V / 32)], or with k speculative drafts one per verification row,
+    u32[1 + k, ceil(V / 32)], row j the mask after drafts 0..j-1 (draft_checks.py). Also the
+    dead ends: request -> the first row whose constraints leave no token at all (a grammar and
+    allowed_token_ids that do not meet, bad words that ban every allowed id); that row allows
+    EOS only, and the caller ends the request with "abort" once a step reaches the row
+    (dead_ends_reached)."""
     sampling = [req for req in sampling if not req.is_finished]
     if not sampling:
-        return {}, []
-    # One block for the step's rows (each row a contiguous view): no allocation per request.
-    block = np.full((len(sampling), sampling[0].constraints.num_words), ALL_ALLOWED, np.uint32)
+        return {}, {}
+    drafts = [so.scheduled_spec_decode_tokens.get(req.request_id, []) for req in sampling]
+    # One block for the step's rows (each request's rows a contiguous view): no allocation per
+    # request.
+    num_words = sampling[0].constraints.num_words
+    block = np.full((len(sampling) + sum(map(len, drafts)), num_words), ALL_ALLOWED, np.uint32)
     masks: dict[str, np.ndarray] = {}
-    dead_ends: list[str] = []
-    for req, row in zip(sampling, block, strict=True):
+    dead_ends: dict[str, int] = {}
+    start = 0
+    for req, draft_ids in zip(sampling, drafts, strict=True):
         rid = req.request_id
-        req.constraints.fill_mask(row, req.output_token_ids)
-        if not row.any():
+        rows = block[start : start + 1 + len(draft_ids)]
+        start += rows.shape[0]
+        filled = req.constraints.fill_masks(rows, req.output_token_ids, draft_ids)
+        dead = next((j for j in range(filled) if not rows[j].any()), None)
+        if dead is not None:
             logger.warning("request %s: its constraints allow no token; it ends", rid)
-            set_bits(row, req.eos_token_ids)
-            dead_ends.append(rid)
-        masks[rid] = row
+            set_bits(rows[dead], req.eos_token_ids)
+            dead_ends[rid] = dead
+        masks[rid] = rows if draft_ids else rows[0]
     return masks, dead_ends
+
+
+def dead_ends_reached(outputs: list[EngineCoreOutput], dead_ends: dict[str, int]) -> list[str]:
+    """The requests of ``dead_ends`` (request -> its dead-end row) whose step emitted that
+    row's token: they end. A dead end past a rejected draft is not reached (its next step
+    finds it again, at row 0)."""
+    if not dead_ends:
+        return []
+    emitted = {o.req_id: len(o.new_token_ids) for o in outputs}
+    return [rid for rid, row in dead_ends.items() if row == 0 or emitted.get(rid, 0) > row]
 
 
 def advance_matchers(

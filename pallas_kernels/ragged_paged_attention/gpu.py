@@ -25,6 +25,9 @@ f32[2] input (ones when no scales are given), so a new scale never recompiles.
 
 Lowering: Triton compiler params select the Triton lowering (Mosaic GPU is the default since
 jax 0.9 and would reject this kernel). On CPU, interpret=True runs the same body in XLA.
+
+The program's body is gpu_kernel.py; this module holds its configuration, the call and the
+combine step.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from jaxserve.pallas_kernels.ragged_paged_attention.gpu_kernel import attention_kernel
 from jaxserve.pallas_kernels.ragged_paged_attention.kv_quant import scales_or_ones
 from jaxserve.pallas_kernels.ragged_paged_attention.validation import (
     require_power_of_two,
@@ -47,7 +51,6 @@ try:  # Triton lowering: deprecated from jax 0.11, so guard the import.
 except ImportError:  # pragma: no cover - depends on the installed jax
     pltriton = None
 
-MASK_VALUE = -1e30  # finite, so that masked rows never produce inf - inf
 DEFAULT_NUM_CORES = 132  # H100/H200 SM count; used when no GPU is attached at trace time
 
 
@@ -98,139 +101,6 @@ def default_gpu_config(
         wanted = pl.cdiv(2 * num_cores, busy_programs)
         splits = max(1, min(16, wanted, (width * page_size) // (2 * kv_tile)))
     return GpuConfig(block_q=block_q, kv_tile=kv_tile, num_kv_splits=splits)
-
-
-def _find_block_sequence(cu_q_lens_ref, num_seqs, block_idx, block_q: int, num_iters: int):
-    """Largest s in [0, num_seqs] with cu_q_lens[s] // block_q + s <= block_idx."""
-
-    def body(_, bounds):
-        lo, hi = bounds  # invariant: first_block(lo) <= block_idx < first_block(hi)
-        mid = (lo + hi) // 2
-        ok = cu_q_lens_ref[mid] // block_q + mid <= block_idx
-        active = hi - lo > 1
-        return (
-            jnp.where(active & ok, mid, lo),
-            jnp.where(active & ~ok, mid, hi),
-        )
-
-    lo, _ = jax.lax.fori_loop(0, num_iters, body, (jnp.int32(0), num_seqs + 1))
-    return lo
-
-
-def _attention_kernel(
-    kv_lens_ref,  # i32[R]
-    block_tables_ref,  # i32[R, B]
-    cu_q_lens_ref,  # i32[R + 1]
-    num_seqs_ref,  # i32[1]
-    q_ref,  # [T, N, H]
-    k_pages_ref,  # [K, S, P, H] in HBM
-    v_pages_ref,  # [K, S, P, H] in HBM
-    kv_scales_ref,  # f32[2] (k_scale, v_scale)
-    o_ref,  # [T, N, H] (splits == 1) or f32[splits, T, N, H]
-    *stat_refs,  # (row max, row sum) f32[splits, T, N] when splits > 1
-    sm_scale: float,
-    sliding_window: int | None,
-    soft_cap: float | None,
-    block_q: int,
-    kv_tile: int,
-    num_splits: int,
-):
-    num_tokens, num_q_heads, head_dim = q_ref.shape
-    num_kv_heads, num_pages, page_size, _ = k_pages_ref.shape
-    num_slots, width = block_tables_ref.shape
-    group = num_q_heads // num_kv_heads
-    group_p = pl.next_power_of_2(group)  # heads per tile, padded for Triton's power-of-2 shapes
-    rows = block_q * group_p
-    pages_per_tile = kv_tile // page_size
-    max_pos = width * page_size - 1  # the reference reads positions < B * P only
-
-    block_idx, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    num_seqs = num_seqs_ref[0]
-    num_iters = max(1, (num_slots + 1).bit_length())
-    seq = _find_block_sequence(cu_q_lens_ref, num_seqs, block_idx, block_q, num_iters)
-    is_real = seq < num_seqs
-    seq_c = jnp.minimum(seq, num_slots - 1)
-    q_start = cu_q_lens_ref[seq]
-    q_end = jnp.where(is_real, cu_q_lens_ref[jnp.minimum(seq + 1, num_slots)], num_tokens)
-    blk_start = q_start + (block_idx - (q_start // block_q + seq)) * block_q
-    blk_end = jnp.minimum(q_end, blk_start + block_q)
-
-    # Positions: row r of the tile is token blk_start + r // group_p, head r % group_p.
-    kv_len = kv_lens_ref[seq_c]
-    first_pos = kv_len - q_end + blk_start
-    last_pos = jnp.minimum(kv_len - q_end + blk_end - 1, max_pos)
-    kv_hi = jnp.where(is_real & (blk_end > blk_start), last_pos + 1, 0)
-    kv_lo = 0 if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
-    tile_lo = kv_lo // kv_tile
-    num_tiles = jnp.maximum(pl.cdiv(kv_hi, kv_tile) - tile_lo, 0)
-    per_split = pl.cdiv(num_tiles, num_splits)
-    tile_begin = tile_lo + split * per_split
-    tile_end = tile_lo + jnp.minimum(num_tiles, (split + 1) * per_split)
-
-    token_off = jax.lax.broadcasted_iota(jnp.int32, (block_q, group_p), 0)
-    head_off = jax.lax.broadcasted_iota(jnp.int32, (block_q, group_p), 1)
-    row_ok = (token_off < blk_end - blk_start) & (head_off < group)  # [block_q, Gp]
-    head_slice = pl.ds(kv_head * group, group_p)
-    q = pltriton.load(
-        q_ref.at[pl.ds(blk_start, block_q), head_slice, :],
-        mask=row_ok[:, :, None],
-        other=0,
-    ).reshape(rows, head_dim)  # [M, H]
-    row_pos = first_pos + token_off.reshape(rows)  # i32[M]
-    score_scale = sm_scale * kv_scales_ref[0]  # K = pages * k_scale (kv_quant.py)
-    v_scale = kv_scales_ref[1]
-    row_pos_c = jnp.minimum(row_pos, max_pos)
-
-    def tile_step(tile, carry):
-        acc, m_prev, l_prev = carry  # f32[M, H], f32[M], f32[M]
-        page_idx = jnp.minimum(
-            tile * pages_per_tile + jax.lax.iota(jnp.int32, pages_per_tile), width - 1
-        )
-        page_ids = jnp.clip(block_tables_ref[seq_c, page_idx], 0, num_pages - 1)
-        # Pages in the compute dtype from here on (FP8 pages are cast after the load).
-        k = k_pages_ref[kv_head, page_ids, :, :].reshape(kv_tile, head_dim).astype(q.dtype)
-        v = v_pages_ref[kv_head, page_ids, :, :].reshape(kv_tile, head_dim).astype(q.dtype)
-        s = (
-            jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-            * score_scale
-        )  # [M, W]
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        col = tile * kv_tile + jax.lax.broadcasted_iota(jnp.int32, (rows, kv_tile), 1)
-        mask = col <= row_pos_c[:, None]
-        if sliding_window is not None:
-            mask &= col > row_pos[:, None] - sliding_window
-        s = jnp.where(mask, s, MASK_VALUE)
-        m_next = jnp.maximum(m_prev, s.max(axis=1))
-        alpha = jnp.exp(m_prev - m_next)
-        p = jnp.where(mask, jnp.exp(s - m_next[:, None]), 0.0)
-        l_next = alpha * l_prev + p.sum(axis=1)
-        pv = jax.lax.dot_general(
-            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-        )  # [M, H]
-        return alpha[:, None] * acc + pv, m_next, l_next
-
-    init = (
-        jnp.zeros((rows, head_dim), jnp.float32),
-        jnp.full((rows,), MASK_VALUE, jnp.float32),
-        jnp.zeros((rows,), jnp.float32),
-    )
-    acc, row_max, row_sum = jax.lax.fori_loop(tile_begin, tile_end, tile_step, init)
-    acc = acc * v_scale  # V = pages * v_scale, on the f32 accumulator
-
-    rows_out = pl.ds(blk_start, block_q)
-    if num_splits == 1:
-        safe_sum = jnp.where(row_sum > 0, row_sum, 1.0)[:, None]
-        out = jnp.where(row_sum[:, None] > 0, acc / safe_sum, 0.0)
-        out = out.reshape(block_q, group_p, head_dim).astype(o_ref.dtype)
-        pltriton.store(o_ref.at[rows_out, head_slice, :], out, mask=row_ok[:, :, None])
-    else:
-        max_ref, sum_ref = stat_refs
-        acc = acc.reshape(block_q, group_p, head_dim)
-        pltriton.store(o_ref.at[split, rows_out, head_slice, :], acc, mask=row_ok[:, :, None])
-        for ref, stat in ((max_ref, row_max), (sum_ref, row_sum)):
-            stat = stat.reshape(block_q, group_p)
-            pltriton.store(ref.at[split, rows_out, head_slice], stat, mask=row_ok)
 
 
 def _combine_splits(
@@ -364,7 +234,7 @@ def ragged_paged_attention_gpu(
     config = _resolve_config(q, k_pages, block_tables, num_cores, overrides)
     _check_gpu_shapes(q, k_pages, config)
     kernel = functools.partial(
-        _attention_kernel,
+        attention_kernel,
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,

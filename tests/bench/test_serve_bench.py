@@ -151,6 +151,26 @@ def test_goals_and_rates_from_numbers():
     )
 
 
+def test_async_over_sync_side_by_side():
+    """--servers jaxserve,jaxserve-sync: per rate both ran, async scheduling's numbers over
+    the synchronous server's; each server's sustained rate; nothing when one is missing."""
+    inf = math.inf
+    report = {
+        "servers": {
+            "jaxserve": {"runs": [_run(inf, 900, 40), _run(1.0, 100, 20)]},
+            "jaxserve-sync": {"runs": [_run(inf, 1800, 50), _run(2.0, 100, 20)]},
+        },
+    }
+    c = serve.compare(report)
+    (row,) = c["async_over_sync"]
+    assert row["rate"] == inf
+    assert row["ttft_ms_p99"] == pytest.approx(0.5)
+    assert row["itl_ms_p99"] == pytest.approx(0.8) and row["output_tokens_per_s"] == 1.0
+    assert set(c["sustained_rate"]) == {"jaxserve", "jaxserve-sync"}
+    del report["servers"]["jaxserve-sync"]
+    assert serve.compare(report)["async_over_sync"] == []
+
+
 def test_sustained_rate_and_the_next_search_rate():
     inf = math.inf
     ok, miss = 500.0, 5000.0

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.core.block_pool import BlockPool
 from jaxserve.core.host_block_pool import HostTier
+from jaxserve.core.kv_cache_utils import extend_block_hashes
 from jaxserve.core.sched.output import SchedulerOutput
 from jaxserve.core.sched.scheduler import Scheduler
 from jaxserve.outputs import EngineCoreOutput, ModelRunnerOutput, TokenLogprobs
@@ -58,6 +59,13 @@ class FakeRunner:
         self.pool = pool
         self.num_computed_tokens_total = 0  # tokens computed over all steps
         self.host: dict[int, list[tuple[int, int] | None]] = {}  # host slot -> block contents
+        # KV connector: the store's blocks (FakeBlockStore), and the asynchronous loads being
+        # read: req_id -> [job, steps left]. ``load_delay(job)`` gives a job's steps (>= 1),
+        # ``load_cut(job)`` how many of its blocks it writes (fewer: a failed load).
+        self.store: FakeBlockStore | None = None
+        self.jobs: dict[str, list] = {}
+        self.load_delay = lambda job: 1
+        self.load_cut = lambda job: len(job.block_ids)
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         for rid in so.finished_req_ids | so.preempted_req_ids:
@@ -67,6 +75,7 @@ class FakeRunner:
         self.host.update(offloaded)
         for slot, dst in so.host_to_device:
             self.slots[dst * bs : (dst + 1) * bs] = self.host[slot]
+        kv_loads = self._kv_connector(so)
         for src, dst in so.block_copies:
             self.slots[dst * bs : (dst + 1) * bs] = self.slots[src * bs : (src + 1) * bs]
         for new in so.scheduled_new_reqs:
@@ -96,7 +105,35 @@ class FakeRunner:
         # A forward pass writes all KV first, then attends: so write everything, then sample.
         for rid, num in so.num_scheduled_tokens.items():
             self._write(self.reqs[rid], num)
-        return self._sample(so)
+        out = self._sample(so)
+        out.kv_loads = kv_loads
+        return out
+
+    def _kv_connector(self, so: SchedulerOutput) -> dict[str, int]:
+        """The connector's loads, as the real runner's: jobs of finished requests dropped, new
+        ones started, those whose delay ran out written (the first ``load_cut`` blocks), then
+        the synchronous loads. Returns the jobs written: req_id -> blocks."""
+        bs = self.block_size
+        for rid in so.finished_req_ids:
+            self.jobs.pop(rid, None)
+        meta = so.kv_connector
+        for job in meta.load_jobs if meta is not None else ():
+            assert job.req_id not in self.jobs and job.req_id not in self.reqs, job
+            self.jobs[job.req_id] = [job, self.load_delay(job)]
+        done = {}
+        for rid, entry in list(self.jobs.items()):
+            entry[1] -= 1
+            if entry[1] > 0:
+                continue
+            job = entry[0]
+            del self.jobs[rid]
+            num = min(self.load_cut(job), len(job.block_ids))
+            for block_id, block_hash in zip(job.block_ids[:num], job.hashes[:num], strict=True):
+                self.slots[block_id * bs : (block_id + 1) * bs] = self.store.blocks[block_hash]
+            done[rid] = num
+        for block_id, data in meta.loads if meta is not None else ():
+            self.slots[block_id * bs : (block_id + 1) * bs] = data
+        return done
 
     def _write(self, state: _RunnerState, num: int) -> None:
         bs = self.block_size
@@ -163,6 +200,38 @@ class FakeRunner:
         return emitted
 
 
+class FakeBlockStore:
+    """The KV connector's store (core/kv_connector/store.py's interface) in a dict: block hash
+    -> the fake cache's contents of that block ([(position, token)] * P)."""
+
+    folder = "fake"
+
+    def __init__(self) -> None:
+        self.blocks: dict[bytes, list[tuple[int, int]]] = {}
+
+    def put_prompt(self, tokens: Sequence[int], block_size: int) -> None:
+        """Store every full block of ``tokens`` (as a producer that prefilled them)."""
+        req = Request("producer", list(tokens), SamplingParams())
+        for i, block_hash in enumerate(extend_block_hashes(req, block_size, len(tokens))):
+            positions = range(i * block_size, (i + 1) * block_size)
+            self.blocks[block_hash] = [(p, tokens[p]) for p in positions]
+
+    def contains(self, block_hash: bytes) -> bool:
+        return block_hash in self.blocks
+
+    def count_prefix(self, hashes: Sequence[bytes]) -> int:
+        num = 0
+        while num < len(hashes) and hashes[num] in self.blocks:
+            num += 1
+        return num
+
+    def read_prefix(self, hashes: Sequence[bytes]) -> list:
+        return [list(self.blocks[h]) for h in hashes[: self.count_prefix(hashes)]]
+
+    def write(self, block_hash: bytes, data: list) -> None:
+        self.blocks[block_hash] = data
+
+
 def reference_output(
     prompt: Sequence[int],
     params: SamplingParams,
@@ -216,15 +285,19 @@ def check_invariants(sched: Scheduler, lookahead: int = 0) -> None:
     kv = sched.kv_cache_manager
     pool = kv.block_pool
     holders = [0] * pool.num_blocks
+    loading = sched.remote.loading
     for rid, table in kv.req_to_blocks.items():
         req = sched.requests[rid]
+        for block in table:
+            holders[block.block_id] += 1
+        if rid in loading:  # holds its hits and the blocks being loaded; nothing computed yet
+            assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS, req
+            continue
         assert req.status == RequestStatus.RUNNING, req
         num_needed = -(-req.num_computed_tokens // kv.block_size)
         # Tokens of steps in flight (async scheduling) have their slots too.
         most = -(-(req.num_computed_tokens + req.num_inflight_tokens + lookahead) // kv.block_size)
         assert num_needed <= len(table) <= most, (req, len(table))
-        for block in table:
-            holders[block.block_id] += 1
     assert holders[0] == 0 and pool.null_block.ref_cnt == 0
     for block in pool.blocks:
         assert block.ref_cnt == holders[block.block_id], (block, holders[block.block_id])
@@ -239,9 +312,10 @@ def check_invariants(sched: Scheduler, lookahead: int = 0) -> None:
     waiting_ids = {r.request_id for r in sched.waiting}
     assert all(r.status == RequestStatus.RUNNING for r in sched.running)
     assert all(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in sched.waiting)
-    assert not running_ids & waiting_ids
-    assert running_ids | waiting_ids == set(sched.requests)
-    assert set(kv.req_to_blocks) <= running_ids
+    assert not running_ids & waiting_ids and not (running_ids | waiting_ids) & set(loading)
+    assert running_ids | waiting_ids | set(loading) == set(sched.requests)
+    assert set(kv.req_to_blocks) <= running_ids | set(loading)
+    assert set(loading) <= set(kv.req_to_blocks) and set(sched.remote.ready) <= set(loading)
     keys = [sched.sort_key(r) for r in sched.running]
     assert keys == sorted(keys)
     for req in sched.waiting:
@@ -282,6 +356,7 @@ def check_all_free(sched: Scheduler) -> None:
     """Everything ended: no request, no held block, every block free."""
     pool = sched.kv_cache_manager.block_pool
     assert not sched.requests and not sched.running and len(sched.waiting) == 0
+    assert not sched.remote.loading and not sched.kv_cache_manager.remote.pending
     assert not sched.kv_cache_manager.req_to_blocks
     assert all(b.ref_cnt == 0 for b in pool.blocks)
     assert pool.get_num_free_blocks() == pool.num_usable_blocks

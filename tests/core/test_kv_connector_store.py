@@ -65,9 +65,12 @@ def test_a_lookup_stops_at_the_first_block_the_store_lacks(tmp_path):
     for i in (0, 1, 3):
         store.write(bytes([i]) * 32, _block(i))
     hashes = [bytes([i]) * 32 for i in range(4)]
-    consumer = SharedStorageConnector(KVTransferConfig(kv_role="kv_consumer"), store, 4)
-    found = consumer.lookup(hashes)
+    sync = KVTransferConfig(kv_role="kv_consumer", load_async=False)
+    found = SharedStorageConnector(sync, store, 4).lookup(hashes)
     assert len(found) == 2 and found[1].tobytes() == _block(1).tobytes()
+    # asynchronous loads: the lookup only counts the blocks there (the runner reads them)
+    consumer = SharedStorageConnector(KVTransferConfig(kv_role="kv_consumer"), store, 4)
+    assert consumer.lookup(hashes) == [None, None] and store.count_prefix(hashes) == 2
     producer = SharedStorageConnector(KVTransferConfig(kv_role="kv_producer"), store, 4)
     assert producer.lookup(hashes) == []
 
@@ -77,7 +80,8 @@ def test_a_lookup_stops_at_the_first_block_the_store_lacks(tmp_path):
     [
         ({"kv_connector": "NixlConnector"}, "kv_connector"),
         ({"kv_role": "decoder"}, "kv_role"),
-        ({"kv_load_failure_policy": "fail"}, "not supported"),
+        ({"kv_load_failure_policy": "abort"}, "not supported"),
+        ({"kv_connector_extra_config": {"load_async": 1}}, "load_async"),
         ({"kv_connector_extra_config": {"lease_s": 0}}, "lease_s"),
         ({"kv_connector_extra_config": {"path": "/x"}}, "unknown keys"),
         ({"kv_rank": 0}, "unknown keys"),
@@ -97,3 +101,31 @@ def test_kv_transfer_config_from_vllms_dict():
     assert KVTransferConfig.from_value(None) is None
     with pytest.raises(TypeError, match="dict"):
         KVTransferConfig.from_value("shared")
+
+
+def test_kv_transfer_params_are_checked_by_name():
+    from jaxserve import SamplingParams
+    from jaxserve.kv_transfer_config import check_params_for, expected_remote_tokens
+
+    params = {"do_remote_prefill": True, "remote_num_tokens": 32}
+    sp = SamplingParams(kv_transfer_params=params)
+    assert expected_remote_tokens(sp.clone().kv_transfer_params) == 32
+    assert expected_remote_tokens({"do_remote_decode": True}) == 0
+    for bad, error, says in (
+        ({"remote_engine_id": "x"}, ValueError, "unknown keys \\['remote_engine_id'\\]"),
+        ({"remote_num_tokens": -1}, ValueError, "remote_num_tokens'\\] must be >= 0"),
+        ({"remote_num_tokens": True}, TypeError, "must be an int"),
+        ({"do_remote_decode": 1}, TypeError, "do_remote_decode'\\] must be a bool"),
+        ({"do_remote_decode": True, "do_remote_prefill": True}, ValueError, "exclusive"),
+        ([1], TypeError, "must be a dict"),
+    ):
+        with pytest.raises(error, match=says):
+            SamplingParams(kv_transfer_params=bad)
+    consumer = KVTransferConfig(kv_role="kv_consumer")
+    check_params_for(params, consumer, True)
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        check_params_for(params, consumer, False)
+    with pytest.raises(ValueError, match="kv_producer"):
+        check_params_for({"do_remote_decode": True}, consumer, True)
+    with pytest.raises(ValueError, match="kv_consumer"):
+        check_params_for(params, None, True)

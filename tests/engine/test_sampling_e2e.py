@@ -10,6 +10,7 @@ import pytest
 
 from jaxserve import LLM, LLMEngine, SamplingParams
 from jaxserve.engine.llm_engine import mix_seed
+from jaxserve.runner.logprob_chunks import CHUNK_ROWS
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -19,8 +20,13 @@ TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def hf_pair(tmp_path_factory):
-    folder = write_tiny_hf_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
+def hf_folder(tmp_path_factory):
+    return write_tiny_hf_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
+
+
+@pytest.fixture(scope="module")
+def hf_pair(hf_folder):
+    folder = hf_folder
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     llm = LLM(
         str(folder),
@@ -73,6 +79,35 @@ def test_logprobs_and_prompt_logprobs_match_transformers(hf_pair):
         assert set(np.argsort(-row)[:3]) == set(entry)
         total += row[tok]
     assert abs(completion.cumulative_logprob - total) < 10 * TOL
+
+
+@pytest.mark.slow
+def test_prompt_logprobs_of_a_step_longer_than_one_chunk(hf_folder, hf_pair):
+    """Two prompts of 200 and 100 tokens in one step of 300 rows: its prompt logprobs are
+    computed CHUNK_ROWS (256) rows at a time (runner/logprob_chunks.py), a chunk boundary
+    inside the first prompt and the second in the next chunk; each is still transformers'."""
+    model, _ = hf_pair
+    llm = LLM(
+        str(hf_folder),
+        dtype="float32",
+        block_size=16,
+        num_kv_blocks=64,
+        max_num_batched_tokens=512,  # both prompts in the first step
+        max_num_seqs=2,
+        max_model_len=256,
+        warmup=False,
+    )
+    assert 300 > CHUNK_ROWS
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 500, n).tolist() for n in (200, 100)]
+    params = SamplingParams(max_tokens=1, prompt_logprobs=1)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.get_stats()["num_steps"] == 1  # one step: 300 prompt rows
+    for prompt, out in zip(prompts, outs, strict=True):
+        ref = _hf_logprobs(model, prompt)
+        got = [out.prompt_logprobs[i][tok].logprob for i, tok in enumerate(prompt) if i]
+        want = [ref[i - 1, tok] for i, tok in enumerate(prompt) if i]
+        np.testing.assert_allclose(got, want, atol=TOL)
 
 
 @pytest.mark.slow

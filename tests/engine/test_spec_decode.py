@@ -188,6 +188,14 @@ def test_nothing_compiles_after_warmup_with_speculation():
                 temperature=0.0 if i % 2 else 0.7, seed=i, max_tokens=20, ignore_eos=True
             ),
         )
+    # Constrained requests speculate too, a mask per verification row (no new shape).
+    constrained = [
+        SamplingParams(temperature=0.0, max_tokens=20, structured_outputs={"regex": "(ab)+c"}),
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logit_bias={5: 2.0},
+                       bad_words=["the"], allowed_token_ids=list(range(3, 300))),
+    ]  # fmt: skip
+    for i, params in enumerate(constrained):
+        engine.add_request(f"c{i}", {"prompt_token_ids": [5, 6, 7] * 4}, params)
     while engine.has_unfinished_requests():
         engine.step()
     stats = engine.get_stats()

@@ -94,7 +94,7 @@ def test_a_smaller_draft_changes_no_token(models, reference):
 def test_nothing_compiles_after_warmup_with_a_draft_model(models):
     """A draft of other shapes than the target (one layer): its proposal and its own block
     copies are warmed up, and an unseeded random request's sampled drafts (their q buffers,
-    the general-q rule) compile nothing more."""
+    the general-q rule) and constrained requests' drafts compile nothing more."""
     engine = LLMEngine(
         models[0], num_kv_blocks=48, block_size=8, max_num_seqs=4, max_num_batched_tokens=32,
         max_model_len=64, speculative_config=_draft_config(models[1]),
@@ -105,6 +105,14 @@ def test_nothing_compiles_after_warmup_with_a_draft_model(models):
         params = SamplingParams(temperature=0.7 * (i % 2), seed=None if i == 1 else i,
                                 max_tokens=20, n=1 + (i == 2), ignore_eos=True)  # fmt: skip
         engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    # Constrained requests speculate too (a mask per verification row, sampled drafts never
+    # cut): the sampler's list variant, nothing new.
+    for i, params in enumerate([
+        SamplingParams(temperature=1.0, max_tokens=20, structured_outputs={"regex": "(ab)+c"}),
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logit_bias={5: 2.0},
+                       bad_words=["ab"]),
+    ]):  # fmt: skip
+        engine.add_request(f"c{i}", {"prompt_token_ids": [5, 6, 7] * 4}, params)
     while engine.has_unfinished_requests():
         engine.step()
     stats = engine.get_stats()

@@ -141,3 +141,46 @@ def test_the_sampler_keeps_sampled_drafts_by_the_general_rule():
     assert tokens[use_q][tokens[use_q] == draft[use_q]].size / use_q.sum() == pytest.approx(
         np.minimum(p[q_ids], q_probs).sum(), abs=0.015
     )
+
+
+def test_sampled_drafts_stay_exact_under_each_rows_mask_and_bias():
+    """Constrained requests speculate (structured/draft_checks.py): each verification row has
+    its own token mask, and logit_bias; the general-q rule and the one-hot rule still emit the
+    row's processed distribution exactly, with q's mass on a masked token (such a draft is
+    never kept). Two masks on alternate rows, 24k rows of one logits vector."""
+    from jaxserve.runner.sampler import sample
+    from jaxserve.runner.sampling_metadata import SamplingMetadata
+    from jaxserve.structured.bitmask import token_bitmask
+
+    logits = np.log(np.array([0.05, 0.4, 0.3, 0.2, 0.05], np.float32))
+    n = 24_000
+    md = SamplingMetadata.neutral(n, 5)
+    seeds = np.stack([np.zeros(n), np.arange(n)], axis=1).astype(np.uint32)
+    masks = [token_bitmask([0, 1, 3, 4], 5), token_bitmask([2, 3, 4], 5)]
+    mask_of_row = np.arange(n) % 2
+    md = dataclasses.replace(
+        md, temperature=np.full(n, 0.5, np.float32), seeds=seeds,
+        token_bitmask=np.stack([masks[i] for i in mask_of_row])[:, :1],
+        bias_token_ids=np.full((n, 1), 4, np.int32), bias_values=np.full((n, 1), 1.5, np.float32),
+    )  # fmt: skip
+    q_ids, q_probs = np.array([0, 1, 2], np.int32), np.array([0.2, 0.2, 0.6], np.float32)
+    draft = np.random.default_rng(2).choice(q_ids, size=n, p=q_probs).astype(np.int32)
+    use_q = (np.arange(n) // 2) % 2 == 0
+    drafts = SampledDrafts(
+        jnp.asarray(draft),
+        jnp.broadcast_to(jnp.asarray(q_ids), (n, 3)),
+        jnp.broadcast_to(jnp.asarray(q_probs), (n, 3)),
+        jnp.asarray(use_q),
+    )
+    out = jax.jit(sample)(jnp.broadcast_to(jnp.asarray(logits), (n, 5)), md, drafts=drafts)
+    tokens = np.asarray(out.token_ids)
+    biased = logits + np.array([0, 0, 0, 0, 1.5], np.float32)
+    for m, allowed in enumerate(([0, 1, 3, 4], [2, 3, 4])):
+        kept = np.exp(2 * biased) * np.isin(np.arange(5), allowed)
+        p = kept / kept.sum()
+        for rows in (use_q, ~use_q):
+            rows = rows & (mask_of_row == m)
+            freq = np.bincount(tokens[rows], minlength=5) / rows.sum()
+            np.testing.assert_allclose(freq, p, atol=0.02)
+    masked = ~np.isin(draft, [0, 1, 3, 4]) & (mask_of_row == 0)
+    assert not np.any(tokens[masked] == draft[masked])

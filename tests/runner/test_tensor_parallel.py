@@ -14,6 +14,7 @@ import fcntl
 import json
 import os
 import pathlib
+import re
 import socket
 import subprocess
 import sys
@@ -129,6 +130,14 @@ def test_seeded_sampling_matches_one_device(results):
     assert runs["1"]["seeded"] != runs["1"]["tokens"]
 
 
+def test_structured_outputs_and_logit_bias_under_tp_match_one_device(results):
+    runs = results["parity"]["llama"]
+    one, two = runs["1"]["constrained"], runs["2"]["constrained"]
+    assert two == one
+    assert re.fullmatch(one["regex"], one["regex_text"]), one["regex_text"]
+    assert one["biased"] == [7] * 6  # +100 on an allowed token: every step takes it
+
+
 def test_speculative_decoding_under_tp_keeps_one_devices_tokens(results):
     runs, spec = results["parity"]["llama"], results["spec"]
     assert spec["tokens"] == runs["1"]["tokens"]
@@ -186,6 +195,12 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_fp8_kv_scales_calibrated_under_tp_are_one_devices(results):
+    scales = results["fp8_calibration"]
+    assert scales["1"] == scales["2"]  # powers of two from the same maxima
+    assert any(s != 1.0 for layer in scales["1"] for s in layer)  # computed, not the default
 
 
 def test_two_processes_share_one_mesh(results, tmp_path):

@@ -62,3 +62,20 @@ def test_constrained_batches_take_the_list_variant_and_sample_inside_the_mask():
     inputs.clear(2)
     inputs.clear(3)
     assert _shapes(inputs.build(np.array([2, 3]), 4, np.zeros(2, np.int32))) == _shapes(plain)
+
+
+def test_a_speculating_slot_takes_one_mask_row_per_verification_row():
+    """A request verifying k drafts owns k + 1 consecutive rows (spec_rows.logits_row_owners);
+    its step mask u32[k + 1, M] gives row j its mask row j; biases repeat on every row."""
+    inputs = SamplingInputs(max_num_seqs=4, vocab_size=V, max_model_len=64)
+    inputs.set_request(1, SamplingParams(logit_bias={9: 2.0}), 0, [3, 4])
+    inputs.set_request(2, SamplingParams(allowed_token_ids=[7, 8]), 0, [3, 4])
+    spec_masks = np.stack([token_bitmask([t], V) for t in (10, 11, 12)])
+    slots = np.array([1, 1, 1, 2, 2, 3])  # slot 1: 2 drafts; slot 2: 1 draft (its own mask)
+    md = inputs.build(slots, 8, np.array([0, 1, 2, 0, 1, 0]), {1: spec_masks})
+    for row, want in enumerate(spec_masks):
+        assert (md.token_bitmask[row] == want).all()
+        assert md.bias_token_ids[row, 0] == 9 and md.bias_values[row, 0] == 2.0
+    for row in (3, 4):
+        assert (md.token_bitmask[row] == token_bitmask([7, 8], V)).all()
+    assert (md.token_bitmask[5:] == ALL_ALLOWED).all() and (md.bias_token_ids[3:] == -1).all()

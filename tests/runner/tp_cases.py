@@ -111,6 +111,24 @@ def _seeded(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
+CONSTRAINED_REGEX = "[ab]{2,5}"
+
+
+def _constrained(llm: LLM) -> dict[str, Any]:
+    """Structured outputs and token constraints: a regex, and a logit bias with a ban list,
+    each greedy (the mask and the bias are applied to the vocabulary-sharded logits)."""
+    prompt = [5, 17, 42]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=6,
+                       structured_outputs={"regex": CONSTRAINED_REGEX}),
+        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                       logit_bias={7: 100.0}, allowed_token_ids=list(range(3, 40))),
+    ]  # fmt: skip
+    outs = llm.generate([prompt, prompt], params, use_tqdm=False)
+    return {"regex": CONSTRAINED_REGEX, "regex_text": outs[0].outputs[0].text,
+            "biased": outs[1].outputs[0].token_ids}  # fmt: skip
+
+
 class _BackendCompiles:
     """Counts XLA backend compiles (any function) while `on`."""
 
@@ -156,6 +174,7 @@ def run_parity(work: pathlib.Path) -> dict[str, Any]:
             }
             if family == "llama" and tp <= 2:
                 case["seeded"] = _seeded(llm)
+                case["constrained"] = _constrained(llm)  # tp 2: counted after warm-up
             if warm:
                 _serve_stream(llm.engine)
                 case["compiles"] = {
@@ -303,6 +322,19 @@ def run_orbax(work: pathlib.Path) -> dict[str, Any]:
     }
 
 
+def run_fp8_calibration(work: pathlib.Path) -> dict[int, list[list[float]]]:
+    """An FP8 KV cache's scales computed by the calibration pass (runner/kv_calibration.py,
+    the default when a checkpoint ships none) at tp 1 and 2: the pass runs partitioned by
+    GSPMD under tp and must find the same per-layer maxima (engines without warm-up: the
+    pass is all that compiles)."""
+    out = {}
+    for tp in (1, 2):
+        llm = LLM(str(work / "llama"), tensor_parallel_size=tp, kv_cache_dtype="fp8", **ENGINE)
+        out[tp] = llm.engine.runner.kv_scales.tolist()
+        del llm
+    return out
+
+
 # Warm-up at tp 4 and 8 with table widths to bucket: llama's 2 KV heads do not split 4 or 8 ways,
 # so the reference attention runs, the step's forward half per token bucket x width (2 x 3), its
 # sample half per row bucket x sampler variant (2 x 2), and 3 copies: 13 executables (~2 s each
@@ -352,6 +384,7 @@ def main() -> None:
         "kernels": run_kernels(work),
         "builtin": run_builtin(),
         "orbax": run_orbax(work),
+        "fp8_calibration": run_fp8_calibration(work),
         "maps": run_maps(work),
     }
     results_file.write_text(json.dumps(results))

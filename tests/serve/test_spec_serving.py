@@ -1,9 +1,13 @@
 """Speculative decoding behind the OpenAI server: a stream carries several tokens in a delta
 when several drafts were accepted, its text is the non-speculative greedy text, and /metrics
-counts the drafts (vLLM's names under jaxserve:)."""
+counts the drafts (vLLM's names under jaxserve:); response_format is served with drafts
+checked against the schema."""
 
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import pytest
 from server_utils import MODEL, SMALL, client, metrics, running_server
 
@@ -14,27 +18,35 @@ from jaxserve.speculative_config import SpeculativeConfig
 
 PROMPT = "The quick brown fox"
 CONFIG = {"method": "ngram", "num_speculative_tokens": 3, "policy": "always"}
+JSON_PROMPT = "JSON:"
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["n", "ok"],
+    "additionalProperties": False,
+}
 
 
 class _Oracle:
     """Drafts from the plain engine's greedy tokens: always right."""
 
-    def __init__(self, prompt_ids: list[int], tokens: list[int]) -> None:
-        self.full = prompt_ids + tokens
+    def __init__(self, *references: tuple[list[int], list[int]]) -> None:
+        self.fulls = [prompt_ids + tokens for prompt_ids, tokens in references]
 
     def propose(self, requests, k):
         return {
-            r.request_id: self.full[len(r.all_token_ids) : len(r.all_token_ids) + k]
+            r.request_id: full[len(r.all_token_ids) : len(r.all_token_ids) + k]
             for r in requests
-            if r.all_token_ids == self.full[: len(r.all_token_ids)]
+            for full in self.fulls
+            if r.all_token_ids == full[: len(r.all_token_ids)]
         }
 
 
-@pytest.fixture(scope="module")
-def reference(llm_engine):
-    """The greedy tokens and text of PROMPT without speculation (the session's plain engine)."""
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    llm_engine.add_request("spec-reference", PROMPT, params)
+def _greedy(llm_engine, req_id: str, prompt: str, params: SamplingParams):
+    llm_engine.add_request(req_id, prompt, params)
     final = None
     while llm_engine.has_unfinished_requests():
         for out in llm_engine.step():
@@ -44,10 +56,23 @@ def reference(llm_engine):
 
 
 @pytest.fixture(scope="module")
-def base_url(reference):
+def reference(llm_engine):
+    """The greedy tokens and text of PROMPT without speculation (the session's plain engine)."""
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    return _greedy(llm_engine, "spec-reference", PROMPT, params)
+
+
+@pytest.fixture(scope="module")
+def json_reference(llm_engine):
+    """The greedy tokens and text of JSON_PROMPT under SCHEMA without speculation."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs={"json": SCHEMA})
+    return _greedy(llm_engine, "spec-json-reference", JSON_PROMPT, params)
+
+
+@pytest.fixture(scope="module")
+def base_url(reference, json_reference):
     engine = LLMEngine("tiny-random-llama", speculative_config=CONFIG, **SMALL)
-    prompt_ids, tokens, _ = reference
-    oracle = _Oracle(prompt_ids, tokens)
+    oracle = _Oracle(reference[:2], json_reference[:2])
     engine.core.spec = SpecDecoder(SpeculativeConfig(**CONFIG), proposer=oracle)
     async_engine = AsyncLLM.from_engine(engine, served_model_name=MODEL)
     with running_server(build_app(async_engine, served_model_name=MODEL)) as url:
@@ -73,3 +98,19 @@ def test_a_stream_carries_accepted_runs_and_the_plain_text(base_url, reference):
     per_pos = {labels: v for (name, labels), v in values.items()
                if name == "jaxserve:spec_decode_num_accepted_tokens_per_pos_total"}  # fmt: skip
     assert len(per_pos) == 3 and all(v > 0 for v in per_pos.values())
+
+
+def test_response_format_is_served_with_drafts_checked_against_the_schema(base_url, json_reference):
+    _, tokens, text = json_reference
+    before = metrics(base_url)
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA, "strict": True}}
+    comp = client(base_url).completions.create(
+        model=MODEL, prompt=JSON_PROMPT, temperature=0.0, max_tokens=40,
+        extra_body={"response_format": fmt},
+    )  # fmt: skip
+    assert comp.choices[0].text == text and comp.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(text), SCHEMA)
+    drafts = [sum(v for (name, _), v in values.items()
+                  if name == "jaxserve:spec_decode_num_draft_tokens_total")
+              for values in (before, metrics(base_url))]  # fmt: skip
+    assert drafts[1] > drafts[0]

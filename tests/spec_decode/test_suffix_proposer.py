@@ -8,6 +8,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
+import suffix_tree_reference as reference
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,10 +18,18 @@ from jaxserve.spec_decode.suffix_tree import Cursor, SuffixTree
 sequences = st.lists(st.integers(0, 3), min_size=1, max_size=30)
 
 
-def _counts(tree: SuffixTree) -> dict[tuple[int, ...], int]:
+def _counts(tree) -> dict[tuple[int, ...], int]:
+    """Every substring's count, a leaf's substrings (count 1: its occurrence's next tokens)
+    spelt out."""
     out, stack = {}, [((), tree.root)]
     while stack:
         path, node = stack.pop()
+        if getattr(node, "children", None) is None:  # a leaf of the compressed tree
+            tokens, end = node.seq.tokens, node.pos + 1
+            for token in tokens[end : end + min(tree.max_depth - len(path), len(tokens) - end)]:
+                path += (token,)
+                out[path] = 1
+            continue
         for token, child in node.children.items():
             out[path + (token,)] = child.count
             stack.append((path + (token,), child))
@@ -34,6 +43,39 @@ def _brute(seqs: list[list[int]], depth: int) -> dict[tuple[int, ...], int]:
             for j in range(i + 1, min(len(seq), i + depth) + 1):
                 out[tuple(seq[i:j])] = out.get(tuple(seq[i:j]), 0) + 1
     return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 7), st.integers(1, 4), st.data())
+def test_the_compressed_tree_counts_and_proposes_as_the_plain_one(depth, vocab, data):
+    """Random interleavings of appends to several sequences, retirements and removals: the
+    compressed tree's counts and proposals (from cursors and from contexts) are the plain
+    tree's (suffix_tree_reference.py), tie-breaking and float scores included."""
+    trees = SuffixTree(depth), reference.SuffixTree(depth)
+    live: dict[int, tuple[Cursor, reference.Cursor, list[int]]] = {}
+    retired: list[list[int]] = []
+    for _ in range(data.draw(st.integers(1, 40))):
+        op = data.draw(st.sampled_from(["extend", "extend", "retire", "remove"]))
+        if op == "extend" or not live:
+            i = data.draw(st.integers(0, 4))
+            cursor, ref_cursor, tokens = live.setdefault(i, (Cursor(), reference.Cursor(), []))
+            new = data.draw(st.lists(st.integers(0, vocab - 1), max_size=3))
+            trees[0].extend(cursor, new)
+            trees[1].extend(ref_cursor, new)
+            tokens += new
+        elif op == "retire":
+            retired.append(live.pop(data.draw(st.sampled_from(sorted(live))))[2])
+        elif retired:
+            gone = retired.pop(data.draw(st.integers(0, len(retired) - 1)))
+            for tree in trees:
+                tree.remove(gone)
+        for cursor, ref_cursor, tokens in live.values():
+            args = (data.draw(st.integers(1, 6)), data.draw(st.sampled_from([1.0, 2.0, 4.0])),
+                    data.draw(st.sampled_from([0.0, 0.1, 0.4])))  # fmt: skip
+            assert trees[0].propose_at(cursor, *args) == trees[1].propose_at(ref_cursor, *args)
+            context = tokens[data.draw(st.integers(0, len(tokens))) :]
+            assert trees[0].propose(context, *args) == trees[1].propose(context, *args)
+    assert _counts(trees[0]) == _counts(trees[1])
 
 
 @settings(max_examples=60, deadline=None)

@@ -107,17 +107,13 @@ def test_what_does_not_compile_is_refused_by_field(structured, params, match):
         structured.check(SamplingParams(structured_outputs=params))
 
 
-def test_ids_outside_the_vocabulary_and_speculation_are_refused(tokenizer):
+def test_ids_outside_the_vocabulary_are_refused(tokenizer):
     checker = StructuredOutputs(tokenizer, V, [EOS])
     with pytest.raises(ValueError, match=r"allowed_token_ids: token id 1061 .*\[0, 1061\)"):
         checker.check(SamplingParams(allowed_token_ids=[5, V]))
     with pytest.raises(ValueError, match=r"logit_bias: token id 5000 .*\[0, 1061\)"):
         checker.check(SamplingParams(logit_bias={5000: 1.0}))
     assert checker.check(SamplingParams(logit_bias={5: 1.0}, allowed_token_ids=[5])) is None
-    spec = StructuredOutputs(tokenizer, V, [EOS], speculative=True)
-    with pytest.raises(ValueError, match="cannot be combined with speculative decoding"):
-        spec.check(SamplingParams(logit_bias={5: 1.0}))
-    assert spec.check(SamplingParams()) is None
     no_tokenizer = StructuredOutputs(None, V, [EOS])
     with pytest.raises(ValueError, match="structured_outputs needs a tokenizer"):
         no_tokenizer.check(SamplingParams(structured_outputs={"regex": "a"}))
@@ -166,3 +162,86 @@ def test_bad_words_and_a_grammar_share_one_mask(structured, tokenizer):
         assert red not in ids  # "red" may still come spelled in other tokens, as in vLLM
         texts.add(text)
     assert texts <= {"red", "green"}
+
+
+def _rows(state, outputs, drafts):
+    rows = np.full((1 + len(drafts), state.num_words), ALL_ALLOWED, np.uint32)
+    return rows, state.fill_masks(rows, outputs, drafts)
+
+
+def test_drafts_are_tried_tentatively_and_cut_where_the_grammar_says(structured, tokenizer):
+    choice = structured.check(SamplingParams(structured_outputs={"choice": ["yes", "no"]}))
+    state = choice.new_state()
+    yes = tokenizer.encode("yes", add_special_tokens=False).ids
+    assert len(yes) == 2
+    # Cut before the token that ends the grammar (it must be the step's last row), and at
+    # the first token the grammar rejects; the matcher is left where it was.
+    assert state.num_draft_tokens([], yes + [7]) == 1
+    assert state.num_draft_tokens([], [999, *yes]) == 0
+    rows, filled = _rows(state, [], yes)
+    assert filled == 2 and set(_allowed(rows[1])) == {yes[1]}  # row j: after drafts 0..j-1
+    assert (rows[2] == ALL_ALLOWED).all()  # past the grammar's end: never emitted
+    assert state.run_length([*yes, EOS]) == 2 and state.run_length(yes[:1] + [5]) == 2
+    assert state.accept(yes) == "stop"  # only accept advances it
+
+
+def test_each_verification_row_masks_as_its_output_position_would(structured, tokenizer):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    spec = structured.check(SamplingParams(structured_outputs={"json": schema}))
+    rng = np.random.default_rng(3)
+    _, ids = _walk(spec, tokenizer, rng)
+    ids = [t for t in ids if t != EOS]
+    assert len(ids) > 6
+    state, pos = spec.new_state(), 0
+    while pos < len(ids):  # steps verifying 3 drafts, every one right
+        drafts = ids[pos : pos + 3]
+        rows, filled = _rows(state, ids[:pos], drafts)
+        for j in range(filled):  # the mask without speculation, one position at a time
+            ref = spec.new_state()
+            assert ref.accept(ids[: pos + j]) is None
+            row = np.full(ref.num_words, ALL_ALLOWED, np.uint32)
+            ref.fill_mask(row, ids[: pos + j])
+            assert (row == rows[j]).all()
+        n = min(filled, len(drafts))  # the last draft ends the grammar: its row is the last
+        assert state.accept(ids[pos : pos + n]) == ("stop" if pos + n == len(ids) else None)
+        pos += n
+    # A draft the grammar forbids: the rows after it are left all-allowed (never emitted).
+    rows, filled = _rows(spec.new_state(), [], [999, 5])
+    assert filled == 1 and (rows[1:] == ALL_ALLOWED).all()
+
+
+def test_bad_words_and_allowed_ids_cut_drafts_by_their_prefix(structured, tokenizer):
+    seq = tokenizer.encode("France", add_special_tokens=False).ids
+    (the,) = tokenizer.encode("the", add_special_tokens=False).ids
+    params = SamplingParams(bad_words=["France"], allowed_token_ids=sorted({*seq, the}))
+    state = structured.check(params).new_state()
+    assert state.num_draft_tokens([], [the, seq[0], seq[1], the]) == 2  # the word's last token
+    assert state.num_draft_tokens([seq[0]], [seq[1]]) == 0  # its prefix in the outputs
+    assert state.num_draft_tokens([], [the, 5]) == 1  # 5 is not allowed
+    rows, filled = _rows(state, [the], [seq[0], the])
+    assert filled == 3
+    assert seq[1] not in _allowed(rows[1]) and seq[1] in _allowed(rows[0])
+
+
+def test_a_dead_end_after_a_draft_ends_the_request_only_when_its_row_is_reached():
+    from types import SimpleNamespace
+
+    from jaxserve.core.sched.output import SchedulerOutput
+    from jaxserve.outputs import EngineCoreOutput
+    from jaxserve.structured.bitmask import bitmask_words, token_bitmask
+    from jaxserve.structured.request_constraints import ConstraintSpec
+    from jaxserve.structured.step_masks import dead_ends_reached, with_token_masks
+
+    a, b, words = 7, 9, bitmask_words(V)
+    # Allowed: a and b; banned: b always, a after a. After the draft a nothing is left.
+    spec = ConstraintSpec(None, ((a, a), (b,)), words, words, token_bitmask([a, b], V))
+    req = SimpleNamespace(request_id="r", constraints=spec.new_state(), num_computed_tokens=4,
+                          num_tokens=5, output_token_ids=[], eos_token_ids=[EOS])  # fmt: skip
+    so = SchedulerOutput(num_scheduled_tokens={"r": 2}, scheduled_spec_decode_tokens={"r": [a]})
+    so, dead_ends = with_token_masks(so, {"r": req}, ["r"])
+    rows = so.token_masks["r"]
+    assert rows.shape == (2, words) and dead_ends == {"r": 1}
+    assert list(_allowed(rows[0])) == [a] and list(_allowed(rows[1])) == [EOS]
+    emitted = [EngineCoreOutput("r", [b])], [EngineCoreOutput("r", [a, EOS])]
+    assert dead_ends_reached(emitted[0], dead_ends) == []  # the draft was rejected
+    assert dead_ends_reached(emitted[1], dead_ends) == ["r"]

@@ -202,13 +202,3 @@ def test_bad_constraints_fail_before_anything_is_queued(llm, params, match):
     assert not llm.engine.has_unfinished_requests()
     stats = llm.get_stats()
     assert stats["num_free_kv_blocks"] == stats["num_usable_kv_blocks"]
-
-
-def test_constraints_are_refused_with_speculative_decoding():
-    spec = LLM(
-        "tiny-random-llama",
-        speculative_config={"method": "ngram", "num_speculative_tokens": 2},
-        **CONFIG,
-    )
-    with pytest.raises(ValueError, match="cannot be combined with speculative decoding"):
-        spec.generate(["x"], SamplingParams(structured_outputs={"regex": "a"}), use_tqdm=False)

@@ -48,6 +48,15 @@ class _BlockActor:
             out.append(entry[2])
         return out
 
+    def count_prefix(self, keys: list[bytes], header: bytes) -> int:
+        now, num = time.time(), 0
+        for key in keys:
+            entry = self.blocks.get(key)
+            if entry is None or now - entry[0] >= self.lease_s or entry[1] != header:
+                break
+            num += 1
+        return num
+
     def contains(self, key: bytes) -> bool:
         entry = self.blocks.get(key)
         return entry is not None and time.time() - entry[0] < self.lease_s
@@ -96,6 +105,10 @@ class RayBlockStore:
         """The leading blocks of ``hashes`` the actor holds, in one call."""
         found = self._get(self._actor.get_prefix.remote(list(hashes), self.header))
         return [np.frombuffer(b, self.dtype).reshape(self.block_shape) for b in found]
+
+    def count_prefix(self, hashes: Sequence[BlockHash]) -> int:
+        """How many of the leading ``hashes`` the actor holds, in one call, without reading."""
+        return self._get(self._actor.count_prefix.remote(list(hashes), self.header))
 
     def read(self, block_hash: BlockHash) -> np.ndarray | None:
         found = self.read_prefix([block_hash])

@@ -3,16 +3,21 @@ host's engines sharing a folder, by default in shared memory), vLLM's SharedStor
 in jaxserve's shape.
 
 Consumer (kv_consumer, kv_both): the KV cache manager's prefix lookup, past its device and
-host hits, asks ``lookup`` for the request's next blocks; each block found is read at once and
-becomes a RemoteHit, which allocation turns into a fresh device block (queued here as a load)
-that enters the prefix cache. A block that is missing, expired or unreadable ends the hits:
-the request computes it and what follows (kv_load_failure_policy "recompute"), so a producer
-killed mid-transfer costs time, never tokens. Loads are synchronous: they run in the step that
-admits the request, before its forward; no request waits in a state of its own.
+host hits, asks ``lookup`` for the request's next blocks; each block found becomes a RemoteHit,
+which allocation turns into a fresh device block. With ``load_async`` (the default) the lookup
+only sees which blocks the store holds; the request then waits in WAITING_FOR_REMOTE_KVS
+(sched/remote_kv.py) while the runner reads them in a thread (a LoadJob queued here) and writes
+them in a later step. Without it, each block is read at once (queued here as a load written
+before the step's forward) and the request is admitted at once. A block that is missing,
+expired or unreadable ends the hits: the request computes it and what follows, or fails when
+its kv_transfer_params promised it and kv_load_failure_policy is "fail"; so a producer killed
+mid-transfer costs time, never tokens.
 
 Producer (kv_producer, kv_both): ``build_meta`` lists, for every request the step schedules,
 the prompt blocks that this step completes (its drafts excluded; a block already stored is not
-written again), and the runner stores them after the forward. The producer's device blocks are
+written again; a new request's prefix hits are stored again if their lease ended), and the
+runner stores them after the forward; a prefill's answer says how many tokens a consumer may
+load (``producer_params``). The producer's device blocks are
 never held for a consumer: what a consumer reads is the stored copy, leased for ``lease_s``;
 aborts and disconnects free device blocks as without a connector.
 """
@@ -25,7 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jaxserve.core.kv_cache_utils import BlockHash, extend_block_hashes
-from jaxserve.core.kv_connector.base import KVConnectorMeta
+from jaxserve.core.kv_connector.base import KVConnectorMeta, LoadJob
 from jaxserve.core.kv_connector.store import BlockStore
 from jaxserve.kv_transfer_config import KVTransferConfig
 
@@ -49,23 +54,43 @@ class SharedStorageConnector:
         self.config = config
         self.store = store
         self.block_size = block_size
+        self.load_async = config.load_async
         self._loads: list[tuple[int, np.ndarray]] = []  # queued by allocation, this step
+        self._jobs: list[LoadJob] = []  # asynchronous loads queued this step
         # Counters (monotonic): blocks loaded into and saved from this engine, lookups that
         # stopped at a block the store did not have.
         self.num_loaded_blocks = 0
         self.num_saved_blocks = 0
 
     # ---- consumer -------------------------------------------------------------------------
-    def lookup(self, hashes: list[BlockHash]) -> list[np.ndarray]:
-        """The data of the longest run of ``hashes`` (from the first) in the store, read now;
-        [] for a producer."""
+    def lookup(self, hashes: list[BlockHash]) -> list[np.ndarray | None]:
+        """One entry per block of the longest run of ``hashes`` (from the first) in the store:
+        its data, read now, or None when loads are asynchronous (the runner reads it); [] for
+        a producer."""
         if not self.config.loads:
             return []
+        if self.load_async:
+            return [None] * self.store.count_prefix(hashes)
         return self.store.read_prefix(hashes)
 
     def queue_load(self, block_id: int, data: np.ndarray) -> None:
         """Write ``data`` into device block ``block_id`` before this step's forward."""
         self._loads.append((block_id, data))
+
+    def queue_job(self, job: LoadJob) -> None:
+        """Start an asynchronous load in the runner with this step."""
+        self._jobs.append(job)
+
+    def count_loaded(self, num_blocks: int) -> None:
+        """An asynchronous load wrote ``num_blocks`` blocks."""
+        self.num_loaded_blocks += num_blocks
+
+    def producer_params(self, num_prompt_tokens: int) -> dict[str, object]:
+        """The kv_transfer_params a prefill (``do_remote_decode``) answers with, for its decode
+        request: the prompt's full blocks are in the store (saved in the steps that computed
+        them, before the answer)."""
+        num_tokens = num_prompt_tokens // self.block_size * self.block_size
+        return {"do_remote_prefill": True, "remote_num_tokens": num_tokens}
 
     # ---- producer -------------------------------------------------------------------------
     def build_meta(
@@ -75,8 +100,8 @@ class SharedStorageConnector:
         kv: KVCacheManager,
     ) -> KVConnectorMeta | None:
         """The step's loads (queued since the last step) and saves; None when there are none."""
-        meta = KVConnectorMeta(loads=self._loads)
-        self._loads = []
+        meta = KVConnectorMeta(loads=self._loads, load_jobs=self._jobs)
+        self._loads, self._jobs = [], []
         if self.config.saves:
             meta.saves = self._saves(so, requests, kv)
         self.num_loaded_blocks += len(meta.loads)
@@ -85,6 +110,9 @@ class SharedStorageConnector:
     def _saves(
         self, so: SchedulerOutput, requests: Mapping[str, Request], kv: KVCacheManager
     ) -> list[tuple[int, BlockHash]]:
+        # A new request's prefix hits are checked too: its blocks may have left the store
+        # while they stayed in this engine's cache.
+        new_ids = {r.req_id for r in so.scheduled_new_reqs}
         computed = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
         computed.update((r.req_id, r.num_computed_tokens) for r in so.scheduled_cached_reqs)
         bs = self.block_size
@@ -96,9 +124,11 @@ class SharedStorageConnector:
             num_drafts = len(so.scheduled_spec_decode_tokens.get(rid, ()))
             end = min(computed[rid] + num_scheduled - num_drafts, req.num_prompt_tokens)
             first, last = computed[rid] // bs, end // bs
+            hashes = extend_block_hashes(req, bs, max(first, last))
+            if rid in new_ids and first:  # its hits' blocks the store still has, in one call
+                first = self.store.count_prefix(hashes[:first])
             if last <= first:
                 continue
-            hashes = extend_block_hashes(req, bs, last)
             block_ids = kv.get_block_ids(rid)
             for j in range(first, last):
                 if not self.store.contains(hashes[j]):

@@ -99,6 +99,15 @@ class BlockStore:
             found.append(data)
         return found
 
+    def count_prefix(self, hashes: Sequence[BlockHash]) -> int:
+        """How many of the leading ``hashes`` this store holds (unexpired), without reading."""
+        num = 0
+        for block_hash in hashes:
+            if not self.contains(block_hash):
+                break
+            num += 1
+        return num
+
     def write(self, block_hash: BlockHash, data: np.ndarray) -> None:
         """Store a block (atomically: a reader sees it whole or not at all); renews its lease."""
         if data.shape != self.block_shape or data.dtype != self.dtype:

@@ -59,8 +59,9 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: req_id -> the speculative drafts it verifies this step
         (running decodes only; their num_scheduled_tokens is 1 + len(drafts)).
     token_masks: req_id -> u32[ceil(V / 32)] tokens its sampling row may draw (bit t % 32 of
-        word t // 32), for constrained requests that sample this step (structured outputs,
-        bad words: jaxserve/structured/step_masks.py); the others are unmasked.
+        word t // 32), or u32[1 + k, ceil(V / 32)] one per verification row with k drafts,
+        for constrained requests that sample this step (structured outputs, bad words:
+        jaxserve/structured/step_masks.py); the others are unmasked.
     kv_connector: the KV connector's loads (before the forward) and saves (after it), or None
         (core/kv_connector/base.py).
     """

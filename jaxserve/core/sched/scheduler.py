@@ -11,8 +11,6 @@ samples, checks stops and frees finished requests. Parallel sampling (n > 1): ch
 
 from __future__ import annotations
 
-import bisect
-import time
 from collections.abc import Iterable
 
 from jaxserve.config import CacheConfig, SchedulerConfig
@@ -28,17 +26,17 @@ from jaxserve.core.sched.admission import (
 from jaxserve.core.sched.host_kv_tier import HostKVTier
 from jaxserve.core.sched.output import SchedulerOutput
 from jaxserve.core.sched.output_processor import finished_output, process_step
-from jaxserve.core.sched.pending_prefixes import PendingPrefixes
 from jaxserve.core.sched.policy import make_policy
+from jaxserve.core.sched.remote_kv import RemoteKV
 from jaxserve.core.sched.spec_tokens import SpecDecodeStats, lookahead_slots, schedule_drafts
-from jaxserve.core.sched.starting_point import starting_point
 from jaxserve.core.sched.stats import SchedulerStats, carry_kv_counters
 from jaxserve.core.sched.step_batch import StepBatch
+from jaxserve.core.sched.waiting import schedule_loaded, schedule_waiting
 from jaxserve.outputs import EngineCoreOutput, ModelRunnerOutput
 from jaxserve.request import Request, RequestStatus
 
 _RUNNING = RequestStatus.RUNNING
-_WAITING = RequestStatus.WAITING
+_LOADING = RequestStatus.WAITING_FOR_REMOTE_KVS
 
 
 class Scheduler:
@@ -59,7 +57,9 @@ class Scheduler:
         kv_connector: the KV connector's scheduler half (core/kv_connector/), or None.
 
     Requests live in ``requests`` from add_request until they finish; a request is in exactly
-    one of ``waiting`` (WAITING or PREEMPTED) and ``running`` (RUNNING, sorted by policy key).
+    one of ``waiting`` (WAITING or PREEMPTED), ``running`` (RUNNING, sorted by policy key) and
+    ``remote.loading`` (WAITING_FOR_REMOTE_KVS: holding its blocks while its KV loads from
+    another engine, remote_kv.py).
     """
 
     def __init__(
@@ -75,6 +75,7 @@ class Scheduler:
     ) -> None:
         self.host = HostKVTier(cache_config, host_tier)
         self.kv_connector = kv_connector  # core/kv_connector/: KV shared with other engines
+        self.remote = RemoteKV(kv_connector, cache_config.block_size)
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_model_len = scheduler_config.max_model_len
@@ -88,6 +89,7 @@ class Scheduler:
         self.waiting, self.sort_key = make_policy(scheduler_config.policy)
         self.running: list[Request] = []  # sorted by sort_key: the last one is preempted first
         self._finished_req_ids: set[str] = set()  # since the last schedule(); for the runner
+        self._failed_outputs: list[EngineCoreOutput] = []  # ended in schedule(); told next
         self._num_added = 0  # arrival_index of the next request
         self.stats = SchedulerStats()
         k = num_speculative_tokens
@@ -153,6 +155,8 @@ class Scheduler:
                 continue
             if req.status == _RUNNING:
                 removed_running = True
+            elif req.status == _LOADING:
+                self.remote.admitted(req)
             else:
                 self.waiting.remove(req)
             req.status = finished_status
@@ -161,6 +165,14 @@ class Scheduler:
         if removed_running:
             self.running = [r for r in self.running if r.status == _RUNNING]
         return outputs
+
+    def fail_request(self, req: Request, why: str) -> None:
+        """End ``req`` (out of every queue already) with finish_reason "error" and ``why`` as
+        its stop_reason; its output comes with the next update_from_output."""
+        req.status = RequestStatus.FINISHED_ERROR
+        req.stop_reason = why
+        self._release(req)
+        self._failed_outputs.append(finished_output(req))
 
     def abort_requests(self, req_ids: str | Iterable[str]) -> list[EngineCoreOutput]:
         """finish_requests with FINISHED_ABORTED (finish_reason "abort")."""
@@ -181,6 +193,8 @@ class Scheduler:
         self.requests.clear()
         self.running = []
         self.waiting, _ = make_policy(self.policy)
+        self.remote.clear()
+        self._failed_outputs.clear()
         self._finished_req_ids.update(req_ids)
         if not self.kv_cache_manager.free_all():
             self.kv_cache_manager = self._new_kv_cache_manager(self.kv_cache_manager)
@@ -198,8 +212,7 @@ class Scheduler:
         stats = self.stats.report(kv, self.num_kv_blocks, self.host.stats(kv))
         if self.spec_stats is not None:
             stats.update(self.spec_stats.report())
-        if self.kv_connector is not None:
-            stats.update(self.kv_connector.stats())
+        stats.update(self.remote.stats())
         return stats
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
@@ -225,7 +238,8 @@ class Scheduler:
         step = StepBatch(self.max_num_batched_tokens)
         self._schedule_running(step)
         if not step.preempted_req_ids:
-            self._schedule_waiting(step)
+            schedule_loaded(self, step)
+            schedule_waiting(self, step)
         if self.spec_stats is not None:
             schedule_drafts(self.running, step, self.kv_cache_manager,
                             self.max_num_sampling_rows, self.num_lookahead_tokens)  # fmt: skip
@@ -316,71 +330,6 @@ class Scheduler:
         self.waiting.add_preempted(req)
         step.preempted_req_ids.add(req.request_id)
 
-    def _schedule_waiting(self, step: StepBatch) -> None:
-        """Admit waiting requests in policy order while budget, sequences and blocks last.
-
-        Two kinds are passed over for this step (they keep their place in the queue): a child
-        whose parent's prompt is not computed yet, and, with prefix caching, a request whose
-        next uncached block is one a running request is computing: next step it is a hit,
-        instead of the same block computed twice (offline batches of shared prefixes)."""
-        kv = self.kv_cache_manager
-        waiting = self.waiting
-        skipped: list[Request] = []
-        pending = PendingPrefixes(kv, self.running, self.block_size)
-        while len(waiting) and step.budget > 0 and len(self.running) < self.max_num_seqs:
-            req = waiting.peek()
-            if kv.is_swapped(req.request_id):
-                if not self._swap_in(req, step):
-                    break
-                continue
-            start = starting_point(req, self.requests, kv, self.block_size)
-            if start is None:
-                skipped.append(waiting.pop())
-                continue
-            borrowed, num_borrowed_tokens, is_fork = start
-            if not is_fork and self.enable_caching and pending.defer(req, num_borrowed_tokens):
-                start.retract(req, kv, self.block_size)
-                skipped.append(waiting.pop())
-                continue
-            num_new = min(len(req.all_token_ids) - num_borrowed_tokens, step.budget)
-            end = num_borrowed_tokens + num_new
-            lookahead = lookahead_slots(req, end, end, self.num_lookahead_tokens)
-            new_blocks = kv.allocate_slots(
-                req, num_new + lookahead, borrowed or None, num_borrowed_tokens
-            )
-            if new_blocks is None and lookahead:  # the lookahead is only an optimisation
-                new_blocks = kv.allocate_slots(req, num_new, borrowed or None, num_borrowed_tokens)
-            if new_blocks is None:
-                start.retract(req, kv, self.block_size)
-                break
-            waiting.pop()
-            if is_fork:
-                req.parent_req_id = None  # from now on it is an ordinary request
-            self._admit(req, num_borrowed_tokens, num_new, step)
-            pending.admitted(req, num_borrowed_tokens)
-        if skipped:
-            waiting.put_back(skipped)
-
-    def _swap_in(self, req: Request, step: StepBatch) -> bool:
-        """Resume a swapped-out request at its computed tokens (waiting's head); False when
-        the device pool cannot take its blocks now."""
-        num_new = min(len(req.all_token_ids) - req.num_computed_tokens, step.budget)
-        if self.kv_cache_manager.swap_in(req, num_new) is None:
-            return False
-        self.waiting.pop()
-        self._admit(req, req.num_computed_tokens, num_new, step)
-        return True
-
-    def _admit(self, req: Request, num_computed: int, num_new: int, step: StepBatch) -> None:
-        rid = req.request_id
-        if req.status == _WAITING:  # first schedule (a resumed one is PREEMPTED)
-            req.num_cached_tokens = num_computed
-            req.first_scheduled_time = time.monotonic()
-        req.status = _RUNNING
-        req.num_computed_tokens = num_computed
-        bisect.insort(self.running, req, key=self.sort_key)
-        step.add_new(req, self.kv_cache_manager.get_block_ids(rid), num_new)
-
     def _build_output(self, step: StepBatch) -> SchedulerOutput:
         self.stats.record_step(step, self.block_size)
         finished, self._finished_req_ids = self._finished_req_ids, set()
@@ -401,11 +350,17 @@ class Scheduler:
         whose tokens are not all computed yet (mid-prefill) is discarded. Returns one
         EngineCoreOutput per request that sampled or received prompt logprobs.
         """
+        for req, why in self.remote.learn(model_runner_output.kv_loads, self.kv_cache_manager):
+            self.remote.admitted(req)
+            self.fail_request(req, why)
         kv = self.kv_cache_manager if self.enable_caching else None
         outputs, finished = process_step(
             self.requests, scheduler_output, model_runner_output, kv, self.spec_stats
         )
+        if self._failed_outputs:
+            outputs, self._failed_outputs = self._failed_outputs + outputs, []
         if finished:
+            self.remote.answer(outputs, finished)
             for req in finished:
                 self._release(req)
             self.running = [r for r in self.running if r.status is _RUNNING]

@@ -90,6 +90,10 @@ class RequestOutputs:
             if output is None:
                 self._num_live -= 1
                 continue
+            failed = [c for c in output.outputs if c.finish_reason == "error"]
+            if failed:  # its promised KV could not be loaded (kv_load_failure_policy "fail")
+                self.close()
+                raise OpenAIError(str(failed[0].stop_reason), status_code=500)
             return index, output
         raise StopAsyncIteration
 

@@ -129,3 +129,10 @@ def usage_of(finals: list[RequestOutput]) -> dict[str, int]:
         sum(len(f.prompt_token_ids) for f in finals),
         sum(len(c.token_ids) for f in finals for c in f.outputs),
     )
+
+
+def kv_transfer_answer(finals: list[RequestOutput]) -> dict[str, dict]:
+    """{"kv_transfer_params": ...} of a prefill's answer (vLLM's field, for the decode
+    request: disaggregated serving), or {} when it has none."""
+    params = [f.kv_transfer_params for f in finals if f.kv_transfer_params is not None]
+    return {"kv_transfer_params": params[0]} if params else {}

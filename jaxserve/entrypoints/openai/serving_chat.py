@@ -23,7 +23,7 @@ from jaxserve.entrypoints.openai.protocol import (
 )
 from jaxserve.entrypoints.openai.protocol.tools import ToolChoice, tool_choice_of
 from jaxserve.entrypoints.openai.request_outputs import EventStream, RequestOutputs, stream_error
-from jaxserve.entrypoints.openai.serving_base import BaseServing, usage_of
+from jaxserve.entrypoints.openai.serving_base import BaseServing, kv_transfer_answer, usage_of
 from jaxserve.entrypoints.openai.tool_calls import ToolCallStream, chat_message
 from jaxserve.entrypoints.openai.tool_parsers import ToolParser
 from jaxserve.outputs import RequestOutput
@@ -111,7 +111,8 @@ class ChatServing(BaseServing):
                     "stop_reason": c.stop_reason,
                 }
             )
-        body = {**head, "object": "chat.completion", "choices": choices, "usage": usage_of([final])}
+        body = {**head, "object": "chat.completion", "choices": choices, "usage": usage_of([final]),
+                **kv_transfer_answer([final])}  # fmt: skip
         if request.prompt_logprobs is not None:
             body["prompt_logprobs"] = prompt_logprobs_body(final.prompt_logprobs)
         return body

@@ -21,7 +21,7 @@ from jaxserve.entrypoints.openai.protocol import (
     usage,
 )
 from jaxserve.entrypoints.openai.request_outputs import EventStream, RequestOutputs, stream_error
-from jaxserve.entrypoints.openai.serving_base import BaseServing, usage_of
+from jaxserve.entrypoints.openai.serving_base import BaseServing, kv_transfer_answer, usage_of
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -97,6 +97,7 @@ class CompletionServing(BaseServing):
             "object": "text_completion",
             "choices": choices,
             "usage": usage_of(finals),
+            **kv_transfer_answer(finals),
         }
 
     async def _completion_events(

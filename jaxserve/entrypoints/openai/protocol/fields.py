@@ -50,6 +50,9 @@ class SamplingRequest(StrictBody):
     structured_outputs: Any = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # vLLM's disaggregated serving: what the request expects of the KV connector
+    # (SamplingParams.kv_transfer_params checks the keys).
+    kv_transfer_params: Any = None
 
 
 # Fields jaxserve cannot honour -> (the value that changes nothing, why not).

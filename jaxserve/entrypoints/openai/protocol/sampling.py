@@ -32,6 +32,7 @@ _SAMPLING_FIELDS = (
     "skip_special_tokens",
     "include_stop_str_in_output",
     "prompt_logprobs",
+    "kv_transfer_params",
 )
 
 
