@@ -9,7 +9,9 @@ comparison side by side in one run.
     tokens/s and TTFT of each.
 --disagg  decodes streaming while a burst of long prompts arrives, against one colocated server
     and against a producer and a consumer (``--kv-transfer-config``) behind ``jaxserve router``:
-    the decodes' inter-token latency and the burst's TTFT. The servers share this machine's
+    the decodes' inter-token latency and the burst's TTFT, once per ``--kv-connectors`` entry
+    (shared_storage: blocks through /dev/shm; jax_transfer: device to device, the router
+    passing kv_transfer_params), side by side. The servers share this machine's
     cores: on a 2-core machine both roles compete for the same cores, which disaggregation is
     meant to avoid, so the numbers show this machine as much as the design.
 """
@@ -253,17 +255,51 @@ def run_disagg(args, preset) -> dict:
         runs.append(_disagg_run("colocated", colocated.base_url, decodes, burst[:-1], burst[-1:]))
     finally:
         colocated.stop()
+    for connector in args.kv_connectors:
+        runs.append(_disagg_connector(connector, model, engine, args, decodes, burst))
+    by = {r["name"]: r for r in runs}
+    colocated_p99 = by["colocated"]["decode_itl_s"].get("p99")
+    ratios = {}
+    for connector in args.kv_connectors:
+        p99 = by[DISAGG_RUNS[connector]]["decode_itl_s"].get("p99")
+        key = "itl_p99_disagg_over_colocated" + ("" if connector == "shared_storage" else
+                                                 f"_{connector}")  # fmt: skip
+        ratios[key] = p99 / colocated_p99 if p99 and colocated_p99 else None
+    return {
+        "mode": "disagg",
+        "engine": engine,
+        "num_decodes": len(decodes),
+        "burst": len(burst) - 1,
+        "runs": runs,
+        "ratios": ratios,
+    }
+
+
+# --disagg's connectors (--kv-connectors) and the names of their runs.
+DISAGG_RUNS = {"shared_storage": "disaggregated", "jax_transfer": "disagg-transfer"}
+
+
+def _disagg_connector(connector: str, model, engine: dict, args, decodes, burst) -> dict:
+    """A producer and a consumer of ``connector`` behind ``jaxserve router``: one run.
+    jax_transfer's consumer learns each offer from the prefill's answer, so its router passes
+    kv_transfer_params."""
     store = Path(args.cache) / "fleet-kv-store"
     servers = []
     for role in ("kv_producer", "kv_consumer"):
-        kv = {"kv_role": role, "kv_connector_extra_config": {"shared_storage_path": str(store)}}
-        servers.append(_server(role, model, engine, args, ["--kv-transfer-config", json.dumps(kv)]))
+        if connector == "jax_transfer":
+            kv = {"kv_connector": "JaxTransferConnector", "kv_role": role}
+        else:
+            kv = {"kv_role": role, "kv_connector_extra_config": {"shared_storage_path": str(store)}}
+        servers.append(_server(f"{role}-{connector}", model, engine, args,
+                               ["--kv-transfer-config", json.dumps(kv)]))  # fmt: skip
     port = free_port()
     router_cmd = [sys.executable, "-m", "jaxserve.cli", "router", "--port", str(port),
                   "--prefill", servers[0].base_url, "--decode", servers[1].base_url,
                   "--uvicorn-log-level", "warning"]  # fmt: skip
+    if connector == "jax_transfer":
+        router_cmd.append("--pass-kv-transfer-params")
     router = ServerProcess("router", router_cmd, servers[0].env, port,
-                           Path(args.log_dir) / "fleet-router.log")  # fmt: skip
+                           Path(args.log_dir) / f"fleet-router-{connector}.log")  # fmt: skip
     try:
         for s in servers:
             s.start()
@@ -271,24 +307,19 @@ def run_disagg(args, preset) -> dict:
             s.wait_healthy(args.startup_timeout)
         router.start()
         router.wait_healthy(60)
-        runs.append(_disagg_run("disaggregated", router.base_url, decodes, burst[:-1], burst[-1:]))
-        loaded = _metric_sum(_get(f"{servers[1].base_url}/metrics"),
-                             "jaxserve:kv_connector_loaded_blocks_total")  # fmt: skip
-        runs[-1]["consumer_loaded_blocks"] = loaded
+        run = _disagg_run(DISAGG_RUNS[connector], router.base_url, decodes, burst[:-1],
+                          burst[-1:])  # fmt: skip
+        text = _get(f"{servers[1].base_url}/metrics")
+        run["consumer_loaded_blocks"] = _metric_sum(
+            text, "jaxserve:kv_connector_loaded_blocks_total"
+        )
+        run["consumer_load_failures"] = _metric_sum(
+            text, "jaxserve:kv_connector_load_failures_total"
+        )
     finally:
         for s in (router, *servers):
             s.stop()
-    by = {r["name"]: r for r in runs}
-    p99 = [by[n]["decode_itl_s"].get("p99") for n in ("disaggregated", "colocated")]
-    ratio = p99[0] / p99[1] if all(p99) else None
-    return {
-        "mode": "disagg",
-        "engine": engine,
-        "num_decodes": len(decodes),
-        "burst": len(burst) - 1,
-        "runs": runs,
-        "ratios": {"itl_p99_disagg_over_colocated": ratio},
-    }
+    return run
 
 
 # ---- report ---------------------------------------------------------------------------------
@@ -305,10 +336,13 @@ def print_fleet(report: dict) -> None:
                   f"{t.get('p50', 0) * 1e3:>7.0f}ms {t.get('p99', 0) * 1e3:>7.0f}ms")  # fmt: skip
     else:
         print(f"disaggregated: {report['num_decodes']} decodes, a burst of {report['burst']}")
-        print(f"{'config':<14} {'ITL p50':>8} {'ITL p99':>8} {'burst TTFT p50':>15}")
+        print(f"{'config':<16} {'ITL p50':>8} {'ITL p99':>8} {'burst TTFT p50':>15} "
+              f"{'loaded':>7} {'failed':>7}")  # fmt: skip
         for r in report["runs"]:
             i, b = r["decode_itl_s"], r["burst_ttft_s"]
-            print(f"{r['name']:<14} {i.get('p50', 0) * 1e3:>6.1f}ms {i.get('p99', 0) * 1e3:>6.1f}ms"
-                  f" {b.get('p50', 0) * 1e3:>13.0f}ms")  # fmt: skip
+            loads = [r.get(k) for k in ("consumer_loaded_blocks", "consumer_load_failures")]
+            loads = [f"{v:>7.0f}" if v is not None else f"{'-':>7}" for v in loads]
+            print(f"{r['name']:<16} {i.get('p50', 0) * 1e3:>6.1f}ms {i.get('p99', 0) * 1e3:>6.1f}ms"
+                  f" {b.get('p50', 0) * 1e3:>13.0f}ms {' '.join(loads)}")  # fmt: skip
     for key, value in report["ratios"].items():
         print(f"{key}: {'-' if value is None else f'{value:.2f}'}")

@@ -44,6 +44,7 @@ speed drifts between runs minutes apart by more than serving costs).
     python bench/serve.py --rates 0.5,1,2 --num-requests 64 --plot
     python bench/serve.py --preset tiny --data-parallel-size 2   # prefix vs round-robin routing
     python bench/serve.py --preset tiny --disagg                 # colocated vs disaggregated
+    python bench/serve.py --preset tiny --disagg --kv-connectors shared_storage,jax_transfer
     python bench/serve.py --servers jaxserve,jaxserve-sync  # async scheduling on and off
 
 Writes bench/results/serve.json (--output), and with --plot a PNG beside it (p99 TTFT and
@@ -125,6 +126,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cache", default=str(CACHE), help="checkpoints, tokenizer, compile cache")
     p.add_argument("--log-dir", help="server logs (default <cache>/serve-logs)")
     p.add_argument("--output", help="results JSON (default bench/results/<preset file>)")
+    _add_fleet_flags(p)
+    p.add_argument(
+        "--plot",
+        nargs="?",
+        const="",
+        default=None,
+        help="write a PNG (default: the JSON's path with .png)",
+    )
+    return p
+
+
+def _add_fleet_flags(p: argparse.ArgumentParser) -> None:
+    """--data-parallel-size and --disagg: the comparisons of bench/_serve_fleet.py instead."""
     p.add_argument(
         "--data-parallel-size",
         type=int,
@@ -141,13 +155,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--num-decodes", type=int, default=4, help="--disagg's streaming decodes")
     p.add_argument("--burst", type=int, default=4, help="--disagg's long prompts")
     p.add_argument(
-        "--plot",
-        nargs="?",
-        const="",
-        default=None,
-        help="write a PNG (default: the JSON's path with .png)",
+        "--kv-connectors",
+        default="shared_storage",
+        help="--disagg's connectors, comma-separated, each a disaggregated run: shared_storage, "
+        "jax_transfer",
     )
-    return p
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -168,6 +180,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.overhead_repeats = preset.overhead_repeats
     if args.search_steps is None:
         args.search_steps = preset.search_steps
+    args.kv_connectors = args.kv_connectors.split(",")
+    bad = sorted(set(args.kv_connectors) - set(_serve_fleet.DISAGG_RUNS))
+    if bad or len(set(args.kv_connectors)) < len(args.kv_connectors):
+        known = list(_serve_fleet.DISAGG_RUNS)
+        p.error(f"--kv-connectors {args.kv_connectors}: each at most once, from {known}")
     args.output_given = args.output is not None
     args.output = Path(args.output) if args.output else RESULTS / preset.output
     if args.plot is not None:

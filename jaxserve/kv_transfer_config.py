@@ -30,17 +30,34 @@ KV_CONNECTORS = {
     "shared_storage": "shared_storage",
     "RayStoreConnector": "ray",
     "ray": "ray",
+    "JaxTransferConnector": "jax_transfer",
+    "jax_transfer": "jax_transfer",
 }
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 _KEYS = ("kv_connector", "kv_role", "kv_load_failure_policy", "kv_connector_extra_config")
-_EXTRA_KEYS = ("shared_storage_path", "lease_s", "ray_address", "ray_namespace", "load_async")
+# kv_connector_extra_config keys: those every connector reads, and each transport's own (a key
+# of another transport is refused: it would be silently ignored).
+_COMMON_EXTRA_KEYS = ("lease_s", "load_async")
+_TRANSPORT_EXTRA_KEYS = {
+    "shared_storage": ("shared_storage_path",),
+    "ray": ("ray_address", "ray_namespace"),
+    "jax_transfer": ("transfer_host", "transfer_port", "pull_timeout_s"),
+}
 # A request's kv_transfer_params: key -> (type, meaning).
 KV_TRANSFER_PARAMS = {
     "do_remote_decode": (bool, "a prefill whose KV a decode server loads: its answer says how"),
     "do_remote_prefill": (bool, "the prompt's KV was computed by a prefill server"),
     "remote_num_tokens": (int, "prompt tokens of KV the prefill server stored"),
+    # JaxTransferConnector's: where and what to pull (the producer's answer; checked there).
+    "remote_host": (str, "the producer's transfer server host"),
+    "remote_port": (int, "the producer's transfer server port"),
+    "remote_transfer_id": (int, "the id the producer offers the prompt's KV under"),
+    "remote_layout": (str, "the producer's KV layout fingerprint (model, block, dtype, TP)"),
+    "remote_block_hash": (str, "hex prefix hash of the last block offered"),
+    "remote_expires_at": (float, "Unix time the producer's offer (its lease) ends"),
 }
+_TYPE_NAMES = {bool: "a bool", int: "an int", str: "a string", float: "a number"}
 
 
 def default_storage_path() -> str:
@@ -57,6 +74,9 @@ class KVTransferConfig:
         a folder of block files, in shared memory by default (core/kv_connector/store.py).
         "RayStoreConnector" (alias "ray"): the engines of one Ray cluster, on any of its hosts,
         share a named Ray actor holding the blocks (core/kv_connector/ray_store.py).
+        "JaxTransferConnector" (alias "jax_transfer"): no store; a producer offers each
+        prefill's prompt KV on its device through jax.experimental.transfer and the consumer
+        pulls it device to device (core/kv_connector/transfer.py); asynchronous loads only.
     kv_role: "kv_producer" saves its prompts' blocks, "kv_consumer" loads them, "kv_both" does
         both.
     kv_load_failure_policy: what a consumer does when a request's expected KV (its
@@ -66,9 +86,15 @@ class KVTransferConfig:
     shared_storage_path: the store's folder (kv_connector_extra_config; default
         default_storage_path()); each model and KV layout has a subfolder of its own.
     lease_s: seconds a saved block stays in the store for consumers (> 0); a producer deletes
-        its older blocks as it saves new ones.
+        its older blocks as it saves new ones. JaxTransferConnector: how long an offer's
+        gathered copy may wait for its pull, holding device memory until then.
     ray_address, ray_namespace: the Ray cluster to join ("auto": this host's) and the
         namespace of the store's actor ("RayStoreConnector" only).
+    transfer_host, transfer_port: "JaxTransferConnector" only: where the engine's
+        jax.experimental.transfer server listens, and the address a producer's answer names
+        (so a host other consumers can reach; port 0: any free port).
+    pull_timeout_s: "JaxTransferConnector" only: the longest a consumer waits for one pull
+        before the load counts as failed (a producer that hangs).
     load_async: a consumer's loads run in the background (the runner reads the store in a
         thread; the request waits in WAITING_FOR_REMOTE_KVS, and the engine steps on); False:
         the scheduler reads the blocks when it admits the request and they are written before
@@ -83,6 +109,9 @@ class KVTransferConfig:
     ray_address: str = "auto"
     ray_namespace: str = "jaxserve"
     load_async: bool = True
+    transfer_host: str = "127.0.0.1"
+    transfer_port: int = 0
+    pull_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.kv_connector not in KV_CONNECTORS:
@@ -106,15 +135,37 @@ class KVTransferConfig:
         lease = self.lease_s
         if isinstance(lease, bool) or not isinstance(lease, (int, float)) or not lease > 0:
             raise ValueError(f"kv_transfer_config lease_s must be a number > 0, got {lease!r}")
+        self._check_transfer()
         if not isinstance(self.shared_storage_path, str):
             raise ValueError(
                 "kv_transfer_config shared_storage_path must be a string, got "
                 f"{self.shared_storage_path!r}"
             )
 
+    def _check_transfer(self) -> None:
+        if self.transport == "jax_transfer" and not self.load_async:
+            raise ValueError(
+                "kv_transfer_config load_async=False: JaxTransferConnector loads "
+                "asynchronously only (a pull runs in the runner's thread)"
+            )
+        if not isinstance(self.transfer_host, str) or not self.transfer_host:
+            raise ValueError(
+                f"kv_transfer_config transfer_host must be a host name, got {self.transfer_host!r}"
+            )
+        port = self.transfer_port
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(
+                f"kv_transfer_config transfer_port must be in [0, 65535], got {port!r}"
+            )
+        wait = self.pull_timeout_s
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait > 0:
+            raise ValueError(
+                f"kv_transfer_config pull_timeout_s must be a number > 0, got {wait!r}"
+            )
+
     @property
     def transport(self) -> str:
-        """ "shared_storage" or "ray"."""
+        """ "shared_storage", "ray" or "jax_transfer"."""
         return KV_CONNECTORS[self.kv_connector]
 
     @property
@@ -147,12 +198,15 @@ class KVTransferConfig:
         extra = value.get("kv_connector_extra_config") or {}
         if not isinstance(extra, dict):
             raise ValueError("kv_transfer_config['kv_connector_extra_config'] must be a dict")
-        unknown = sorted(set(extra) - set(_EXTRA_KEYS))
+        top = {k: v for k, v in value.items() if k != "kv_connector_extra_config"}
+        transport = KV_CONNECTORS.get(top.get("kv_connector", cls.kv_connector))
+        known = _COMMON_EXTRA_KEYS + _TRANSPORT_EXTRA_KEYS.get(transport, ())
+        unknown = sorted(set(extra) - set(known))
         if unknown:
             raise ValueError(
-                f"kv_connector_extra_config has unknown keys {unknown}; known: {list(_EXTRA_KEYS)}"
+                f"kv_connector_extra_config has unknown keys {unknown} for kv_connector "
+                f"{top.get('kv_connector', cls.kv_connector)!r}; known: {list(known)}"
             )
-        top = {k: v for k, v in value.items() if k != "kv_connector_extra_config"}
         return cls(**top, **extra)
 
 
@@ -175,10 +229,11 @@ def check_kv_transfer_params(value: Any) -> dict[str, Any] | None:
         )
     for key, item in value.items():
         kind = KV_TRANSFER_PARAMS[key][0]
-        if not isinstance(item, kind) or (kind is int and isinstance(item, bool)):
+        kinds = (int, float) if kind is float else kind
+        if not isinstance(item, kinds) or (kind is not bool and isinstance(item, bool)):
             raise TypeError(
-                f"SamplingParams.kv_transfer_params[{key!r}] must be "
-                f"{'an int' if kind is int else 'a bool'}, got {item!r}"
+                f"SamplingParams.kv_transfer_params[{key!r}] must be {_TYPE_NAMES[kind]}, "
+                f"got {item!r}"
             )
     if value.get("remote_num_tokens", 0) < 0:
         raise ValueError(

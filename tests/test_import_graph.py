@@ -38,6 +38,7 @@ HOST_MODULES = [
     "jaxserve.core.sched.remote_kv",
     "jaxserve.core.kv_connector.shared_storage",
     "jaxserve.core.kv_connector.remote_hits",
+    "jaxserve.core.kv_connector.transfer",
     "jaxserve.kv_transfer_config",
     "jaxserve.speculative_config",
     "jaxserve.spec_decode",

@@ -154,7 +154,8 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
         metavar="JSON",
         help="share KV blocks with other engines, vLLM's keys, e.g. '{\"kv_connector\": "
         '"SharedStorageConnector", "kv_role": "kv_producer"}\' (disaggregated prefill: '
-        "producers save their prompts' blocks, consumers load them)",
+        "producers save their prompts' blocks, consumers load them; kv_connector "
+        "SharedStorageConnector, RayStoreConnector or JaxTransferConnector: device to device)",
     ),
 )
 _MAPPED = {"engine_seed", "no_prefix_caching", "no_warmup", "no_calculate_kv_scales"}

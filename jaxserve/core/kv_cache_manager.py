@@ -41,7 +41,7 @@ from jaxserve.core.kv_connector.remote_hits import RemoteBlocks, RemoteHit
 from jaxserve.core.kv_swap import KVSwap
 
 if TYPE_CHECKING:  # pragma: no cover
-    from jaxserve.core.kv_connector.shared_storage import SharedStorageConnector
+    from jaxserve.core.kv_connector.base import KVConnector
     from jaxserve.request import Request
 
 
@@ -75,7 +75,7 @@ class KVCacheManager:
         enable_caching: bool,
         max_model_len: int,
         host_pool: HostBlockPool | None = None,
-        connector: SharedStorageConnector | None = None,
+        connector: KVConnector | None = None,
     ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
@@ -138,7 +138,7 @@ class KVCacheManager:
                 continue
             slot = host.lookup(hashes[i]) if host is not None else None
             if slot is None:
-                hits.extend(self.remote.lookup(hashes[i:max_hit_blocks]))
+                hits.extend(self.remote.lookup(hashes[i:max_hit_blocks], request, i))
                 break
             hits.append(HostHit(slot, hashes[i]))
             num_host_hits += 1

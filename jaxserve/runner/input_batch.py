@@ -210,6 +210,26 @@ class InputBatch:
             self.append_blocks(slot, new_block_ids)
 
     # ---- per-step gather -----------------------------------------------------------------
+    def _token_rows(
+        self, slots: np.ndarray, num_scheduled: np.ndarray, cu: np.ndarray, total: int,
+        padded_tokens: int,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+        """Per token row of the step (padded to ``padded_tokens``): its input id, position
+        and KV slot; and the ``total`` real rows' positions."""
+        num_reqs = len(slots)
+        row_of_token = np.repeat(np.arange(num_reqs, dtype=np.int32), num_scheduled)  # [total]
+        computed = self.num_computed[slots]
+        pos_real = computed[row_of_token] + (np.arange(total, dtype=np.int32) - cu[row_of_token])
+        slot_rows = slots[row_of_token]
+        P = self.block_size
+        input_ids = np.zeros(padded_tokens, np.int32)
+        positions = np.zeros(padded_tokens, np.int32)
+        slot_mapping = np.zeros(padded_tokens, np.int32)
+        input_ids[:total] = self.token_ids[slot_rows, pos_real]
+        positions[:total] = pos_real
+        slot_mapping[:total] = self.block_table[slot_rows, pos_real // P] * P + pos_real % P
+        return input_ids, positions, slot_mapping, pos_real
+
     def prepare(
         self,
         req_ids: list[str],
@@ -229,19 +249,11 @@ class InputBatch:
         np.cumsum(num_scheduled, out=cu[1 : num_reqs + 1])
         cu[num_reqs + 1 :] = total
 
-        computed = self.num_computed[slots]
-        seq_lens_real = computed + num_scheduled
-        row_of_token = np.repeat(np.arange(num_reqs, dtype=np.int32), num_scheduled)  # [total]
-        pos_real = computed[row_of_token] + (np.arange(total, dtype=np.int32) - cu[row_of_token])
-        slot_rows = slots[row_of_token]
+        seq_lens_real = self.num_computed[slots] + num_scheduled
+        input_ids, positions, slot_mapping, pos_real = self._token_rows(
+            slots, num_scheduled, cu, total, padded_tokens
+        )
         P = self.block_size
-        input_ids = np.zeros(padded_tokens, np.int32)
-        positions = np.zeros(padded_tokens, np.int32)
-        slot_mapping = np.zeros(padded_tokens, np.int32)
-        input_ids[:total] = self.token_ids[slot_rows, pos_real]
-        positions[:total] = pos_real
-        slot_mapping[:total] = self.block_table[slot_rows, pos_real // P] * P + pos_real % P
-
         width = padded_width_fn(int(-(-seq_lens_real.max() // P)))
         block_tables = np.zeros((padded_rows, width), np.int32)
         block_tables[:num_reqs] = self.block_table[slots, :width]

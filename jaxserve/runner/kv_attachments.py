@@ -19,6 +19,7 @@ from jaxserve.runner.kv_calibration import calculate_kv_scales
 from jaxserve.runner.kv_connector_worker import KVConnectorWorker, make_kv_connector
 from jaxserve.runner.kv_offload import KVOffloader
 from jaxserve.runner.kv_scales import kv_scales_for
+from jaxserve.runner.kv_transfer_worker import make_transfer_connector
 
 if TYPE_CHECKING:
     from jaxserve.runner.factory import ResolvedModel
@@ -46,7 +47,9 @@ def kv_connector_of(model: CausalLM, resolved: ResolvedModel) -> KVConnectorWork
     if config.kv_transfer is None:
         return None
     cache = config.cache
-    worker = make_kv_connector(
+    transfer = config.kv_transfer.transport == "jax_transfer"  # kv_transfer_worker.py
+    make = make_transfer_connector if transfer else make_kv_connector
+    worker = make(
         config.kv_transfer,
         config.model.model,
         model.arch.num_layers,
@@ -55,10 +58,10 @@ def kv_connector_of(model: CausalLM, resolved: ResolvedModel) -> KVConnectorWork
         resolved.sharding,
     )
     logger.info(
-        "KV connector: %s as %s, blocks in %s",
+        "KV connector: %s as %s, %s",
         config.kv_transfer.kv_connector,
         config.kv_transfer.kv_role,
-        worker.connector.store.folder,
+        worker.connector.describe(),
     )
     return worker
 

@@ -49,6 +49,7 @@ class KVConnectorWorker:
     """
 
     idle_wait_s = 0.05  # an empty step's wait for a load being read
+    num_reader_threads = 1  # loads read at once (a store's reads are short)
 
     def __init__(self, connector: SharedStorageConnector, staging: KVOffloader) -> None:
         self.connector = connector
@@ -73,7 +74,7 @@ class KVConnectorWorker:
         if meta is not None and meta.load_jobs:
             if self._reader is None:
                 self._reader = concurrent.futures.ThreadPoolExecutor(
-                    1, thread_name_prefix="jaxserve-kv-load"
+                    self.num_reader_threads, thread_name_prefix="jaxserve-kv-load"
                 )
             for job in meta.load_jobs:
                 self._jobs[job.req_id] = (job, self._reader.submit(self._read, job))
@@ -95,7 +96,7 @@ class KVConnectorWorker:
             future.cancel()
         self._jobs.clear()
 
-    def _read(self, job: LoadJob) -> list[np.ndarray]:
+    def _read(self, job: LoadJob) -> Any:
         """The job's leading blocks the store gives (in the reader thread)."""
         try:
             return self.connector.store.read_prefix(job.hashes)
@@ -110,10 +111,14 @@ class KVConnectorWorker:
         for req_id, (job, future) in list(self._jobs.items()):
             if future.done():
                 del self._jobs[req_id]
-                loads = list(zip(job.block_ids, future.result(), strict=False))
-                kv_caches = self.load(kv_caches, loads)
-                self._done[req_id] = len(loads)
+                kv_caches, self._done[req_id] = self._write(kv_caches, job, future.result())
         return kv_caches
+
+    def _write(self, kv_caches: KVCaches, job: LoadJob, data: Any) -> tuple[KVCaches, int]:
+        """Write what ``_read`` gave for ``job`` into its blocks; returns the new pages and
+        the number of blocks written (its first ones)."""
+        loads = list(zip(job.block_ids, data, strict=False))
+        return self.load(kv_caches, loads), len(loads)
 
     def load(self, kv_caches: KVCaches, loads: list[tuple[int, np.ndarray]]) -> KVCaches:
         """Write (device block id, data) pairs into the pages; returns the new pages."""

@@ -312,7 +312,7 @@ class ModelRunner:
         if trace is not None:
             trace.record_batch(batch, sampling_md.temperature, time.perf_counter() - start)
         forward = self.run_forward(batch, targets, trace)
-        if connector is not None and connector.saves:
+        if connector is not None and connector.after_forward:
             # The blocks this forward completes (the gather waits for it: a producer's step
             # that saves does not overlap the next one's scheduling).
             self.kv_caches = self.kv_connector.save(self.kv_caches, connector)

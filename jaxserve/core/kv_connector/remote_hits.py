@@ -18,7 +18,8 @@ from jaxserve.core.block_pool import BlockPool
 from jaxserve.core.kv_cache_utils import BlockHash, KVCacheBlock
 
 if TYPE_CHECKING:  # pragma: no cover
-    from jaxserve.core.kv_connector.shared_storage import SharedStorageConnector
+    from jaxserve.core.kv_connector.base import KVConnector
+    from jaxserve.request import Request
 
 
 @dataclass(frozen=True, eq=False)
@@ -37,23 +38,26 @@ class RemoteBlocks:
     block_pool: the device pool the fresh blocks come from.
     """
 
-    def __init__(self, connector: SharedStorageConnector | None, block_pool: BlockPool) -> None:
+    def __init__(self, connector: KVConnector | None, block_pool: BlockPool) -> None:
         self.connector = connector
         self.block_pool = block_pool
         # req_id -> its blocks waiting for an asynchronous load, with their hashes, in table
         # order (the tail of its table). Added by take, dropped by finish or drop.
         self.pending: dict[str, list[tuple[KVCacheBlock, BlockHash]]] = {}
 
-    def lookup(self, hashes: list[BlockHash]) -> list[RemoteHit]:
-        """The leading ``hashes`` the store holds ([] without a connector), up to the first
-        that another request is loading: the lookup's request waits for that load instead of
-        loading the block twice (PendingPrefixes.defer)."""
+    def lookup(
+        self, hashes: list[BlockHash], request: Request | None = None, first_block: int = 0
+    ) -> list[RemoteHit]:
+        """The leading ``hashes`` (``request``'s blocks from ``first_block`` on) the store
+        holds ([] without a connector), up to the first that another request is loading: the
+        lookup's request waits for that load instead of loading the block twice
+        (PendingPrefixes.defer)."""
         if self.connector is None or not hashes:
             return []
         if self.pending:
             loading = self.loading_hashes()
             hashes = hashes[: next((i for i, h in enumerate(hashes) if h in loading), len(hashes))]
-        found = self.connector.lookup(hashes) if hashes else []
+        found = self.connector.lookup(hashes, request, first_block) if hashes else []
         return [RemoteHit(h, data) for h, data in zip(hashes, found, strict=False)]
 
     def loading_hashes(self) -> set[BlockHash]:

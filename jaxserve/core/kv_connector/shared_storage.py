@@ -63,10 +63,13 @@ class SharedStorageConnector:
         self.num_saved_blocks = 0
 
     # ---- consumer -------------------------------------------------------------------------
-    def lookup(self, hashes: list[BlockHash]) -> list[np.ndarray | None]:
+    def lookup(
+        self, hashes: list[BlockHash], request: Request | None = None, first_block: int = 0
+    ) -> list[np.ndarray | None]:
         """One entry per block of the longest run of ``hashes`` (from the first) in the store:
         its data, read now, or None when loads are asynchronous (the runner reads it); [] for
-        a producer."""
+        a producer. (Blocks are found by hash alone: ``request`` and ``first_block``, which of
+        its blocks ``hashes`` start at, are for connectors that pull from a named producer.)"""
         if not self.config.loads:
             return []
         if self.load_async:
@@ -85,11 +88,11 @@ class SharedStorageConnector:
         """An asynchronous load wrote ``num_blocks`` blocks."""
         self.num_loaded_blocks += num_blocks
 
-    def producer_params(self, num_prompt_tokens: int) -> dict[str, object]:
-        """The kv_transfer_params a prefill (``do_remote_decode``) answers with, for its decode
-        request: the prompt's full blocks are in the store (saved in the steps that computed
-        them, before the answer)."""
-        num_tokens = num_prompt_tokens // self.block_size * self.block_size
+    def producer_params(self, req: Request) -> dict[str, object]:
+        """The kv_transfer_params a finished prefill (``do_remote_decode``) answers with, for
+        its decode request: the prompt's full blocks are in the store (saved in the steps that
+        computed them, before the answer)."""
+        num_tokens = req.num_prompt_tokens // self.block_size * self.block_size
         return {"do_remote_prefill": True, "remote_num_tokens": num_tokens}
 
     # ---- producer -------------------------------------------------------------------------
@@ -139,6 +142,10 @@ class SharedStorageConnector:
         """Store one block (the runner's call, after the forward that wrote it)."""
         self.store.write(block_hash, data)
         self.num_saved_blocks += 1
+
+    def describe(self) -> str:
+        """Where the blocks are (the start-up log)."""
+        return f"blocks in {self.store.folder}"
 
     def stats(self) -> dict[str, int]:
         return {

@@ -26,7 +26,7 @@ from jaxserve.outputs import EngineCoreOutput
 from jaxserve.request import Request, RequestStatus
 
 if TYPE_CHECKING:  # pragma: no cover
-    from jaxserve.core.kv_connector.shared_storage import SharedStorageConnector
+    from jaxserve.core.kv_connector.base import KVConnector
 
 logger = logging.getLogger("jaxserve")
 
@@ -37,7 +37,7 @@ class RemoteKV:
     block_size: tokens per block (P).
     """
 
-    def __init__(self, connector: SharedStorageConnector | None, block_size: int) -> None:
+    def __init__(self, connector: KVConnector | None, block_size: int) -> None:
         self.connector = connector
         self.block_size = block_size
         config = connector.config if connector is not None else None
@@ -114,7 +114,7 @@ class RemoteKV:
         if self.connector is None or not self.connector.config.saves:
             return
         params = {
-            r.request_id: self.connector.producer_params(r.num_prompt_tokens)
+            r.request_id: self.connector.producer_params(r)
             for r in finished
             if (r.sampling_params.kv_transfer_params or {}).get("do_remote_decode")
         }

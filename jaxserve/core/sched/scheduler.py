@@ -17,7 +17,7 @@ from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.core.host_block_pool import HostTier
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.kv_cache_utils import KVCacheBlock
-from jaxserve.core.kv_connector.shared_storage import SharedStorageConnector
+from jaxserve.core.kv_connector.base import KVConnector
 from jaxserve.core.sched.admission import (
     check_prompt_length,
     generation_limit,
@@ -71,7 +71,7 @@ class Scheduler:
         num_speculative_tokens: int = 0,
         num_lookahead_tokens: int = 0,
         max_num_sampling_rows: int | None = None,
-        kv_connector: SharedStorageConnector | None = None,
+        kv_connector: KVConnector | None = None,
     ) -> None:
         self.host = HostKVTier(cache_config, host_tier)
         self.kv_connector = kv_connector  # core/kv_connector/: KV shared with other engines

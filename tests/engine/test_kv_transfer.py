@@ -1,0 +1,241 @@
+"""The JaxTransferConnector end to end, a producer and a consumer engine in one process, each with
+its own jax.experimental.transfer server on 127.0.0.1: a prefill's answer names its offer, the
+consumer pulls the prompt's KV device to device (the same bytes as the producer's pages) and
+answers with the producer's own greedy tokens; an offer that cannot be pulled (a producer gone,
+a lease ended, another layout or prompt) is computed instead or fails the request, as
+kv_load_failure_policy says; nothing is held afterwards on either side, and after a warm-up the
+connector's gathers and scatters compile nothing."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import numpy as np
+import pytest
+from engine_utils import SMALL, assert_nothing_held, random_prompts
+
+from jaxserve import LLMEngine, SamplingParams
+from jaxserve.core.kv_cache_utils import extend_block_hashes
+from jaxserve.kv_transfer_config import KVTransferConfig
+from jaxserve.request import Request
+from jaxserve.runner.job_shapes import job_request, job_warmup_set
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+PREFILL = SamplingParams(
+    max_tokens=1, temperature=0.0, kv_transfer_params={"do_remote_decode": True}
+)
+CONFIG = dict(SMALL, num_kv_blocks=96)
+
+
+def _kv(role: str, **extra) -> dict:
+    return {"kv_connector": "JaxTransferConnector", "kv_role": role, **extra}
+
+
+@pytest.fixture(scope="module")
+def producer() -> LLMEngine:
+    return LLMEngine("tiny-random-llama", kv_transfer_config=_kv("kv_producer"), **CONFIG)
+
+
+@pytest.fixture(scope="module")
+def consumer() -> LLMEngine:
+    return LLMEngine("tiny-random-llama", kv_transfer_config=_kv("kv_consumer"), **CONFIG)
+
+
+def _run(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams], tag: str):
+    """Each prompt's finished RequestOutput."""
+    for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(f"{tag}-{i}", {"prompt_token_ids": prompt}, sp)
+    done = {}
+    for _ in range(500):
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        if not engine.has_unfinished_requests():
+            break
+    return [done[f"{tag}-{i}"] for i in range(len(prompts))]
+
+
+def _greedy(engine: LLMEngine, prompts: list[list[int]], tag: str) -> list[list[int]]:
+    return [
+        list(o.outputs[0].token_ids) for o in _run(engine, prompts, [GREEDY] * len(prompts), tag)
+    ]
+
+
+def _prefill(producer: LLMEngine, prompts: list[list[int]], tag: str) -> list[dict]:
+    """The producer's kv_transfer_params for each prompt's decode."""
+    return [o.kv_transfer_params for o in _run(producer, prompts, [PREFILL] * len(prompts), tag)]
+
+
+def _decode(consumer: LLMEngine, prompts: list[list[int]], params: list[dict], tag: str):
+    sps = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, kv_transfer_params=p)
+           for p in params]  # fmt: skip
+    return _run(consumer, prompts, sps, tag)
+
+
+def _block(engine: LLMEngine, block_hash: bytes) -> np.ndarray:
+    """The cached block's K and V pages of every layer [L, 2, K, P, H]."""
+    block_id = engine.scheduler.kv_cache_manager.block_pool.cached_blocks[block_hash].block_id
+    pages = engine.runner.kv_caches
+    return np.stack([np.stack([np.asarray(k[:, block_id]), np.asarray(v[:, block_id])])
+                     for k, v in pages])  # fmt: skip
+
+
+def test_a_consumer_pulls_the_prompts_kv_and_answers_the_same(producer, consumer):
+    prompts = random_prompts(3, seed=1, lo=20, hi=60)
+    want = _greedy(producer, prompts, "g")
+    before = consumer.get_stats()
+    params = _prefill(producer, prompts, "p")
+    for p, prompt in zip(params, prompts, strict=True):
+        assert p["remote_num_tokens"] == len(prompt) // 8 * 8 and p["remote_host"] == "127.0.0.1"
+    outs = _decode(consumer, prompts, params, "c")
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    after = consumer.get_stats()
+    loaded = after["kv_connector_loaded_blocks"] - before["kv_connector_loaded_blocks"]
+    assert loaded == sum((len(p) - 1) // 8 for p in prompts)  # every block it may take over
+    assert after["kv_connector_load_failures"] == before["kv_connector_load_failures"]
+    assert [o.num_cached_tokens for o in outs] == [(len(p) - 1) // 8 * 8 for p in prompts]
+    # The pulled blocks hold the producer's bytes.
+    hashes = extend_block_hashes(Request("h", prompts[0], GREEDY), 8, (len(prompts[0]) - 1) // 8)
+    for h in hashes:
+        np.testing.assert_array_equal(_block(consumer, h), _block(producer, h))
+    assert producer.get_stats()["kv_transfer_offers"] >= len(prompts)
+    assert_nothing_held(producer)
+    assert_nothing_held(consumer)
+
+
+def _dead_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed on return: nobody listens there
+
+
+@pytest.mark.parametrize(
+    "seed, spoil",
+    [
+        (20, lambda p: p.update(remote_port=_dead_port())),  # the producer is gone
+        (21, lambda p: p.update(remote_expires_at=time.time() - 1)),  # its lease ended
+        (22, lambda p: p.update(remote_layout="another-model")),  # another layout
+        (23, lambda p: p.update(remote_block_hash="00" * 32)),  # another prompt's KV
+    ],
+    ids=["producer-gone", "lease-expired", "layout", "prompt"],
+)
+def test_an_offer_that_cannot_be_pulled_is_recomputed(producer, consumer, seed, spoil):
+    """(Each case its own prompt: the consumer's cache holds the ones computed before.)"""
+    prompts = random_prompts(1, seed=seed, lo=30, hi=50)
+    (want,) = _greedy(producer, prompts, "r")
+    (params,) = _prefill(producer, prompts, "rp")
+    spoil(params)
+    before = consumer.get_stats()
+    (out,) = _decode(consumer, prompts, [params], "rc")
+    assert list(out.outputs[0].token_ids) == want
+    after = consumer.get_stats()
+    assert after["kv_connector_loaded_blocks"] == before["kv_connector_loaded_blocks"]
+    assert after["kv_connector_load_failures"] == before["kv_connector_load_failures"] + 1
+    assert_nothing_held(consumer)
+
+
+@pytest.mark.slow  # an engine of its own
+def test_fail_policy_ends_the_request_and_fp8_pages_travel():
+    """One engine of both roles with FP8 pages pulls its own offer (its device cache emptied
+    in between): the same tokens; with kv_load_failure_policy "fail", a producer gone ends the
+    request with finish_reason "error"."""
+    engine = LLMEngine("tiny-random-llama", kv_cache_dtype="fp8",
+                       kv_transfer_config=_kv("kv_both", kv_load_failure_policy="fail"),
+                       **CONFIG)  # fmt: skip
+    prompts = random_prompts(1, seed=4, lo=30, hi=50)
+    want = _greedy(engine, prompts, "f")
+    params = _prefill(engine, prompts, "fp")
+    assert engine.reset_prefix_cache()
+    outs = _decode(engine, prompts, params, "fc")
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    assert engine.get_stats()["kv_connector_loaded_blocks"] == sum((len(p) - 1) // 8
+                                                                   for p in prompts)  # fmt: skip
+    (params,) = _prefill(engine, prompts, "gp")
+    assert engine.reset_prefix_cache()
+    params["remote_port"] = _dead_port()
+    (out,) = _decode(engine, prompts, [params], "gc")
+    assert out.outputs[0].finish_reason == "error"
+    assert_nothing_held(engine)
+
+
+def test_nothing_compiles_after_warmup_with_the_transfer_connector(producer, consumer):
+    """The gathers and scatters are in the warm-up set and counted: after a warm-up for a
+    job, its offers, pulls and steps compile nothing on either side."""
+    prompts = random_prompts(3, seed=10, lo=20, hi=60)
+    want = _greedy(producer, prompts, "w")
+    for engine in (producer, consumer):
+        runner = engine.runner
+        assert runner.kv_connector.staging.compiles in runner.all_compiles()
+        config = engine.config
+        what = job_warmup_set(
+            [job_request(len(p), GREEDY, False) for p in prompts],
+            runner.buckets,
+            block_size=8,
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+            max_model_len=config.model.max_model_len,
+            variant_widths=runner.sampling.variant_widths,
+            copy_sizes=runner.copy_sizes,
+            num_usable_blocks=engine.info.num_kv_blocks - 1,
+        )
+        runner.warmup(what=what)
+    before = [e.get_stats() for e in (producer, consumer)]
+    params = _prefill(producer, prompts, "wp")
+    outs = _decode(consumer, prompts, params, "wc")
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    for engine, old in zip((producer, consumer), before, strict=True):
+        new = engine.get_stats()
+        assert new["recompilations"] == old["recompilations"]
+        compiled = new["num_compilations"] + new["num_compilation_cache_hits"]
+        assert compiled == old["num_compilations"] + old["num_compilation_cache_hits"]
+    assert (
+        consumer.get_stats()["kv_connector_loaded_blocks"] > before[1]["kv_connector_loaded_blocks"]
+    )
+
+
+def test_the_config_refuses_what_the_transfer_connector_cannot_honour():
+    with pytest.raises(ValueError, match="shared_storage_path"):
+        KVTransferConfig.from_value(
+            _kv("kv_both", kv_connector_extra_config={"shared_storage_path": "/tmp/x"})
+        )
+    with pytest.raises(ValueError, match="load_async"):
+        KVTransferConfig.from_value(_kv("kv_both", kv_connector_extra_config={"load_async": False}))
+    with pytest.raises(ValueError, match="transfer_port"):
+        KVTransferConfig.from_value(_kv("kv_both", kv_connector_extra_config={"transfer_port": -1}))
+    with pytest.raises(ValueError, match="transfer_host"):
+        KVTransferConfig.from_value({"kv_connector_extra_config": {"transfer_host": "h"}})
+    ok = KVTransferConfig.from_value(
+        _kv("kv_consumer", kv_connector_extra_config={"transfer_port": 0, "pull_timeout_s": 5})
+    )
+    assert ok.transport == "jax_transfer" and ok.loads and not ok.saves
+
+
+def test_aborts_on_either_side_free_every_block(producer, consumer):
+    """A consumer's request aborted while its pull runs frees its blocks and its load is
+    dropped; a prefill aborted before its answer leaves no offer behind in the books."""
+    prompts = random_prompts(2, seed=30, lo=30, hi=50)
+    (params,) = _prefill(producer, prompts[:1], "ap")
+    sp = SamplingParams(max_tokens=8, temperature=0.0, kv_transfer_params=params)
+    consumer.add_request("gone", {"prompt_token_ids": prompts[0]}, sp)
+    consumer.step()
+    assert consumer.get_stats()["num_requests_waiting_for_remote_kvs"] == 1
+    consumer.abort_request("gone")
+    assert_nothing_held(consumer)
+    for _ in range(50):  # hands the abort to the runner: the pull's result is never written
+        consumer.step()
+        if consumer.runner.kv_connector.num_pending_loads == 0:
+            break
+    assert consumer.runner.kv_connector.num_pending_loads == 0
+    assert_nothing_held(consumer)
+    long = SamplingParams(
+        max_tokens=4, temperature=0.0, kv_transfer_params={"do_remote_decode": True}
+    )
+    producer.add_request("cut", {"prompt_token_ids": prompts[1]}, long)
+    for _ in range(3):
+        producer.step()
+    offered = producer.scheduler.kv_connector._offered
+    assert [rid.split("#")[0] for rid in offered] == ["cut"]  # offered, not answered yet
+    producer.abort_request("cut")
+    producer.step()  # the abort reaches the connector's books
+    assert not offered
+    assert_nothing_held(producer)
