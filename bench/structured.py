@@ -1,27 +1,38 @@
 """Structured outputs, side by side in one run: output tok/s with 0%, 20%, 80% and 100% of the
-requests constrained by a JSON schema, on one engine (one compilation), and the host time each
-step spends on token masks.
+requests constrained by a JSON schema, on one engine (one compilation), with the token masks
+built overlapped with the device's step or not, and the host time each step spends on them.
 
 Each row serves the same prompts with the same sampled settings (temperature 1, seeded); the
 constrained requests carry ``structured_outputs=StructuredOutputsParams(json=SCHEMA)`` and end
 when their JSON does, the others run with ignore_eos to the length the same request's JSON had
 (measured in a first, constrained pass): every row generates the same tokens per request and
 runs the same schedule, so the rows differ only in the constraint. Output tok/s counts
-every generated token over the run's wall time; "vs 0%" is the ratio to the unconstrained row.
-A second, traced pass of each row (the step tracer waits for the device each step) gives the
-host phases per step: "schedule" includes building the masks of the constrained requests,
-"update" includes advancing their matchers.
+every generated token over the run's wall time, the best of ``--repeats`` rounds over every
+row (the machine's load drifts between rows); "vs 0%" is the ratio to the unconstrained row
+of the same mode.
+A second, traced pass of each row gives the host phases per step: "masks" is the
+building of the constrained requests' masks (in "schedule" where they are built right after
+scheduling), "update" includes advancing their matchers.
 
-Masks are built on the host between steps, not overlapped with the device's step (the engine
-steps synchronously): there is no "overlapped" row.
+Each fraction runs in three modes (``--modes``), on the same compiled engine:
+
+    overlapped   async scheduling; a step with constrained requests runs its forward half
+                 while the step before is learned, and its masks are built meanwhile
+                 (EngineCore: the step's two halves)
+    post-learn   async scheduling, but a step with constrained requests waits for the step
+                 before to be learned, then builds its masks and runs whole (the engine before
+                 the split: EngineCore.overlap_masks = False)
+    sync         no async scheduling: every step waits for the one before
 
     python bench/structured.py                     # the demo model, 64 requests
     python bench/structured.py --model path/to/hf_checkpoint --num-requests 256
+    python bench/structured.py --num-requests 4 --max-tokens 8 --fractions 0,1   # a smoke run
     python bench/structured.py --speculative-config '{"method": "ngram", "policy": "always"}'
 
 With ``--speculative-config`` every row speculates (drafts checked against the grammar, a mask
 per verification row); seeded drafts keep every row's tokens those without speculation, and
-the rows report the drafts verified and accepted.
+the rows report the drafts verified and accepted. Speculating steps wait for the step before
+(drafts need its tokens): the three modes differ only in the steps that do not speculate.
 
 Prints a table and writes bench/results/structured.json (or --output).
 """
@@ -77,12 +88,30 @@ def _params(lengths: list[int], fraction: float) -> list[SamplingParams]:
     ]
 
 
-def _row(llm: LLM, prompts: list[list[int]], fraction: float, lengths: list[int]) -> dict:
+MODES = {  # name -> (async scheduling, masks overlapped with the forward)
+    "overlapped": (True, True),
+    "post-learn": (True, False),
+    "sync": (False, False),
+}
+
+
+def _set_mode(llm: LLM, mode: str) -> None:
+    """Switch the engine's async scheduling and mask overlap (no compilation: the same
+    executables serve every mode)."""
+    on, overlap = MODES[mode]
+    core = llm.engine.core
+    core.reset_scheduler(async_scheduling=on)
+    core.overlap_masks = overlap
+
+
+def _row(llm: LLM, prompts: list[list[int]], fraction: float, lengths: list[int], mode: str,
+         walls: list[float]) -> dict:  # fmt: skip
+    """The row of one fraction and mode: its timed passes' best wall time (``walls``, one per
+    repeat), then one traced pass for the host phases."""
+    _set_mode(llm, mode)
     params = _params(lengths, fraction)
     before = llm.get_stats()
-    start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - start
     after = llm.get_stats()
     spec = {
         key: after.get(key, 0) - before.get(key, 0)
@@ -100,23 +129,41 @@ def _row(llm: LLM, prompts: list[list[int]], fraction: float, lengths: list[int]
         llm.generate(prompts, params, use_tqdm=False)
     finally:
         llm.engine.set_step_tracer(None)
+    mean_ms = lambda field: 1e3 * float(np.mean([getattr(t, field) for t in traces]))  # noqa: E731
+    wall = min(walls)
     return {
         "fraction_constrained": fraction,
+        "mode": mode,
         "output_tokens": tokens,
+        "token_ids": [o.outputs[0].token_ids for o in outs],
         "wall_s": wall,
+        "wall_s_repeats": walls,
         "output_tok_per_s": tokens / wall,
         "constrained_valid": valid,  # complete JSON (the rest hit max_tokens)
         "constrained": sum(p.structured_outputs is not None for p in params),
         "steps": len(traces),
-        "schedule_ms_per_step": 1e3 * float(np.mean([t.schedule_s for t in traces])),
-        "update_ms_per_step": 1e3 * float(np.mean([t.update_s for t in traces])),
-        "execute_ms_per_step": 1e3 * float(np.mean([t.execute_s for t in traces])),
-        "prepare_ms_per_step": 1e3 * float(np.mean([t.prepare_s for t in traces])),
-        "device_ms_per_step": 1e3 * float(np.mean([t.device_s for t in traces])),
+        **{f"{f}_ms_per_step": mean_ms(f"{f}_s") for f in
+           ("schedule", "masks", "update", "execute", "prepare", "device", "device_idle")},
         "mean_rows_per_step": float(np.mean([len(t.q_lens) for t in traces])),
         "draft_tokens": spec["spec_decode_num_draft_tokens"],
         "accepted_tokens": spec["spec_decode_num_accepted_tokens"],
-    }
+    }  # fmt: skip
+
+
+def _timed(llm: LLM, prompts: list[list[int]], fractions: list[float], modes: list[str],
+           lengths: list[int], repeats: int) -> dict[tuple[float, str], list[float]]:  # fmt: skip
+    """Wall seconds of every (fraction, mode), ``repeats`` rounds over all of them (the
+    machine's load drifts: each row keeps its best round)."""
+    walls: dict[tuple[float, str], list[float]] = {(f, m): [] for f in fractions for m in modes}
+    for _ in range(repeats):
+        for f in fractions:
+            params = _params(lengths, f)
+            for m in modes:
+                _set_mode(llm, m)
+                start = time.perf_counter()
+                llm.generate(prompts, params, use_tqdm=False)
+                walls[(f, m)].append(time.perf_counter() - start)
+    return walls
 
 
 def _is_json(text: str) -> bool:
@@ -134,16 +181,26 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=256)
     ap.add_argument("--max-model-len", type=int, default=256)
+    ap.add_argument("--fractions", default=",".join(str(f) for f in FRACTIONS))
+    ap.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES)}")
+    ap.add_argument("--repeats", type=int, default=3, help="timed rounds; each row's best")
     ap.add_argument("--speculative-config", type=json.loads, default=None)
     ap.add_argument("--output", type=Path, default=RESULTS / "structured.json")
     args = ap.parse_args(argv)
+    fractions = [float(f) for f in args.fractions.split(",")]
+    modes = args.modes.split(",")
+    if not fractions or any(not 0.0 <= f <= 1.0 for f in fractions):
+        ap.error(f"--fractions must be in [0, 1], got {args.fractions!r}")
+    if not modes or any(m not in MODES for m in modes):
+        ap.error(f"--modes takes {', '.join(MODES)}, got {args.modes!r}")
     llm = LLM(
         args.model,
         warmup=True,  # every shape before the timed runs
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
-        max_num_batched_tokens=max(256, args.max_num_seqs),
+        max_num_batched_tokens=max(args.max_num_batched_tokens, args.max_num_seqs),
         speculative_config=args.speculative_config,
     )
     vocab = llm.engine.info.vocab_size
@@ -157,32 +214,52 @@ def main(argv: list[str] | None = None) -> dict:
         prompts, _params([args.max_tokens] * len(prompts), 1.0), use_tqdm=False
     )
     lengths = [len(o.outputs[0].token_ids) for o in calibration]
-    rows = [_row(llm, prompts, f, lengths) for f in FRACTIONS]
-    base = rows[0]["output_tok_per_s"]
-    print(f"{'constrained':>11} {'tok/s':>9} {'vs 0%':>6} {'valid':>7} {'sched ms':>9} "
-          f"{'update ms':>9} {'exec ms':>8} {'prep ms':>8} {'device ms':>9} "
-          f"{'rows':>5} {'drafts':>7} {'accepted':>8}")  # fmt: skip
-    for r in rows:
-        r["vs_unconstrained"] = r["output_tok_per_s"] / base
-        print(
-            f"{r['fraction_constrained']:>10.0%} {r['output_tok_per_s']:>9.1f} "
-            f"{r['vs_unconstrained']:>6.2f} {r['constrained_valid']:>3}/{r['constrained']:<3} "
-            f"{r['schedule_ms_per_step']:>9.3f} {r['update_ms_per_step']:>9.3f} "
-            f"{r['execute_ms_per_step']:>8.2f} {r['prepare_ms_per_step']:>8.3f} "
-            f"{r['device_ms_per_step']:>9.2f} {r['mean_rows_per_step']:>5.1f} "
-            f"{r['draft_tokens']:>7} {r['accepted_tokens']:>8}"
-        )
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
+    walls = _timed(llm, prompts, fractions, modes, lengths, args.repeats)
+    rows = [_row(llm, prompts, f, lengths, m, walls[(f, m)]) for f in fractions for m in modes]
+    _report(rows, fractions, modes)
     recompiled = llm.get_stats()["recompilations"]
     print(f"compilations after warm-up: {len(recompiled)}")
     result = {
         "model": args.model,
         "args": {k: str(v) for k, v in vars(args).items()},
-        "rows": rows,
+        "rows": [{k: v for k, v in r.items() if k != "token_ids"} for r in rows],
         "recompilations_after_warmup": recompiled,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def _report(rows: list[dict], fractions: list[float], modes: list[str]) -> None:
+    """Each row's ratios (to the unconstrained row of its mode, and to the same fraction's
+    first mode), whether every mode generated the same tokens, and the table."""
+    by = {(r["fraction_constrained"], r["mode"]): r for r in rows}
+    for r in rows:
+        base = by.get((0.0, r["mode"]))
+        first = by[(r["fraction_constrained"], modes[0])]
+        r["vs_unconstrained"] = r["output_tok_per_s"] / base["output_tok_per_s"] if base else None
+        r[f"vs_{modes[0]}"] = r["output_tok_per_s"] / first["output_tok_per_s"]
+        r["same_tokens"] = r["token_ids"] == first["token_ids"]
+    print(f"{'constrained':>11} {'mode':>10} {'tok/s':>9} {'vs 0%':>6} {'vs ' + modes[0]:>14} "
+          f"{'same':>5} {'valid':>7} {'sched ms':>9} {'masks ms':>9} {'update ms':>9} "
+          f"{'exec ms':>8} {'device ms':>9} {'idle ms':>8} {'rows':>5} {'drafts':>7} "
+          f"{'accepted':>8}")  # fmt: skip
+    for f in fractions:
+        for m in modes:
+            r = by[(f, m)]
+            vs0 = "" if r["vs_unconstrained"] is None else f"{r['vs_unconstrained']:.2f}"
+            print(
+                f"{f:>10.0%} {m:>11} {r['output_tok_per_s']:>9.1f} {vs0:>6} "
+                f"{r[f'vs_{modes[0]}']:>14.2f} {'yes' if r['same_tokens'] else 'NO':>5} "
+                f"{r['constrained_valid']:>3}/{r['constrained']:<3} "
+                f"{r['schedule_ms_per_step']:>9.3f} {r['masks_ms_per_step']:>9.3f} "
+                f"{r['update_ms_per_step']:>9.3f} {r['execute_ms_per_step']:>8.2f} "
+                f"{r['device_ms_per_step']:>9.2f} {r['device_idle_ms_per_step']:>8.2f} "
+                f"{r['mean_rows_per_step']:>5.1f} {r['draft_tokens']:>7} "
+                f"{r['accepted_tokens']:>8}"
+            )
 
 
 if __name__ == "__main__":

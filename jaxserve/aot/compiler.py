@@ -1,7 +1,8 @@
 """Compile each of warm-up's compilations for the target, and keep what the compiler says.
 
-The jobs are warmup.compilations(runner, what): the engine's own jitted step for every
-(T, R, B) bucket in both sampler variants, the block copy at every padded size, and with a host
+The jobs are warmup.compilations(runner, what): the engine's own jitted step halves, the
+forward for every (T, R, B) bucket and the sample for every row bucket R in both sampler
+variants, the block copy at every padded size, and with a host
 KV tier its gather (device -> host) and scatter (host -> device) at every padded size, with a
 draft model its proposal at every row bucket and its own block copy, with the arguments warm-up
 gives them (abstract params and KV pages here). Each is lowered and compiled
@@ -26,7 +27,7 @@ import numpy as np
 
 from jaxserve.runner.draft_model import PROPOSE_ARGS
 from jaxserve.runner.kv_offload import GATHER_ARGS, SCATTER_ARGS
-from jaxserve.runner.step import COPY_ARGS, STEP_ARGS
+from jaxserve.runner.step import COPY_ARGS, FORWARD_ARGS, SAMPLE_ARGS
 from jaxserve.runner.step_compiles import Compilation
 
 # memory_analysis() fields kept (bytes per device).
@@ -49,10 +50,11 @@ _DONATING = ("copy", "from_host")  # the copies that take the pages donated (the
 class BucketResult:
     """One compilation's outcome.
 
-    kind: "step", "copy" (copy-on-write), "to_host" or "from_host" (the host KV tier's
-    gather and scatter), "draft_propose" or "draft_copy" (a draft model's proposal loop and
-    block copy). tokens, rows, width: the step's (T, R, B) (rows: the proposal's too);
-    sampling_lists: the sampler variant's (penalty, ban) list widths, (0, 0) without lists.
+    kind: "step" (the step's forward half), "sample" (its sample half), "copy" (copy-on-write),
+    "to_host" or "from_host" (the host KV tier's gather and scatter), "draft_propose" or
+    "draft_copy" (a draft model's proposal loop and block copy). tokens, rows, width: the step's
+    (T, R, B) (rows: the sample's and the proposal's too); sampling_lists: the sample's
+    (penalty, ban) list widths, (0, 0) without lists.
     copies: a copy's padded number of blocks. donated_bytes: per device, the KV pages the
     compilation takes donated and must give back in place (0: it donates none; None: not
     known, the pool is expected). memory: MEMORY_FIELDS (bytes per device). flops,
@@ -83,8 +85,10 @@ class BucketResult:
             return f"{_COPY_LABELS[self.kind]} n={self.copies}"
         if self.kind == "draft_propose":
             return f"draft propose R={self.rows}"
-        lists = "" if self.sampling_lists == (0, 0) else f" lists={self.sampling_lists}"
-        return f"step T={self.tokens} R={self.rows} B={self.width}{lists}"
+        if self.kind == "sample":
+            lists = "" if self.sampling_lists == (0, 0) else f" lists={self.sampling_lists}"
+            return f"sample R={self.rows}{lists}"
+        return f"step T={self.tokens} R={self.rows} B={self.width}"
 
     @property
     def peak_bytes(self) -> int | None:
@@ -119,18 +123,18 @@ def describe_job(job: Compilation, draft: bool = False) -> dict[str, Any]:
         ids = args["block_ids" if kind != "copy" else "src"]
         return dict(kind="draft_copy" if draft else kind, copies=int(ids.shape[0]),
                     donated_bytes=donated)  # fmt: skip
-    if tuple(job.names) != STEP_ARGS:
+    if tuple(job.names) == SAMPLE_ARGS:
+        sampling = args["sampling_metadata"]
+        lists = (int(sampling.penalty_token_ids.shape[1]), int(sampling.banned_token_ids.shape[1]))
+        return dict(kind="sample", rows=int(args["logits"].shape[0]), sampling_lists=lists,
+                    donated_bytes=0)  # fmt: skip
+    if tuple(job.names) != FORWARD_ARGS:
         raise ValueError(f"not a step or a copy compilation: {job.names}")
-    md, sampling = args["attention_metadata"], args["sampling_metadata"]
     return dict(
         kind="step",
         tokens=int(args["input_ids"].shape[0]),
         rows=int(args["logits_indices"].shape[0]),
-        width=int(md.block_tables.shape[1]),
-        sampling_lists=(
-            int(sampling.penalty_token_ids.shape[1]),
-            int(sampling.banned_token_ids.shape[1]),
-        ),
+        width=int(args["attention_metadata"].block_tables.shape[1]),
         donated_bytes=device_bytes((args["kv_caches"], args["draft_kv_caches"])),
     )
 

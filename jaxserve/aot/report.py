@@ -80,19 +80,26 @@ class CompileReport:
         context = self.decode_context
         most = min(self.memory.max_num_seqs, self.memory.max_kv_tokens // max(context, 1))
         decodes = [b for b in self.steps if b.ok and b.tokens == b.rows and b.tokens <= most]
-        plain = [b for b in decodes if b.sampling_lists == (0, 0)]
-        if not plain:
+        if not decodes:
             return None
-        bucket = max(plain, key=lambda b: b.tokens)
+        bucket = self.with_sample(max(decodes, key=lambda b: b.tokens))
         return estimate(bucket, self.step_model, self.target, "decode", context)
 
     def prefill_estimate(self) -> StepEstimate | None:
         """The largest token bucket as one prefill chunk."""
-        plain = [b for b in self.steps if b.ok and b.sampling_lists == (0, 0)]
+        plain = [b for b in self.steps if b.ok]
         if not plain:
             return None
-        bucket = max(plain, key=lambda b: b.tokens)
+        bucket = self.with_sample(max(plain, key=lambda b: b.tokens))
         return estimate(bucket, self.step_model, self.target, "prefill")
+
+    def with_sample(self, step: BucketResult) -> BucketResult:
+        """A forward half's result with the FLOPs of the sample half at its R without
+        sampling lists added (a whole step's), where that one compiled."""
+        for b in self.buckets:
+            if b.kind == "sample" and b.ok and b.rows == step.rows and b.sampling_lists == (0, 0):
+                return dataclasses.replace(step, flops=(step.flops or 0.0) + (b.flops or 0.0))
+        return step
 
     def totals(self) -> dict[str, Any]:
         peak = self.compiled_peak_bytes
@@ -135,6 +142,7 @@ class CompileReport:
         out = bucket.as_dict()
         if bucket.kind == "step":
             phase = "decode" if bucket.tokens == bucket.rows else "prefill"
-            est = estimate(bucket, self.step_model, self.target, phase, self.decode_context)
+            est = estimate(self.with_sample(bucket), self.step_model, self.target, phase,
+                           self.decode_context)  # fmt: skip
             out["roofline"] = None if est is None else est.as_dict()
         return out

@@ -25,6 +25,8 @@ from jaxserve.structured.draft_checks import cut_drafts, run_lengths
 from jaxserve.structured.step_masks import (
     advance_matchers,
     dead_ends_reached,
+    sampling_constrained,
+    token_masks,
     with_finish_reasons,
     with_token_masks,
 )
@@ -34,6 +36,18 @@ class Runner(Protocol):
     def dispatch(self, scheduler_output: SchedulerOutput, trace: StepTrace | None = None) -> Any:
         """Start one step without waiting for the device; ``trace``, when given, is filled in
         with the runner's part. Returns a handle for ``collect``."""
+        ...
+
+    def dispatch_forward(
+        self, scheduler_output: SchedulerOutput, trace: StepTrace | None, masks_later: list[str]
+    ) -> Any:
+        """Start a step's forward half only; the rows of ``masks_later`` (request ids) wait
+        for their token masks. Returns a handle for ``dispatch_sample``."""
+        ...
+
+    def dispatch_sample(self, forward: Any, token_masks: dict[str, Any]) -> Any:
+        """Start the sample half of ``forward`` with the masks of its ``masks_later`` rows.
+        Returns a handle for ``collect``."""
         ...
 
     def collect(self, handle: Any) -> ModelRunnerOutput:
@@ -58,7 +72,8 @@ class Runner(Protocol):
 
 @dataclasses.dataclass
 class _Dispatched:
-    """A step the runner has started: what was scheduled, the runner's handle, and when."""
+    """A step the runner has started: what was scheduled, the runner's handle, and when (while
+    only its forward half runs: that half's handle, and the requests its masks wait for)."""
 
     so: SchedulerOutput
     dead_ends: dict[str, int]  # constrained request -> its row that no token may continue
@@ -66,6 +81,8 @@ class _Dispatched:
     scheduled_at: float  # perf_counter when its scheduling began
     dispatched_at: float  # ... and when its dispatch began
     trace: StepTrace | None
+    forward: Any = None  # the runner's forward handle, until the sample half is dispatched
+    masks_for: list[Request] = dataclasses.field(default_factory=list)
 
 
 class EngineCore:
@@ -105,6 +122,10 @@ class EngineCore:
         # Ids of the requests with constraints queued so far, less those gone (pruned each
         # step): an engine without any pays nothing per step for structured outputs.
         self._constrained: set[str] = set()
+        # Whether a step ahead with constrained requests runs its forward half before the
+        # step before is learned (its masks built meanwhile); False: it waits for that step,
+        # as before the step was split (benchmarks compare the two: bench/structured.py).
+        self.overlap_masks = True
         # Called with each step's StepTrace while set (set_step_tracer); None: off.
         self.step_tracer: Callable[[StepTrace], None] | None = None
         self._ready_watch: ReadyWatch | None = None
@@ -126,15 +147,19 @@ class EngineCore:
         """One engine step: schedule, run, learn. With async scheduling (docs/engine_step.md)
         the step it learns is the one before the step it leaves running, when it may run
         ahead (_may_run_ahead); otherwise the next step is dispatched once this one is learned,
-        and runs while the caller processes the outputs."""
+        and runs while the caller processes the outputs. A step ahead whose constrained
+        requests need the learned tokens for their masks runs its forward half meanwhile; its
+        sample half follows the learning (the masks built while the forward runs)."""
         if not self.async_scheduling:
             return self._finish(self._dispatch())
         prev, self._in_flight = self._in_flight, None
         if prev is None:
             prev = self._dispatch()
-        if self._may_run_ahead(prev):
-            self._in_flight = self._dispatch()
+        ahead = self._dispatch(masks_later=True) if self._may_run_ahead(prev) else None
         outputs = self._finish(prev)
+        if ahead is not None and ahead.forward is not None:
+            self._dispatch_sample(ahead)
+        self._in_flight = ahead
         if not self.scheduler.has_unfinished_requests():
             self._drain()  # the step in flight, if any, only has rows of finished requests
         elif self._in_flight is None:
@@ -143,22 +168,47 @@ class EngineCore:
 
     def _may_run_ahead(self, prev: _Dispatched) -> bool:
         """Whether the next step may be scheduled before ``prev`` is learned: not when a
-        speculative proposal or a constrained request's token mask needs prev's tokens (they
-        run one step after the other, the next dispatched as soon as prev is learned)."""
-        return self.spec is None and not self._constrained and not prev.so.token_masks
+        speculative proposal needs prev's tokens (the next is dispatched once prev is learned).
+        Token masks need them only in the sample half (_dispatch with masks_later), unless
+        overlap_masks is off."""
+        if self.spec is not None:
+            return False
+        return self.overlap_masks or (not self._constrained and not prev.so.token_masks)
 
-    def _dispatch(self) -> _Dispatched:
-        """Schedule a step and start it on the runner without waiting for the device."""
+    def _dispatch(self, masks_later: bool = False) -> _Dispatched:
+        """Schedule a step and start it on the runner without waiting for the device; with
+        ``masks_later``, a step whose constrained requests sample starts its forward half
+        only (_dispatch_sample starts the rest once their masks can be built)."""
         trace = StepTrace() if self.step_tracer is not None else None
         t0 = time.perf_counter()
-        so, dead_ends = self._schedule()
+        so, dead_ends, later = self._schedule(masks_later)
         t1 = time.perf_counter()
+        if later:
+            forward = self.runner.dispatch_forward(so, trace, [r.request_id for r in later])
+            if trace is not None:
+                trace.record_phases(t1 - t0, time.perf_counter() - t1)
+            return _Dispatched(so, {}, None, t0, t1, trace, forward, later)
         handle = self.runner.dispatch(so, trace)
         t2 = time.perf_counter()
         if trace is not None:
             trace.record_phases(t1 - t0, t2 - t1)
             self._ready_watch.watch(trace, handle, t2)
         return _Dispatched(so, dead_ends, handle, t0, t1, trace)
+
+    def _dispatch_sample(self, step: _Dispatched) -> None:
+        """The masks of ``step``'s constrained requests, from their matchers (now past the
+        step before's tokens), and its sample half started with them."""
+        t0 = time.perf_counter()
+        masks, step.dead_ends = token_masks(step.masks_for, step.so)
+        if masks:
+            step.so = dataclasses.replace(step.so, token_masks=masks)
+        t1 = time.perf_counter()
+        step.handle = self.runner.dispatch_sample(step.forward, masks)
+        step.forward, step.masks_for = None, []
+        if step.trace is not None:
+            step.trace.masks_s = t1 - t0
+            step.trace.execute_s += time.perf_counter() - t1
+            self._ready_watch.watch(step.trace, step.handle, t1)
 
     def _finish(self, step: _Dispatched) -> list[EngineCoreOutput]:
         """Learn a dispatched step: its samples to the host, the scheduler updated (and the
@@ -206,15 +256,18 @@ class EngineCore:
         sched.set_spec_tokens(drafts, spec.max_step_tokens)
         self._proposal_s = time.perf_counter() - now
 
-    def _schedule(self) -> tuple[SchedulerOutput, dict[str, int]]:
-        """The scheduler's step, with the token masks of its constrained requests, and their
-        dead ends (which _update ends)."""
+    def _schedule(self, masks_later: bool = False) -> tuple[SchedulerOutput, dict, list]:
+        """The scheduler's step, with the token masks of its constrained requests and their
+        dead ends (which _update ends); with ``masks_later``, without masks but with the
+        constrained requests that sample, whose masks _dispatch_sample builds."""
         so = self.scheduler.schedule()
         if not self._constrained:
-            return so, {}
+            return so, {}, []
         requests = self.scheduler.requests
         self._constrained.intersection_update(requests)
-        return with_token_masks(so, requests, self._constrained)
+        if masks_later:
+            return so, {}, sampling_constrained(so, requests, self._constrained)
+        return *with_token_masks(so, requests, self._constrained), []
 
     def _update(
         self, so: SchedulerOutput, runner_output: ModelRunnerOutput, dead_ends: dict[str, int]

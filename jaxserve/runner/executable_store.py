@@ -290,7 +290,7 @@ def _log_closest(root: pathlib.Path, fields: dict[str, str]) -> None:
 def use_executable_store(
     runner: Any, cache_dir: str | None, fields: dict[str, str], precompiled: str | None = None
 ) -> None:
-    """Give ``runner``'s step and block copy the ``precompiled`` folder (checked: raises as
+    """Give ``runner``'s step halves and block copy the ``precompiled`` folder (checked: raises as
     ExecutableStore.precompiled), else the store of ``fields`` under ``cache_dir`` (none when
     the cache is off or the store cannot be made: they compile as before)."""
     if precompiled is not None:
@@ -302,7 +302,8 @@ def use_executable_store(
     if store is not None:
         if runner.sharding is not None:
             store.devices = list(runner.sharding.mesh.devices.flat)
-        runner.compiles.store = runner.copy_compiles.store = store
+        for compiles in (runner.forward_compiles, runner.sample_compiles, runner.copy_compiles):
+            compiles.store = store
 
 
 # XLA:CPU executables deserialized in another process sometimes fail when they run ("Function

@@ -1,7 +1,10 @@
 """InFlightStep: a dispatched engine step whose results are still on the device, and how the
-runner collects them (its sampled ids, logprobs and prompt logprobs to the host).
+runner collects them (its sampled ids, logprobs and prompt logprobs to the host); ForwardStep:
+a step whose forward half is dispatched and whose sample half is not yet.
 
-``ModelRunner.dispatch`` returns one as soon as the jitted step is enqueued; ``collect`` waits
+``ModelRunner.dispatch`` returns one as soon as both jitted halves are enqueued
+(``dispatch_forward`` then ``dispatch_sample``: between the two, the host may build the
+sample half's token masks while the forward runs); ``collect`` waits
 for its sampled ids and turns them into a ModelRunnerOutput. A synchronous engine collects each
 step at once; with async scheduling the next step is dispatched first (docs/engine_step.md), so
 by the time a step is collected, the runner may have dropped some of its requests (finished,
@@ -26,6 +29,33 @@ from jaxserve.runner.spec_rows import emitted_runs
 if TYPE_CHECKING:
     from jaxserve.runner.prompt_logprobs import PromptLogprobs
     from jaxserve.runner.sampling_metadata import SamplingInputs
+
+
+@dataclass
+class ForwardStep:
+    """A step whose forward half is dispatched (ModelRunner.dispatch_forward): its batch, its
+    sampling rows' settings on the host (token masks still to be written, at ``mask_rows``),
+    and the forward's results on the device. ``batch`` is None for a step that runs no model.
+    """
+
+    batch: PreparedBatch | None = None
+    sampling_md: Any = None  # SamplingMetadata of numpy arrays
+    mask_rows: dict[str, int] = dataclasses.field(default_factory=dict)  # req_id -> its row
+    # ModelRunner.run_forward's: (logits f32[R, V], prompt logprobs, pending outputs i32[R],
+    # the draft model's DraftQ or None), on device
+    forward: tuple = ()
+    trace: Any = None  # StepTrace, when traced
+    kv_loads: dict = dataclasses.field(default_factory=dict)  # InFlightStep.kv_loads
+
+    def write_masks(self, token_masks: dict[str, np.ndarray]) -> None:
+        """Each mask (req_id -> u32[M]) into its request's sampling row; a request of
+        ``mask_rows`` without one keeps its all-allowed row (it finished since: the row's
+        sample is dropped)."""
+        bitmask = self.sampling_md.token_bitmask
+        for req_id, row in token_masks.items():
+            r = self.mask_rows.get(req_id)
+            if r is not None:
+                bitmask[r] = row
 
 
 @dataclass

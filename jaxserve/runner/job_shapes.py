@@ -17,7 +17,8 @@ hits, ``n > 1`` forks, speculative drafts):
   recomputes what it had, up to ``prompt + max_tokens`` tokens (plus drafts), and T <=
   ``sum over sequences of (prompt + max_tokens + k)``. Every token bucket up to that bound's
   padding can occur (the tail of a job steps down to T = 1).
-- R follows T (buckets.py: R = min(T, max_rows)).
+- R follows T (buckets.py: R = min(T, max_rows)). The step's forward half compiles per
+  (T, R, B), its sample half per (R, sampler variant) (WarmupSet.samples).
 - B (block-table width). A row's width is ``ceil(seq_len / block_size)`` of its computed and
   scheduled tokens, at most ``prompt + max_tokens + k`` (capped by max_model_len): every width
   bucket up to that of the longest sequence can occur (any subset of sequences may be batched).
@@ -57,11 +58,19 @@ class JobRequest:
 
 @dataclass(frozen=True)
 class WarmupSet:
-    """What one warm-up compiles and runs: step shapes x sampler variants, and block copies."""
+    """What one warm-up compiles and runs: the step's forward half at each shape, its sample
+    half at each row bucket of those shapes x sampler variants (``samples``), block copies."""
 
     shapes: tuple[Shape, ...]
     variants: tuple[tuple[int, int], ...]  # (penalty width, ban width) per sampler variant
     copy_sizes: tuple[int, ...]  # padded block-copy counts
+
+    @property
+    def samples(self) -> tuple[tuple[int, tuple[int, int]], ...]:
+        """(R, sampler widths) of the sample half: every row bucket of ``shapes`` in every
+        variant, the smallest R first."""
+        rows = sorted({r for _, r, _ in self.shapes})
+        return tuple((r, w) for r in rows for w in self.variants)
 
 
 def needs_sampling_lists(params: SamplingParams, has_step_mask: bool) -> bool:

@@ -42,8 +42,10 @@ def max_executables(map_limit: int | None = None) -> int:
 
 
 def max_step_shapes(max_executables: int | None, num_variants: int, num_copies: int) -> int | None:
-    """(T, R, B) shapes that fit ``max_executables`` (None: no budget) when each compiles
-    ``num_variants`` sampler variants and the block copy ``num_copies`` sizes; at least 1."""
+    """(T, R, B) shapes that fit ``max_executables`` (None: no budget) when each costs
+    ``num_variants`` executables and the block copy ``num_copies`` sizes; at least 1. The
+    runner passes its two sampler variants: a shape's forward half and its share of the
+    sample halves (two per row bucket, much smaller than a forward), within the bound."""
     if max_executables is None:
         return None
     return max(1, (max_executables - num_copies) // num_variants)

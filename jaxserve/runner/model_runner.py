@@ -1,31 +1,26 @@
-"""ModelRunner: SchedulerOutput in, sampled tokens out; one jitted step per engine step.
+"""ModelRunner: SchedulerOutput in, sampled tokens out; two jitted halves per engine step.
 
-    dispatch(scheduler_output)
-        InputBatch.update(...)         persistent numpy rows, updated incrementally
-        InputBatch.prepare(...)        padded host arrays for buckets (T, R, B)
-        SamplingInputs.build(...)      per-row sampling settings
-        step(params, kv_caches, ...)   ONE jit: forward, logits at R rows, sample; KV donated
-        -> InFlightStep                returns while the device runs the step
+    dispatch_forward(scheduler_output)    rows updated, padded host arrays for (T, R, B)
+        forward(params, kv_caches, ...)   jit: forward, logits f32[R, V]; KV donated
+    dispatch_sample(forward_step, masks)  the token masks written into the sampling rows
+        sample(logits, ...)               jit: sampler, rejection sampler, samples recorded
+        -> InFlightStep                   returns while the device runs the step
     collect(in_flight_step)
-        -> ModelRunnerOutput           only the sampled ids (and logprobs) come back
+        -> ModelRunnerOutput              only the sampled ids (and logprobs) come back
 
-execute_model is both at once. Between the two, the next step may be dispatched (async
-scheduling): its placeholder inputs read this step's samples on device (token_feed.py).
+``dispatch`` is both halves (the SchedulerOutput's masks). The next step may be dispatched
+before this one is collected (async scheduling: its placeholder inputs read this step's samples
+on device, token_feed.py), and the step before may be collected between a step's two halves
+(its tokens advance the grammar matchers whose masks the sample half takes: EngineCore).
+The pure halves and the block copy are step.py; the host arrays step_inputs.py; collecting
+in_flight.py; warm-up warmup.py. Compiled: the forward per (T, R, B) bucket, the sample per
+(R, sampler list widths), the block copy per padded size; warm-up compiles all of them and
+every compilation after it is explained (step_compiles.py).
 
-This module keeps the runner's state (params, KV pages, the host mirrors of the batch) and the
-per-step path. The pure step, its shardings and the block copy are step.py; collecting is
-in_flight.py; warm-up is warmup.py; prompt-logprobs bookkeeping is prompt_logprobs.py.
-
-Compiled variants are keyed by the bucket shapes and the sampler's two list widths (none, or
-penalty and ban lists); warm-up compiles every (T, R, B) in both, and the block copy at every
-padded size; every compilation after warm-up is explained (step_compiles.py).
-
-Speculative decoding: a request's drafts get a logits row each plus one (spec_rows.py), each
-sampled as its own output position; the step verifies them (rejection_sampler.py; a draft
-model's sampled drafts with their q, DraftModel.q_rows_of) and ``collect`` hands back the
-accepted drafts and one more token; a draft model runs inside the step and proposes after it
-(``spec_proposer``). Token constraints: the step's masks (SchedulerOutput.token_masks) go
-into SamplingInputs.build (token_constraints.py).
+Speculative decoding: a request's drafts get a logits row each plus one (spec_rows.py); the
+sample half verifies them (rejection_sampler.py; a draft model's sampled drafts with their q,
+DraftModel.q_rows_of) and ``collect`` hands back the accepted drafts and one more token; a
+draft model runs in the forward half and proposes after the step (``spec_proposer``).
 """
 
 from __future__ import annotations
@@ -41,7 +36,7 @@ from jaxserve.models import CausalLM
 from jaxserve.outputs import ModelRunnerOutput
 from jaxserve.runner.buckets import BucketSpec
 from jaxserve.runner.draft_model import DraftModel, DraftSpec
-from jaxserve.runner.in_flight import InFlightStep, collect
+from jaxserve.runner.in_flight import ForwardStep, InFlightStep, collect
 from jaxserve.runner.input_batch import InputBatch, PreparedBatch
 from jaxserve.runner.job_shapes import WarmupSet
 from jaxserve.runner.kv_cache import KVAllocator, allocate_kv_caches, pages_usable
@@ -52,16 +47,18 @@ from jaxserve.runner.plan import ExecutionPlan
 from jaxserve.runner.prompt_logprobs import PromptLogprobs
 from jaxserve.runner.sampling_metadata import SamplingInputs, SamplingMetadata
 from jaxserve.runner.sharding import ShardingPlan
-from jaxserve.runner.spec_rows import logits_row_owners, write_drafts
 from jaxserve.runner.step import (
     COPY_ARGS,
-    STEP_ARGS,
+    FORWARD_ARGS,
+    SAMPLE_ARGS,
     attention_metadata,
     jit_copy,
-    jit_step,
+    jit_forward,
+    jit_sample,
     padded_copies,
 )
 from jaxserve.runner.step_compiles import StepCompiles
+from jaxserve.runner.step_inputs import prepare_step, update_states
 from jaxserve.runner.step_trace import StepTrace
 from jaxserve.runner.token_feed import TokenFeed, initial_last_sampled
 from jaxserve.runner.warmup import warm_up
@@ -153,18 +150,18 @@ class ModelRunner:
         self._init_jitted()
 
     def _init_jitted(self) -> None:
-        """The jitted step and block copy (step.py), each counted by its StepCompiles.
-
-        They hold the model, never the runner: nothing of the runner is in a reference cycle,
-        so dropping the last LLM frees its device memory at once, without waiting for the
-        cyclic garbage collector."""
-        self.compiles = compiles = StepCompiles("the engine step", fixed_args=2)
+        """The step's two jitted halves and the block copy (step.py), each counted by its
+        StepCompiles. They hold the model, never the runner: nothing of the runner is in a
+        reference cycle, so dropping the last LLM frees its device memory at once."""
         draft = self.draft
-        self.jitted_step = step = jit_step(
-            self.model, self.plan.sampler_draw, self.sharding,
-            *(() if draft is None else (draft.model, draft.sharding)),
-        )  # fmt: skip
-        self._step = lambda *args: compiles(step, args, STEP_ARGS)
+        self.forward_compiles = fwd = StepCompiles("the engine step's forward", fixed_args=2)
+        self.jitted_forward = forward = jit_forward(
+            self.model, self.sharding, *(() if draft is None else (draft.model, draft.sharding))
+        )
+        self._forward = lambda *args: fwd(forward, args, FORWARD_ARGS)
+        self.sample_compiles = smp = StepCompiles("the engine step's sample")
+        self.jitted_sample = sample = jit_sample(self.plan.sampler_draw, self.sharding)
+        self._sample = lambda *args: smp(sample, args, SAMPLE_ARGS)
         self.copy_compiles = copies = StepCompiles("the copy-on-write block copy", fixed_args=1)
         self.jitted_copy = copy = jit_copy(self.sharding, self.model.arch.num_layers)
         self._copy = lambda *args: copies(copy, args, COPY_ARGS)
@@ -205,8 +202,7 @@ class ModelRunner:
 
     @property
     def num_compilations(self) -> int:
-        """XLA compilations of the step and the block copy so far (not those loaded from the
-        persistent compilation cache: num_compilation_cache_hits)."""
+        """XLA compilations so far (not those loaded from the cache: the hits)."""
         return sum(c.num_fresh for c in self.all_compiles())
 
     @property
@@ -223,7 +219,7 @@ class ModelRunner:
         copies = (self.kv_offload, self.kv_connector and self.kv_connector.staging)
         offload = [c.compiles for c in copies if c is not None]
         draft = [self.draft.compiles, self.draft.copy_compiles] if self.draft is not None else []
-        return [self.compiles, self.copy_compiles, *offload, *draft]
+        return [self.forward_compiles, self.sample_compiles, self.copy_compiles, *offload, *draft]
 
     def reset(self) -> bool:
         """Forget every request: the recovery of an engine step that raised part-way. The host
@@ -250,23 +246,20 @@ class ModelRunner:
         *,
         what: WarmupSet | None = None,
     ) -> int:
-        """Compile the step for every (T, R, B) bucket of ``shapes`` (default: all) in both
-        sampler variants, every block copy and the host-tier copies, or only what ``what``
-        lists (a job's set: job_shapes.py), ``workers`` at a time, then run each once
-        (warmup.py). Returns the number of compilations this caused (fresh or from the
-        cache)."""
+        """Compile what ``what`` lists (default: warmup_set(shapes); a job's set:
+        job_shapes.py), ``workers`` at a time, then run each once (warmup.py). Returns the
+        number of compilations this caused (fresh or from the cache)."""
         if what is None:
             what = self.warmup_set(shapes)
         return warm_up(self, what, workers)
 
     def warmup_set(self, shapes: list[tuple[int, int, int]] | None = None) -> WarmupSet:
-        """``shapes`` (default: every bucket) in every sampler variant, every block copy."""
+        """``shapes`` (default: every bucket), every sampler variant, every block copy."""
         shapes = shapes or self.buckets.all_shapes()
         return WarmupSet(tuple(shapes), self.sampling.variant_widths, self.copy_sizes)
 
     def measure_offload_bandwidth(self) -> tuple[float, float]:
-        """(bytes per second, latency in seconds) of the host KV tier's copies, measured once
-        on this runner's pages (KVOffloader.measure_bandwidth)."""
+        """(bytes/s, latency s) of the host KV tier's copies (KVOffloader.measure_bandwidth)."""
         self.kv_caches, bytes_per_s, latency_s = self.kv_offload.measure_bandwidth(self.kv_caches)
         return bytes_per_s, latency_s
 
@@ -284,10 +277,19 @@ class ModelRunner:
                        self._prompt_logprobs, self.vocab_size)  # fmt: skip
 
     def dispatch(self, so: SchedulerOutput, trace: StepTrace | None = None) -> InFlightStep:
-        """Start one engine step and return without waiting for the device. Its requests'
-        samples are pending (InputBatch.num_pending) until it is collected; the next step may
-        be dispatched before that (its placeholder inputs read them on device)."""
-        self._update_states(so)
+        """Start one engine step (both halves, the token masks of ``so``) and return without
+        waiting for the device. Its requests' samples are pending (InputBatch.num_pending)
+        until it is collected; the next step may be dispatched before that (its placeholder
+        inputs read them on device)."""
+        return self.dispatch_sample(self.dispatch_forward(so, trace), so.token_masks)
+
+    def dispatch_forward(
+        self, so: SchedulerOutput, trace: StepTrace | None = None, masks_later: Any = ()
+    ) -> ForwardStep:
+        """Start a step's forward half (``dispatch_sample`` starts the rest). The rows of
+        ``masks_later`` (ids of requests whose masks are built later) take the list variant."""
+        update_states(so, self.input_batch, self.sampling, self._prompt_logprobs,
+                      self._num_logprobs)  # fmt: skip
         if so.device_to_host or so.host_to_device:
             # Before anything writes the pages: the step reuses the evicted blocks.
             self.kv_caches = self.kv_offload.apply(
@@ -301,34 +303,33 @@ class ModelRunner:
         if so.block_copies:
             self.copy_blocks(*padded_copies(so.block_copies))
         if so.is_empty:
-            return InFlightStep(kv_loads=kv_loads)
+            return ForwardStep(kv_loads=kv_loads)
         start = time.perf_counter()
-        req_ids = list(so.num_scheduled_tokens)
-        num_scheduled = np.fromiter(so.num_scheduled_tokens.values(), np.int32, len(req_ids))
-        padded_tokens = self.buckets.padded_tokens(int(num_scheduled.sum()))
-        padded_rows = self.buckets.padded_rows(padded_tokens)
-        ib = self.input_batch
-        num_drafts = write_drafts(ib, req_ids, so.scheduled_spec_decode_tokens)
-        batch = ib.prepare(req_ids, num_scheduled, padded_tokens, padded_rows,
-                           self.buckets.padded_width, num_drafts)  # fmt: skip
-        # One sampling row per logits row: a request's k + 1 rows sample output positions
-        # pos .. pos + k, each with its own key (rejection_sampler.py).
-        row_slots, row_offsets = logits_row_owners(batch.slots, batch.num_drafts)
-        # Samples still in flight come before this step's (their ids are on the device only).
-        known = ib.num_tokens[row_slots] + ib.num_pending[row_slots]
-        output_pos = known - ib.num_prompt_tokens[row_slots] + row_offsets
-        step_masks = {ib.slot_of[rid]: row for rid, row in so.token_masks.items()}
-        sampling_md = self.sampling.build(row_slots, padded_rows, output_pos, step_masks)
-        targets = self._prompt_logprobs.targets(batch, ib)
+        batch, sampling_md, mask_rows = prepare_step(
+            so, self.input_batch, self.sampling, self.buckets, masks_later
+        )
+        targets = self._prompt_logprobs.targets(batch, self.input_batch)
         if trace is not None:
             trace.record_batch(batch, sampling_md.temperature, time.perf_counter() - start)
-        out, plp, num_emitted = self.run_prepared(batch, sampling_md, targets, trace)
+        forward = self.run_forward(batch, targets, trace)
         if connector is not None and connector.after_forward:
             # The blocks this forward completes (the gather waits for it: a producer's step
             # that saves does not overlap the next one's scheduling).
             self.kv_caches = self.kv_connector.save(self.kv_caches, connector)
-        ib.num_pending[batch.slots[batch.sampling_rows]] += 1
-        return InFlightStep(batch, out, plp, num_emitted, kv_loads)
+        return ForwardStep(batch, sampling_md, mask_rows, forward, trace, kv_loads)
+
+    def dispatch_sample(
+        self, fwd: ForwardStep, token_masks: dict[str, np.ndarray] | None = None
+    ) -> InFlightStep:
+        """Start the sample half after ``dispatch_forward``, with ``token_masks`` (req_id ->
+        u32[M]) for its ``masks_later`` rows (a row without one: its request finished)."""
+        batch = fwd.batch
+        if batch is None:
+            return InFlightStep(kv_loads=fwd.kv_loads)
+        fwd.write_masks(token_masks or {})
+        out, num_emitted = self.run_sample(batch, fwd.forward, fwd.sampling_md, fwd.trace)
+        self.input_batch.num_pending[batch.slots[batch.sampling_rows]] += 1
+        return InFlightStep(batch, out, fwd.forward[1], num_emitted, fwd.kv_loads)
 
     def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Copy-on-write: KV pages src[i] -> dst[i], in place (a padded count: copy_sizes)."""
@@ -343,62 +344,56 @@ class ModelRunner:
         prompt_targets: np.ndarray | None = None,  # i32[T]; None: no prompt logprobs
         trace: StepTrace | None = None,
     ) -> tuple[Any, Any, Any]:
-        """Run the jitted step on a prepared batch (its KV writes land in the pages).
+        """Run both jitted halves on a prepared batch (its KV writes land in the pages);
+        warm-up and benchmarks call it with synthetic batches of a bucket's shape. Returns
+        the sampler's output, the prompt logprobs and the tokens each request's logits rows
+        emit (rejection_sampler.py), on device."""
+        forward = self.run_forward(batch, prompt_targets, trace)
+        out, num_emitted = self.run_sample(batch, forward, sampling_md, trace)
+        return out, forward[1], num_emitted
 
-        The engine's path after the host arrays are built; benchmarks call it directly with
-        synthetic batches of a bucket's shape. Returns the sampler's output, the prompt
-        logprobs and the tokens each request's logits rows emit (rejection_sampler.py), on
-        device.
-        """
+    def run_forward(
+        self,
+        batch: PreparedBatch,
+        prompt_targets: np.ndarray | None = None,  # i32[T]; None: no prompt logprobs
+        trace: StepTrace | None = None,
+    ) -> tuple[Any, Any, Any, Any]:
+        """The forward half on a prepared batch: (logits, prompt logprobs, pending outputs,
+        the draft model's DraftQ or None), on device; the KV pages are the forward's now."""
         if prompt_targets is None:
             prompt_targets = np.full(batch.input_ids.shape, -1, np.int32)
         draft, rows = self.draft, len(batch.draft_ids)
         q_rows = None if draft is None else draft.q_rows_of(batch.req_ids, batch.num_drafts, rows)
+        draft_params, draft_kv, draft_q = DraftModel.step_args(draft, q_rows)
         start = time.perf_counter()
-        feed = TokenFeed(self.last_sampled, batch.from_slot, batch.sample_slot)
-        self.kv_caches, out, plp, num_emitted, draft_kv, self.last_sampled = self._step(
+        self.kv_caches, logits, plp, pending, draft_kv = self._forward(
             self.params,
             self.kv_caches,
             batch.input_ids,
             attention_metadata(batch, self.rope_tables, self.kv_scales),
             batch.logits_indices,
-            batch.draft_ids,
-            sampling_md,
             prompt_targets,
-            feed,
-            *DraftModel.step_args(draft, q_rows),
+            TokenFeed(self.last_sampled, batch.from_slot),
+            draft_params,
+            draft_kv,
         )
-        if self.draft is not None:
-            self.draft.took_step(draft_kv)
+        if draft is not None:
+            draft.took_step(draft_kv)
         if trace is not None:
             trace.record_dispatch(start, time.perf_counter() - start)
-        return out, plp, num_emitted
+        return logits, plp, pending, draft_q
 
-    def _update_states(self, so: SchedulerOutput) -> None:
-        ib = self.input_batch
-        for req_id in so.finished_req_ids:
-            self._prompt_logprobs.drop(req_id)
-            self._num_logprobs.pop(req_id, None)
-        for req_id in so.finished_req_ids | so.preempted_req_ids:
-            slot = ib.remove(req_id)
-            if slot is not None:
-                self.sampling.clear(slot)
-        for new in so.scheduled_new_reqs:
-            slot = ib.add(
-                new.req_id,
-                new.token_ids,
-                new.num_prompt_tokens,
-                new.block_ids,
-                new.num_computed_tokens,
-            )
-            prompt, outputs = (
-                new.token_ids[: new.num_prompt_tokens],
-                new.token_ids[new.num_prompt_tokens :],
-            )
-            self.sampling.set_request(slot, new.sampling_params, new.seed, prompt, outputs)
-            if new.sampling_params.logprobs is not None:
-                self._num_logprobs[new.req_id] = new.sampling_params.logprobs
-            if new.sampling_params.prompt_logprobs is not None:
-                self._prompt_logprobs.add(new.req_id, new.sampling_params.prompt_logprobs)
-        for cached in so.scheduled_cached_reqs:
-            ib.update_cached(cached.req_id, cached.num_computed_tokens, cached.new_block_ids)
+    def run_sample(
+        self, batch: PreparedBatch, forward: tuple, sampling_md: SamplingMetadata, trace=None
+    ) -> tuple[Any, Any]:
+        """The sample half after ``forward`` (run_forward's result): (sampler output, tokens
+        emitted per segment), on device; its samples are recorded for the next step."""
+        logits, _, pending, draft_q = forward
+        start = time.perf_counter()
+        out, num_emitted, self.last_sampled = self._sample(
+            logits, pending, batch.draft_ids, sampling_md, self.last_sampled,
+            batch.sample_slot, draft_q,
+        )  # fmt: skip
+        if trace is not None:
+            trace.add_dispatch(time.perf_counter() - start)
+        return out, num_emitted

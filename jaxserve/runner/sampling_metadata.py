@@ -169,6 +169,7 @@ class SamplingInputs:
         self._num_banned = np.zeros(n, np.int32)
         self._banned = np.zeros((n, self.ban_width), np.int32)
         self._constraints = ConstraintRows(vocab_size)
+        self.num_mask_words = self._constraints.num_words  # M of a token bitmask row
 
     # ----- per-request updates (host, once per request or per token) -----
 

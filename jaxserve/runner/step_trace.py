@@ -31,11 +31,12 @@ class StepTrace:
     """
 
     schedule_s: float = 0.0  # Scheduler.schedule (and the step's token masks)
-    execute_s: float = 0.0  # ModelRunner.dispatch, all of it (host work, the call)
+    execute_s: float = 0.0  # ModelRunner.dispatch, all of it (host work, the calls)
+    masks_s: float = 0.0  # the step's token masks (structured outputs), where it has some
     collect_s: float = 0.0  # ModelRunner.collect: waiting for the samples, and the host's part
     update_s: float = 0.0  # Scheduler.update_from_output (and what follows it)
     prepare_s: float = 0.0  # host arrays of the batch (InputBatch, sampling, RoPE rows)
-    dispatch_s: float = 0.0  # the jitted step's call, until it returns (asynchronous dispatch)
+    dispatch_s: float = 0.0  # the jitted halves' calls, until they return (asynchronous)
     device_s: float = 0.0  # from when the device could start the step until its samples were ready
     device_idle_s: float = 0.0  # the device's wait for this step after the previous one ended
     dispatched_at: float = 0.0  # time.perf_counter() when the jitted step was called
@@ -68,10 +69,14 @@ class StepTrace:
         self.all_greedy = bool((np.asarray(temperature)[:rows] <= 0).all())
 
     def record_dispatch(self, called_at: float, dispatch_s: float) -> None:
-        """The jitted step's call: when it began (the device may start the step from then on;
+        """The forward half's call: when it began (the device may start the step from then on;
         XLA:CPU even runs part of it in the call when the device is idle), and how long it
         took to return."""
         self.dispatched_at, self.dispatch_s = called_at, dispatch_s
+
+    def add_dispatch(self, dispatch_s: float) -> None:
+        """The sample half's call (step.py), after the forward's (record_dispatch)."""
+        self.dispatch_s += dispatch_s
 
     @property
     def num_tokens(self) -> int:

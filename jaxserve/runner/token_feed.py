@@ -4,10 +4,11 @@ With async scheduling (docs/engine_step.md) step N + 1 is dispatched before step
 reach the host, so a request that decodes in both has, in step N + 1, an input token the host
 does not know yet: a placeholder. The runner keeps one device array, ``last_sampled`` (i32[S],
 S = max_num_seqs), holding per slot of the persistent batch the last token its request sampled.
-Every step records its samples there (``record``), and a step's token rows whose input is a
-placeholder read it from there (``inputs``): the ids never travel to the host and back between
-the two steps, and no step waits for the other. The same array serves the synchronous engine,
-whose steps simply have no placeholder, so both run the same executable.
+Every step's sample half records its samples there (``record``), and a step's token rows whose
+input is a placeholder read it from there in the forward half (``inputs``): the ids never
+travel to the host and back between the two steps, and no step waits for the other. The same
+array serves the synchronous engine, whose steps simply have no placeholder, so both run the
+same executables.
 
 Slots are stable for a request's life in the batch (InputBatch), and a slot freed and reused
 between two steps is written by the later step before it is read, so a slot always holds the
@@ -41,18 +42,16 @@ def initial_last_sampled(num_slots: int, sharding: Any, like: Any) -> Any:
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class TokenFeed:
-    """The step's view of the samples in flight.
+    """The forward half's view of the samples in flight.
 
     last_sampled: i32[S] per slot, the last token its request sampled (device-resident: the
         previous step's output).
     from_slot: i32[T] per token row, the slot whose last sample is its input token (a
         placeholder), or -1 where the host's input id stands.
-    sample_slot: i32[R] per logits row, the slot its sample is recorded in, or NO_SLOT.
     """
 
     last_sampled: jax.Array
     from_slot: jax.Array
-    sample_slot: jax.Array
 
     def inputs(self, input_ids: jax.Array) -> jax.Array:
         """i32[T]: the host's input ids with each placeholder replaced by its sample."""
@@ -66,10 +65,12 @@ class TokenFeed:
         fed = self.from_slot[logits_indices] >= 0
         return jnp.where(fed, input_ids[logits_indices], -1)
 
-    def record(self, token_ids: jax.Array) -> jax.Array:
-        """i32[S]: ``last_sampled`` with each recording row's sample (``token_ids`` i32[R])
-        written to its slot."""
-        return self.last_sampled.at[self.sample_slot].set(token_ids, mode="drop")
+
+def record(last_sampled: jax.Array, sample_slot: jax.Array, token_ids: jax.Array) -> jax.Array:
+    """i32[S]: ``last_sampled`` with each recording row's sample (``token_ids`` i32[R]) written
+    to its slot (``sample_slot`` i32[R]: the slot, or NO_SLOT for a row that records nothing);
+    the sample half's."""
+    return last_sampled.at[sample_slot].set(token_ids, mode="drop")
 
 
 def feed_arrays(

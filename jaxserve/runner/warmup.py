@@ -1,15 +1,15 @@
 """Warm-up: compile step shapes ahead of time, then run each once.
 
 What it compiles is a WarmupSet (job_shapes.py). A server's (and LLMEngine's) is the full set:
-the step for every (T, R, B) bucket in both of its variants (a batch without penalties or bans,
-and one with them at the one width every accepted request fits:
-SamplingInputs.variant_widths), the copy-on-write block copy (n > 1) for every size of the
-runner's copy_sizes. An offline job's is the part of it that its requests can reach
-(job_shapes.job_warmup_set), warmed up before the job's first step; a later job adds what it
-needs more. Always the host KV tier's and the KV connector's copies when there is one, and a
-draft model's proposal at every row bucket (with its pages' block copies) when speculative
-decoding has one. Every other sampling feature (greedy or sampled rows, seeds, logprobs,
-prompt logprobs, min_tokens) runs in these same compiled steps.
+the step's forward half for every (T, R, B) bucket, its sample half for every row bucket R in
+both sampler variants (a batch without penalties or bans, and one with them at the one width
+every accepted request fits: SamplingInputs.variant_widths), the copy-on-write block copy (n >
+1) for every size of the runner's copy_sizes. An offline job's is the part of it that its
+requests can reach (job_shapes.job_warmup_set), warmed up before the job's first step; a later
+job adds what it needs more. Always the host KV tier's and the KV connector's copies when
+there is one, and a draft model's proposal at every row bucket (with its pages' block copies)
+when speculative decoding has one. Every other sampling feature (greedy or sampled rows, seeds,
+logprobs, prompt logprobs, min_tokens) runs in these same compiled steps.
 
 Each is lowered and compiled ahead of time, ``workers`` at a time (threads: XLA compiles without
 the GIL), for the arguments of an all-padding batch. jax keeps the executables, and the engine's
@@ -31,9 +31,9 @@ from jaxserve.runner.draft_model import PROPOSE_ARGS, DraftModel
 from jaxserve.runner.input_batch import PreparedBatch
 from jaxserve.runner.job_shapes import Shape, WarmupSet
 from jaxserve.runner.sampling_metadata import SamplingMetadata
-from jaxserve.runner.step import COPY_ARGS, STEP_ARGS, attention_metadata
+from jaxserve.runner.step import COPY_ARGS, FORWARD_ARGS, SAMPLE_ARGS, attention_metadata
 from jaxserve.runner.step_compiles import Compilation, compile_concurrently, signature
-from jaxserve.runner.token_feed import TokenFeed
+from jaxserve.runner.token_feed import NO_SLOT, TokenFeed
 
 if TYPE_CHECKING:
     from jaxserve.runner.model_runner import ModelRunner
@@ -82,8 +82,8 @@ def warm_up(runner: ModelRunner, what: WarmupSet, workers: int) -> int:
         for compiles in runner.all_compiles():
             compiles.finish_warmup()
     run_once(runner, *_not_run(runner.warmed, what))
-    # Only the step and the block copy have run (run_once): only they are serialized.
-    ran = (runner.compiles, runner.copy_compiles)
+    # Only the step's halves and the block copy have run (run_once): only they are serialized.
+    ran = (runner.forward_compiles, runner.sample_compiles, runner.copy_compiles)
     for compiles in runner.all_compiles():
         compiles.save_ran(any(compiles is c for c in ran))
     return runner.num_compilations + runner.num_compilation_cache_hits - before
@@ -101,26 +101,50 @@ def _split_stored(jobs: list[Compilation]) -> tuple[list[Compilation], list[Comp
 
 def _not_run(warmed: set, what: WarmupSet) -> tuple[list[Step], list[int]]:
     """The steps (shape, sampler widths) and block-copy sizes of ``what`` that no earlier
-    warm-up ran, now recorded in ``warmed``."""
-    steps = [(s, w) for s in what.shapes for w in what.variants if (s, w) not in warmed]
+    warm-up ran, now recorded in ``warmed``: each forward shape once (with a sampler variant
+    of its R not run yet, if any), then a step of the smallest shape of each R for every
+    sample variant still not run."""
+    steps = []
+    samples = [s for s in what.samples if ("sample", *s) not in warmed]
+    for shape in what.shapes:
+        if ("forward", shape) in warmed:
+            continue
+        widths = next((w for r, w in samples if r == shape[1]), what.variants[0])
+        steps.append((shape, widths))
+        warmed.update({("forward", shape), ("sample", shape[1], widths)})
+        samples = [s for s in samples if s != (shape[1], widths)]
+    for r, widths in samples:
+        if ("sample", r, widths) not in warmed:
+            shape = min(s for s in what.shapes if s[1] == r)
+            steps.append((shape, widths))
+            warmed.add(("sample", r, widths))
     copies = [("copy", n) for n in what.copy_sizes if ("copy", n) not in warmed]
-    warmed.update(steps, copies)
+    warmed.update(copies)
     return steps, [n for _, n in copies]
 
 
 def compilations(runner: ModelRunner, what: WarmupSet) -> list[Compilation]:
-    """The compilations warm-up runs: the step for each shape of ``what`` (in its order:
-    the smallest T first) in each of its sampler variants, the block copy for each of its
-    sizes, the host KV tier's copies and a draft model's functions."""
+    """The compilations warm-up runs: the forward half for each shape of ``what`` (in its
+    order: the smallest T first), the sample half for each of its (R, sampler variant), the
+    block copy for each of its sizes, the host KV tier's copies and a draft model's
+    functions."""
     jobs = [
         Compilation(
-            runner.compiles,
-            runner.jitted_step,
-            (runner.params, runner.kv_caches, *padding_step_inputs(runner, t, r, b, widths)),
-            STEP_ARGS,
+            runner.forward_compiles,
+            runner.jitted_forward,
+            (runner.params, runner.kv_caches, *padding_forward_inputs(runner, t, r, b)),
+            FORWARD_ARGS,
         )
         for t, r, b in what.shapes
-        for widths in what.variants
+    ]
+    jobs += [
+        Compilation(
+            runner.sample_compiles,
+            runner.jitted_sample,
+            padding_sample_inputs(runner, r, widths),
+            SAMPLE_ARGS,
+        )
+        for r, widths in what.samples
     ]
     jobs += _copy_compilations(runner.copy_compiles, runner.jitted_copy, runner.kv_caches,
                                what.copy_sizes)  # fmt: skip
@@ -190,19 +214,40 @@ def neutral_sampling(
     )
 
 
-def padding_step_inputs(
-    runner: ModelRunner, padded_tokens: int, padded_rows: int, width: int, widths: tuple[int, int]
+def padding_forward_inputs(
+    runner: ModelRunner, padded_tokens: int, padded_rows: int, width: int
 ) -> tuple[Any, ...]:
-    """The step's arguments after params and KV pages for an all-padding batch of this
-    bucket, with sampling lists of ``widths``."""
+    """The forward half's arguments after params and KV pages for an all-padding batch of
+    this bucket."""
     batch = PreparedBatch.padding(padded_tokens, padded_rows, width)
+    draft_params, draft_kv, _ = DraftModel.step_args(runner.draft, None)
     return (
         batch.input_ids,
         attention_metadata(batch, runner.rope_tables, runner.kv_scales),
         batch.logits_indices,
-        batch.draft_ids,
-        neutral_sampling(padded_rows, runner.vocab_size, widths),
         np.full(padded_tokens, -1, np.int32),  # no prompt-logprob targets
-        TokenFeed(runner.last_sampled, batch.from_slot, batch.sample_slot),
-        *DraftModel.step_args(runner.draft, np.full(padded_rows, -1, np.int32)),
+        TokenFeed(runner.last_sampled, batch.from_slot),
+        draft_params,
+        draft_kv,
+    )
+
+
+def padding_sample_inputs(
+    runner: ModelRunner, padded_rows: int, widths: tuple[int, int]
+) -> tuple[Any, ...]:
+    """The sample half's arguments for ``padded_rows`` padding rows with sampling lists of
+    ``widths``; the forward's results as their shapes (jax.ShapeDtypeStruct), placed as the
+    forward places them (jax keys its executables by the arguments' shardings too)."""
+    rows = np.full(padded_rows, -1, np.int32)
+    placed = None if runner.sharding is None else runner.sharding.replicated
+    logits = jax.ShapeDtypeStruct((padded_rows, runner.vocab_size), np.float32, sharding=placed)
+    *_, draft_q = DraftModel.step_args(runner.draft, rows)
+    return (
+        logits,
+        jax.ShapeDtypeStruct((padded_rows,), np.int32, sharding=placed),  # pending outputs
+        rows,  # no drafts
+        neutral_sampling(padded_rows, runner.vocab_size, widths),
+        runner.last_sampled,
+        np.full(padded_rows, NO_SLOT, np.int32),
+        draft_q,
     )

@@ -21,14 +21,22 @@ def with_token_masks(
     so: SchedulerOutput, requests: dict[str, Request], constrained: Iterable[str]
 ) -> tuple[SchedulerOutput, dict[str, int]]:
     """``so`` with the mask of every scheduled request that has constraints and samples this
-    step (its chunk reaches its last token): one row u32[ceil(V / 32)], or with k speculative
-    drafts one per verification row, u32[1 + k, ceil(V / 32)], row j the mask after drafts
-    0..j-1 (draft_checks.py); ``so`` itself when there is none. Also the dead ends: request ->
-    the first row whose constraints leave no token at all (a grammar and allowed_token_ids
-    that do not meet, bad words that ban every allowed id); that row allows EOS only, and the
-    caller ends the request with "abort" once a step reaches the row (dead_ends_reached).
-    ``constrained``: the ids of the requests that may have constraints (the others are not
-    looked at)."""
+    step (its chunk reaches its last token); ``so`` itself when there is none. Also the dead
+    ends (``token_masks``). ``constrained``: the ids of the requests that may have
+    constraints (the others are not looked at)."""
+    sampling = sampling_constrained(so, requests, constrained)
+    if not sampling:
+        return so, {}
+    masks, dead_ends = token_masks(sampling, so)
+    return dataclasses.replace(so, token_masks=masks), dead_ends
+
+
+def sampling_constrained(
+    so: SchedulerOutput, requests: dict[str, Request], constrained: Iterable[str]
+) -> list[Request]:
+    """The requests of ``constrained`` that have constraints and sample in ``so``, asked
+    right after it was scheduled (a step still in flight, async scheduling, counts as done:
+    the request samples when this step's tokens reach its last one, placeholders included)."""
     sampling = []
     scheduled = so.num_scheduled_tokens
     for rid in constrained:
@@ -36,11 +44,28 @@ def with_token_masks(
         req = requests.get(rid)
         if num is None or req is None or req.constraints is None:
             continue
-        if req.num_computed_tokens + num < req.num_tokens:
-            continue  # a prefill chunk that samples nothing
-        sampling.append(req)
+        # The scheduler counted this step's sample among the placeholders (step_batch.py).
+        end = req.num_computed_tokens + req.num_inflight_tokens
+        placeholders = req.num_output_placeholders
+        if placeholders and end >= req.num_tokens + placeholders - 1:
+            sampling.append(req)
+    return sampling
+
+
+def token_masks(
+    sampling: list[Request], so: SchedulerOutput
+) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    """The masks of ``sampling`` (requests with constraints that sample in ``so``, whose
+    matchers have accepted every output token so far; finished ones are skipped): one row
+    u32[ceil(V / 32)], or with k speculative drafts one per verification row,
+    u32[1 + k, ceil(V / 32)], row j the mask after drafts 0..j-1 (draft_checks.py). Also the
+    dead ends: request -> the first row whose constraints leave no token at all (a grammar and
+    allowed_token_ids that do not meet, bad words that ban every allowed id); that row allows
+    EOS only, and the caller ends the request with "abort" once a step reaches the row
+    (dead_ends_reached)."""
+    sampling = [req for req in sampling if not req.is_finished]
     if not sampling:
-        return so, {}
+        return {}, {}
     drafts = [so.scheduled_spec_decode_tokens.get(req.request_id, []) for req in sampling]
     # One block for the step's rows (each request's rows a contiguous view): no allocation per
     # request.
@@ -60,7 +85,7 @@ def with_token_masks(
             set_bits(rows[dead], req.eos_token_ids)
             dead_ends[rid] = dead
         masks[rid] = rows if draft_ids else rows[0]
-    return dataclasses.replace(so, token_masks=masks), dead_ends
+    return masks, dead_ends
 
 
 def dead_ends_reached(outputs: list[EngineCoreOutput], dead_ends: dict[str, int]) -> list[str]:

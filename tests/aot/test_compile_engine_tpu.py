@@ -44,10 +44,13 @@ def _check_compiled(report: dict, tp: int) -> None:
     assert plan["tensor_parallel_size"] == tp and plan["dtype"] == "bfloat16"
     buckets = report["buckets"]
     steps = [b for b in buckets if b["kind"] == "step"]
+    samples = [b for b in buckets if b["kind"] == "sample"]
     copies = [b for b in buckets if b["kind"] == "copy"]
-    # one token bucket (T=8, R=8) in both sampler variants; the copies at 1, 2, 4, 8 blocks
-    assert [(b["tokens"], b["rows"]) for b in steps] == [(8, 8), (8, 8)]
-    assert [b["sampling_lists"][0] > 0 for b in steps] == [False, True]
+    # one token bucket (T=8, R=8): its forward once, its sample in both sampler variants; the
+    # copies at 1, 2, 4, 8 blocks
+    assert [(b["tokens"], b["rows"]) for b in steps] == [(8, 8)]
+    assert [(b["rows"], b["sampling_lists"][0] > 0) for b in samples] == [(8, False), (8, True)]
+    assert all(b["donated_bytes"] == 0 for b in samples)
     assert [b["copies"] for b in copies] == [1, 2, 4, 8]
     assert all(b["ok"] and b["error"] is None for b in buckets), [b["error"] for b in buckets]
     pool = report["memory_plan"]["num_kv_blocks"] * report["memory_plan"]["kv_bytes_per_block"]

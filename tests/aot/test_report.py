@@ -77,3 +77,20 @@ def test_totals_need_every_compilation_aliased_and_fitting() -> None:
     failed = _report([_step(4, 4, 1e9, pool), BucketResult("copy", False, error="x", copies=1)])
     assert failed.totals()["num_failed"] == 1 and not failed.ok
     assert "FAILED" in format_report(failed.as_dict())
+
+
+def test_a_step_estimate_adds_its_sample_half_and_a_sample_has_its_label() -> None:
+    """The forward half ("step") is estimated with the FLOPs of the sample half of its R
+    without lists (the whole step's); a sample is listed by its rows and lists."""
+    pool = 65 * 16 * 2 * 2 * 4 * 128 * 2
+    fields = ("argument", "output", "alias", "temp", "generated_code")
+    memory = {f"{f}_size_in_bytes": 10**3 for f in fields}
+    sample = BucketResult("sample", True, rows=8, sampling_lists=(0, 0), donated_bytes=0,
+                          compile_s=0.1, memory=memory, flops=5e6)  # fmt: skip
+    lists = BucketResult("sample", True, rows=8, sampling_lists=(65, 65), donated_bytes=0,
+                         compile_s=0.1, memory=memory, flops=9e9)  # fmt: skip
+    report = _report([_step(8, 8, 2e9, pool), sample, lists])
+    assert report.decode_estimate().flops == 2e9 + 5e6 + 8 * 16 * 1e6
+    assert report.totals()["kv_aliased"]
+    text = format_report(report.as_dict())
+    assert "sample R=8 " in text and "sample R=8 lists=(65, 65)" in text

@@ -166,3 +166,84 @@ def test_the_step_tracer_sees_the_overlap(llm):
         queued[on] = sum(t.device_idle_s == 0.0 for t in decodes) / len(decodes)
     assert queued[False] == 0.0
     assert queued[True] > 0.0
+
+
+def _constrained_workload() -> tuple[list, list[SamplingParams]]:
+    """Structured outputs, bad words and allowed ids among unconstrained requests, with
+    preemption and chunked prefill (the stress settings)."""
+    digits = {"type": "array", "items": {"type": "integer", "minimum": 1, "maximum": 9},
+              "minItems": 2, "maxItems": 5}  # fmt: skip
+    prompts = random_prompts(3, seed=6, lo=20, hi=34) + ["Pick", "Say", "Go", "Hi"]
+    sampled = dict(temperature=1.0, seed=4)
+    params = [
+        SamplingParams(max_tokens=24, structured_outputs={"json": digits}, **sampled),
+        SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+        SamplingParams(
+            max_tokens=16, n=2, structured_outputs={"regex": "[a-c]{3}-[0-9]{2}"}, **sampled
+        ),  # fmt: skip
+        SamplingParams(max_tokens=10, structured_outputs={"choice": ["yes", "no"]}, seed=2),
+        SamplingParams(max_tokens=14, bad_words=["the"], presence_penalty=0.5, **sampled),
+        SamplingParams(max_tokens=9, allowed_token_ids=list(range(5, 40)), **sampled),
+        SamplingParams(max_tokens=20, structured_outputs={"json": digits}, temperature=0.0),
+    ]
+    return prompts, params
+
+
+def _set_mode(llm: LLM, mode: str) -> None:
+    llm.engine.core.reset_scheduler(async_scheduling=mode != "sync")
+    llm.engine.core.overlap_masks = mode == "overlapped"
+
+
+def test_token_masks_built_while_the_forward_runs_change_no_token(llm, monkeypatch):
+    """A step with constrained requests runs its forward half before the step before is
+    learned and its sample half after (the masks built meanwhile): the same tokens as the
+    masks built after each step is learned, and as the synchronous engine."""
+    prompts, params = _constrained_workload()
+    runner = llm.engine.runner
+    real, split = runner.dispatch_forward, []
+
+    def forward(so, trace=None, masks_later=()):
+        split.extend(masks_later)  # the requests whose masks come after the forward
+        return real(so, trace, masks_later)
+
+    monkeypatch.setattr(runner, "dispatch_forward", forward)
+    results = {}
+    for mode in ("sync", "post-learn", "overlapped"):
+        split.clear()
+        _set_mode(llm, mode)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert_nothing_held(llm.engine)
+        results[mode] = [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in outs]
+        assert bool(split) == (mode == "overlapped")  # the halves apart: only when overlapped
+    assert results["overlapped"] == results["post-learn"] == results["sync"]
+    assert results["sync"][3][0][0] and results["sync"][6][0][1] in ("stop", "length")
+    assert llm.get_stats()["recompilations"] == []
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("injected"), KeyboardInterrupt()], ids=repr)
+@pytest.mark.parametrize("where", ["dispatch_sample", "dispatch_forward"])
+def test_a_fault_between_the_two_halves_aborts_and_the_engine_serves_on(llm, monkeypatch,
+                                                                        where, exc):  # fmt: skip
+    """A fault while a constrained step's forward half runs and its sample half is not yet
+    dispatched: every request is aborted, nothing is held, the next run is unchanged."""
+    prompts, params = _constrained_workload()
+    _set_mode(llm, "overlapped")
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    reference = [[c.token_ids for c in o.outputs] for o in outs]
+    runner, calls = llm.engine.runner, []
+    real = getattr(runner, where)
+
+    def faulty(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise exc
+        return real(*args)
+
+    monkeypatch.setattr(runner, where, faulty)
+    with pytest.raises(type(exc)):
+        llm.generate(prompts, params, use_tqdm=False)
+    monkeypatch.undo()
+    assert_nothing_held(llm.engine)
+    assert llm.engine.runner.is_idle
+    again = llm.generate(prompts, params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in again] == reference

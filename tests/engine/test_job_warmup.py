@@ -23,23 +23,28 @@ def _watch(llm: LLM) -> tuple[list, list]:
     """Record each warm-up's set and each step's (shape, sampler widths, copies)."""
     runner = llm.engine.runner
     sets, steps = [], []
-    warmup, step, copy = runner.warmup, runner._step, runner._copy
+    warmup, forward, sample, copy = runner.warmup, runner._forward, runner._sample, runner._copy
 
     def watched_warmup(*args, what=None, **kw):
         sets.append(what)
         return warmup(*args, what=what, **kw)
 
-    def watched_step(*args):
-        md, smd = args[3], args[6]
+    def watched_forward(*args):
+        steps.append(("forward", (len(args[2]), *args[3].block_tables.shape)))
+        return forward(*args)
+
+    def watched_sample(*args):
+        smd = args[3]
         widths = (smd.penalty_token_ids.shape[1], smd.banned_token_ids.shape[1])
-        steps.append(((len(args[2]), *md.block_tables.shape), widths))
-        return step(*args)
+        steps.append(("sample", len(args[2]), widths))
+        return sample(*args)
 
     def watched_copy(*args):
         steps.append(("copy", len(args[1])))
         return copy(*args)
 
-    runner.warmup, runner._step, runner._copy = watched_warmup, watched_step, watched_copy
+    runner.warmup, runner._forward, runner._sample = watched_warmup, watched_forward, watched_sample
+    runner._copy = watched_copy
     return sets, steps
 
 
@@ -69,11 +74,13 @@ def test_a_small_job_compiles_a_fraction_of_the_full_set(llm):
     llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)
     # Two prompts of 3 + 2 tokens whose KV fits the pool (no preemption): T up to 6, one
     # sampler variant, no block copy.
-    assert runner.warmed == {((t, t, 8), (0, 0)) for t in (1, 4, 6)}
-    assert _compiled(llm) == 3
+    assert runner.warmed == {("forward", (t, t, 8)) for t in (1, 4, 6)} | {
+        ("sample", t, (0, 0)) for t in (1, 4, 6)
+    }
+    assert _compiled(llm) == 6
     assert llm.get_stats()["recompilations"] == []
     llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)
-    assert _compiled(llm) == 3  # the same job again: nothing new
+    assert _compiled(llm) == 6  # the same job again: nothing new
 
 
 def _compiled(llm: LLM) -> int:
@@ -90,7 +97,8 @@ def _run_jobs(llm: LLM, num_jobs: int, seed: int) -> None:
         steps.clear()
         llm.generate(prompts, params, use_tqdm=False)
         what = sets[-1]
-        allowed = {(s, w) for s in what.shapes for w in what.variants}
+        allowed = {("forward", s) for s in what.shapes}
+        allowed |= {("sample", r, w) for r, w in what.samples}
         allowed |= {("copy", n) for n in what.copy_sizes}
         assert set(steps) <= allowed, (i, set(steps) - allowed)
     assert llm.get_stats()["recompilations"] == []

@@ -85,8 +85,10 @@ def _inject(monkeypatch, owner, name: str, at_call: int, exc: BaseException, aft
 STAGES = {
     "after schedule": (lambda llm: Scheduler, "schedule", True),
     "preparing inputs": (lambda llm: InputBatch, "prepare", False),
-    "before the jitted step": (lambda llm: llm.engine.runner, "_step", False),
-    "after the jitted step": (lambda llm: llm.engine.runner, "_step", True),
+    "before the forward half": (lambda llm: llm.engine.runner, "_forward", False),
+    "after the forward half": (lambda llm: llm.engine.runner, "_forward", True),
+    "before the sample half": (lambda llm: llm.engine.runner, "_sample", False),
+    "after the sample half": (lambda llm: llm.engine.runner, "_sample", True),
     "copy-on-write": (lambda llm: llm.engine.runner, "_copy", True),
     "collecting samples": (lambda llm: ModelRunner, "collect", False),
     "scheduler update": (lambda llm: Scheduler, "update_from_output", False),
@@ -115,7 +117,7 @@ def test_a_fault_at_any_stage_aborts_and_the_engine_serves_on(
 
 
 def test_lost_kv_pages_are_reallocated_and_the_prefix_cache_dropped(llm, reference, monkeypatch):
-    _inject(monkeypatch, llm.engine.runner, "_step", 2, RuntimeError("injected"), after=True)
+    _inject(monkeypatch, llm.engine.runner, "_forward", 2, RuntimeError("injected"), after=True)
     prompts, params = _workload()
     with pytest.raises(RuntimeError):
         llm.generate(prompts, params, use_tqdm=False)

@@ -159,7 +159,8 @@ def test_a_draft_of_another_vocabulary_is_refused_before_loading(models):
 
 # Where a fault can land in a speculating step: (owner, attribute, after the real call?).
 _FAULTS = {
-    "the jitted step, after it ran": ("runner", "_step", True),
+    "the forward half, after it ran": ("runner", "_forward", True),
+    "the sample half, after it ran": ("runner", "_sample", True),
     "the draft's proposal": ("draft", "_propose", False),
     "the draft's proposal, after it ran": ("draft", "_propose", True),
     "the scheduler update (rollback)": ("scheduler", "update_from_output", False),

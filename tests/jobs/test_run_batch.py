@@ -239,6 +239,7 @@ def test_a_batch_job_warms_up_only_its_own_shapes(tmp_path, monkeypatch):
     ((stats, runner),) = seen
     assert stats["recompilations"] == []
     compiled = stats["num_compilations"] + stats["num_compilation_cache_hits"]
-    full = len(runner.buckets.all_shapes()) * 2 + len(runner.copy_sizes)
+    ws = runner.warmup_set()  # the full set: forwards, samples, block copies
+    full = len(ws.shapes) + len(ws.samples) + len(ws.copy_sizes)
     assert 0 < compiled < full
     assert sum(r["response"]["status_code"] == 200 for r in _results(out)) == 3

@@ -126,15 +126,18 @@ def test_precompiled_folder_loads_and_a_foreign_one_is_refused(tmp_path, monkeyp
     engine_args = dict(num_kv_blocks=16, block_size=8, max_model_len=32,
                        max_num_batched_tokens=8, max_num_seqs=2)  # fmt: skip
     first = LLMEngine("tiny-random-llama", **engine_args)
-    store = first.runner.compiles.store
+    store = first.runner.forward_compiles.store
     folder = tmp_path / "precompiled"
     shutil.copytree(store.folder, folder)
     total = len(list(folder.glob("*.bin")))
-    assert total == len(first.runner.buckets.all_shapes()) * 2 + len(first.runner.copy_sizes)
+    runner = first.runner
+    assert total == len(runner.buckets.all_shapes()) + len(runner.warmup_set().samples) + len(
+        runner.copy_sizes
+    )
     engine = LLMEngine("tiny-random-llama", precompiled=str(folder), **engine_args)
     stats = engine.get_stats()
     assert stats["num_compilations"] == 0 and stats["num_compilation_cache_hits"] == total
-    assert engine.runner.compiles.store.read_only
+    assert engine.runner.forward_compiles.store.read_only
     params = SamplingParams(max_tokens=5, temperature=0.0)
     for e in (first, engine):
         e.add_request("a", [5, 6, 7, 8, 9, 10], params)

@@ -162,9 +162,10 @@ def test_a_draft_model_under_tp_is_sharded_like_its_target(results):
 
 def test_nothing_compiles_after_warmup_under_tp(results):
     compiles = results["parity"]["llama"]["2"]["compiles"]
-    # Token buckets 1, 4, 6, 8, 12, 16 x the sampler's two variants, and the block copy at
-    # 1, 2 and 4 pairs (max_num_seqs = 4).
-    assert compiles["warmup"] == 6 * 2 + 3
+    # The forward at token buckets 1, 4, 6, 8, 12, 16; the sample at their row buckets 1, 4,
+    # 6, 8 (R <= 8) x the sampler's two variants; the block copy at 1, 2 and 4 pairs
+    # (max_num_seqs = 4).
+    assert compiles["warmup"] == 6 + 4 * 2 + 3
     assert compiles["after"] == compiles["warmup"]
     assert compiles["backend_compiles_after_warmup"] == 0
     assert compiles["num_steps"] > 10

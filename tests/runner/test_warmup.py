@@ -22,9 +22,13 @@ ENGINE = dict(
 
 
 def _expected_compilations(engine: LLMEngine) -> int:
+    """The forward half per (T, R, B), the sample half per (R, sampler variant), the block
+    copy per size."""
     runner = engine.runner
+    shapes = runner.buckets.all_shapes()
+    num_rows = len({r for _, r, _ in shapes})
     num_variants = len(runner.sampling.variant_widths)
-    return len(runner.buckets.all_shapes()) * num_variants + len(runner.copy_sizes)
+    return len(shapes) + num_rows * num_variants + len(runner.copy_sizes)
 
 
 @pytest.mark.slow
@@ -33,10 +37,10 @@ def test_warmup_is_on_by_default():
     stats = engine.get_stats()
     compiled = stats["num_compilations"] + stats["num_compilation_cache_hits"]
     assert compiled == _expected_compilations(engine)
-    assert engine.runner.compiles.warmed_up
+    assert engine.runner.forward_compiles.warmed_up and engine.runner.sample_compiles.warmed_up
     cold = LLMEngine("tiny-random-llama", warmup=False, **ENGINE)
     assert cold.get_stats()["num_compilations"] == 0
-    assert not cold.runner.compiles.warmed_up
+    assert not cold.runner.forward_compiles.warmed_up
 
 
 @pytest.mark.slow
@@ -60,15 +64,29 @@ def test_concurrent_warmup_compiles_each_shape_once_and_the_engine_reuses_them()
 def test_warmup_runs_each_step_once_writing_only_the_null_block(monkeypatch):
     engine = LLMEngine("tiny-random-llama", warmup=False, **ENGINE)
     runner = engine.runner
-    ran = []
+    ran, widths = [], []
     real_run = runner.run_prepared
-    monkeypatch.setattr(
-        runner, "run_prepared", lambda batch, md, *a: ran.append(batch) or real_run(batch, md, *a)
-    )
+
+    def run(batch, md, *a):
+        ran.append(batch)
+        widths.append(
+            (len(batch.draft_ids), md.penalty_token_ids.shape[1], md.banned_token_ids.shape[1])
+        )
+        return real_run(batch, md, *a)
+
+    monkeypatch.setattr(runner, "run_prepared", run)
     runner.warmup()
     shapes = runner.buckets.all_shapes()
-    assert len(ran) == len(shapes) * len(runner.sampling.variant_widths)
+    # Every forward shape and every (R, sampler variant) ran, each step running a new one.
+    samples = runner.warmup_set().samples
     assert {(len(b.input_ids), *b.block_tables.shape) for b in ran} == set(shapes)
+    assert set(widths) == {(r, *w) for r, w in samples}
+    assert len(ran) <= len(shapes) + len(samples) - len({r for _, r, _ in shapes})
+    assert runner.warmed == (
+        {("forward", s) for s in shapes}
+        | {("sample", r, w) for r, w in samples}
+        | {("copy", n) for n in runner.copy_sizes}
+    )
     # Rows that attend (num_seqs of them), over the null block only.
     assert all(b.num_seqs[0] >= 1 and not b.block_tables.any() for b in ran)
     assert engine.get_stats()["recompilations"] == []  # the runs compiled nothing more
@@ -176,7 +194,7 @@ def test_a_failed_pooled_compilation_is_raised_and_what_did_not_compile_can_comp
     assert compiles.num_fresh == 12
 
 
-def test_the_two_sampler_variants_of_a_bucket_trace_the_model_once(monkeypatch):
+def test_a_bucket_traces_the_model_once_for_both_sampler_variants(monkeypatch):
     from jaxserve.models import CausalLM
 
     calls = []
@@ -188,11 +206,12 @@ def test_the_two_sampler_variants_of_a_bucket_trace_the_model_once(monkeypatch):
 
     monkeypatch.setattr(CausalLM, "forward", counted)
     engine = LLMEngine("tiny-random-llama", warmup=False, **ENGINE)
-    engine.runner.compiles.store = None  # trace, whatever an earlier engine stored
+    engine.runner.forward_compiles.store = None  # trace, whatever an earlier engine stored
     shape = engine.runner.buckets.all_shapes()[0]
-    assert engine.runner.warmup(shapes=[shape]) == len(engine.runner.sampling.variant_widths) + len(
-        engine.runner.copy_sizes
-    )
+    # One forward, the sample half in both variants, the block copies.
+    assert engine.runner.warmup(shapes=[shape]) == 1 + len(
+        engine.runner.sampling.variant_widths
+    ) + len(engine.runner.copy_sizes)
     assert calls == [(shape[0],)]
 
 

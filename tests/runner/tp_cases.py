@@ -336,9 +336,10 @@ def run_fp8_calibration(work: pathlib.Path) -> dict[int, list[list[float]]]:
 
 
 # Warm-up at tp 4 and 8 with table widths to bucket: llama's 2 KV heads do not split 4 or 8 ways,
-# so the reference attention runs, one step per token bucket x width x sampler variant: 2 x 3 x
-# 2 + 3 copies = 15 executables (~2 s each to compile on 8 devices), each holding its memory
-# maps (test_buckets.py checks how the map budget thins the widths when there would be too many).
+# so the reference attention runs, the step's forward half per token bucket x width (2 x 3), its
+# sample half per row bucket x sampler variant (2 x 2), and 3 copies: 13 executables (~2 s each
+# to compile on 8 devices), each holding its memory maps (test_buckets.py checks how the map
+# budget thins the widths when there would be too many).
 MAPS_ENGINE = {
     **ENGINE,
     "block_size": 8,

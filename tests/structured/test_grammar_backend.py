@@ -235,8 +235,11 @@ def test_a_dead_end_after_a_draft_ends_the_request_only_when_its_row_is_reached(
     a, b, words = 7, 9, bitmask_words(V)
     # Allowed: a and b; banned: b always, a after a. After the draft a nothing is left.
     spec = ConstraintSpec(None, ((a, a), (b,)), words, words, token_bitmask([a, b], V))
+    # Scheduled: its 2 tokens in flight, their sample a placeholder (step_batch.py).
     req = SimpleNamespace(request_id="r", constraints=spec.new_state(), num_computed_tokens=4,
-                          num_tokens=5, output_token_ids=[], eos_token_ids=[EOS])  # fmt: skip
+                          num_tokens=5, output_token_ids=[], eos_token_ids=[EOS],
+                          num_inflight_tokens=2, num_output_placeholders=1,
+                          is_finished=False)  # fmt: skip
     so = SchedulerOutput(num_scheduled_tokens={"r": 2}, scheduled_spec_decode_tokens={"r": [a]})
     so, dead_ends = with_token_masks(so, {"r": req}, ["r"])
     rows = so.token_masks["r"]
