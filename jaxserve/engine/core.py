@@ -10,17 +10,17 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from typing import Any
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.host_block_pool import HostTier
 from jaxserve.core.sched.output import SchedulerOutput
 from jaxserve.core.sched.scheduler import Scheduler
+from jaxserve.engine.runner_protocol import Runner
 from jaxserve.outputs import EngineCoreOutput, ModelRunnerOutput
 from jaxserve.request import Request, RequestStatus
 from jaxserve.runner.step_trace import ReadyWatch, StepTrace
 from jaxserve.spec_decode import SpecDecoder
-from jaxserve.spec_decode.spec_decoder import Proposer
 from jaxserve.structured.draft_checks import cut_drafts, run_lengths
 from jaxserve.structured.step_masks import (
     advance_matchers,
@@ -30,44 +30,6 @@ from jaxserve.structured.step_masks import (
     with_finish_reasons,
     with_token_masks,
 )
-
-
-class Runner(Protocol):
-    def dispatch(self, scheduler_output: SchedulerOutput, trace: StepTrace | None = None) -> Any:
-        """Start one step without waiting for the device; ``trace``, when given, is filled in
-        with the runner's part. Returns a handle for ``collect``."""
-        ...
-
-    def dispatch_forward(
-        self, scheduler_output: SchedulerOutput, trace: StepTrace | None, masks_later: list[str]
-    ) -> Any:
-        """Start a step's forward half only; the rows of ``masks_later`` (request ids) wait
-        for their token masks. Returns a handle for ``dispatch_sample``."""
-        ...
-
-    def dispatch_sample(self, forward: Any, token_masks: dict[str, Any]) -> Any:
-        """Start the sample half of ``forward`` with the masks of its ``masks_later`` rows.
-        Returns a handle for ``collect``."""
-        ...
-
-    def collect(self, handle: Any) -> ModelRunnerOutput:
-        """A dispatched step's results on the host (waits for the device)."""
-        ...
-
-    def reset(self) -> bool: ...
-
-    @property
-    def max_num_sampling_rows(self) -> int:
-        """Logits rows one step can sample (requests plus speculative drafts)."""
-        ...
-
-    @property
-    def spec_proposer(self) -> Proposer | None:
-        """The runner's own speculative proposer (a draft model), or None."""
-        ...
-
-    @property
-    def is_idle(self) -> bool: ...
 
 
 @dataclasses.dataclass
