@@ -218,7 +218,7 @@ def _sampled_drafts(drafts: dict[str, str], folder, engine_kw, vocab, max_len) -
     return out
 
 
-def main(argv: list[str] | None = None) -> dict:
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="default")
     p.add_argument("--batch-sizes", default="1,4,16")
@@ -238,7 +238,11 @@ def main(argv: list[str] | None = None) -> dict:
         action="store_true",
         help="also the plain engine's decode steps' device time by token count",
     )
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = _parse_args(argv)
     preset = PRESETS[args.preset]
     folder = ensure_checkpoint(preset, CACHE)
     engine_kw = dict(preset.engine, warmup=True)  # every shape before the timed runs
