@@ -82,6 +82,30 @@ class BucketSpec:
     width_buckets: tuple[int, ...]
 
     @classmethod
+    def of_plan(
+        cls,
+        plan,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        *,
+        length_bounded: bool,
+        max_shapes: int | None,
+    ) -> BucketSpec:
+        """The buckets an ExecutionPlan (plan.py) asks for. An attention implementation whose
+        cost stops at the batch's longest context (``length_bounded``) gets full-width tables:
+        one compiled shape per token bucket, no width buckets."""
+        return cls.create(
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            max_blocks_per_seq=max_blocks_per_seq,
+            bucket_width=not length_bounded,
+            mid_token_buckets=plan.mid_token_buckets,
+            single_token_bucket=plan.single_token_bucket,
+            max_shapes=max_shapes,
+        )
+
+    @classmethod
     def create(
         cls,
         *,

@@ -124,19 +124,13 @@ class ModelRunner:
         # Copies per step are padded to a power of two (null-block self-copies); a step copies
         # at most one block per request, so these are every size warm-up must compile.
         self.copy_sizes = tuple(1 << k for k in range((max_num_seqs - 1).bit_length() + 1))
-        self.buckets = BucketSpec.create(
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            max_blocks_per_seq=self.input_batch.max_blocks_per_seq,
-            # An implementation whose cost stops at the batch's longest context gets
-            # full-width tables: one compiled shape per token bucket, no width buckets.
-            bucket_width=not model.attention.length_bounded,
-            mid_token_buckets=plan.mid_token_buckets,
-            single_token_bucket=plan.single_token_bucket,
+        self.buckets = BucketSpec.of_plan(
+            plan, max_num_batched_tokens, max_num_seqs, self.input_batch.max_blocks_per_seq,
+            length_bounded=model.attention.length_bounded,
             max_shapes=max_step_shapes(
                 plan.max_executables, len(self.sampling.variant_widths), len(self.copy_sizes)
             ),
-        )
+        )  # fmt: skip
         self.kv_caches = self._allocate_kv_caches()
         # Per slot, the last token its request sampled, on device: the next step's
         # placeholder inputs read it (token_feed.py).
