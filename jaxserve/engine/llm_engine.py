@@ -5,9 +5,13 @@ into child requests, incremental detokenization and stop strings, and assembling
 
 Failure and concurrency contract:
 
-- Every public method holds the engine's lock (a re-entrant one), so calls from several threads
-  are serialised, never interleaved inside a step; ``exclusive()`` holds it across several calls
-  (``LLM.generate`` runs its whole batch under it).
+- Every public method that changes the engine's state, and ``get_stats``, holds the engine's
+  lock (a re-entrant one), so calls from several threads are serialised, never interleaved
+  inside a step; ``exclusive()`` holds it across several calls (``LLM.generate`` runs its whole
+  batch under it). Checking and tokenizing a request (``check_request``, ``process_prompt``,
+  ``render_chat_prompt``) take no lock: AsyncLLM runs them off the event loop while the engine
+  thread steps; ``has_unfinished_requests`` and ``get_num_unfinished_requests`` read a length
+  without it.
 - Ctrl-C inside ``step()`` is held until the step ends (interrupts.defer_sigint), then raised
   as KeyboardInterrupt: the step counts as failed (below).
 - A ``step()`` that raises, for any reason (an error, or Ctrl-C), first aborts every unfinished
