@@ -128,10 +128,11 @@ def test_a_repeated_custom_id_is_refused_before_anything_runs(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_a_job_killed_three_times_ends_with_every_line_once(tmp_path):
-    """200 lines; SIGKILL at 3 random moments, each time resumed; then compared with an
-    uninterrupted run of the same job. (Five kills cost two more processes, about 40 s of the
-    suite, for the same paths: a kill mid-write, a resume, a kill of a resumed run.)"""
+def test_a_job_killed_twice_ends_with_every_line_once(tmp_path):
+    """200 lines; SIGKILL at 2 random moments, each time resumed; then compared with an
+    uninterrupted run of the same job. Two kills take the paths that matter: a kill mid-write,
+    a resume, a kill of a resumed run, a final resume (each further kill is one more process
+    start, about 8 s of the suite, for the same paths)."""
     rng = random.Random(0)
     inp = tmp_path / "in.jsonl"
     prompts = [[rng.randrange(3, 1000) for _ in range(rng.randrange(4, 40))] for _ in range(200)]
@@ -150,7 +151,7 @@ def test_a_job_killed_three_times_ends_with_every_line_once(tmp_path):
     out = tmp_path / "out.jsonl"
     kills = 0
     deadline = time.monotonic() + 600
-    while kills < 3 and time.monotonic() < deadline:
+    while kills < 2 and time.monotonic() < deadline:
         before = len(out.read_text().splitlines()) if out.exists() else 0
         target = before + rng.randrange(1, 30)  # kill once this many lines are out, or so
         proc = subprocess.Popen([*command, *_run_batch_args(tmp_path, inp, out)], env=env,
@@ -167,7 +168,7 @@ def test_a_job_killed_three_times_ends_with_every_line_once(tmp_path):
             proc.wait(timeout=60)
         if proc.returncode == 0:
             break  # it finished before the kill came
-    assert kills == 3
+    assert kills == 2
     subprocess.run([*command, *_run_batch_args(tmp_path, inp, out)], env=env, check=True,
                    capture_output=True, timeout=600)  # fmt: skip
     ids = [r["custom_id"] for r in _results(out)]

@@ -41,7 +41,7 @@ ROOT = HERE.parents[1]
 YNN_FLAG = CPU_YNN_FUSION_FLAG  # jax 0.10.2 CPU miscompile workaround
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 # As tp_cases.TP_SIZES.
-TP_SIZES = {"llama": (1, 2, 4, 8), "mistral": (1, 2), "qwen2": (1, 4), "qwen3": (1, 4)}
+TP_SIZES = {"llama": (1, 2, 8), "mistral": (1, 2), "qwen2": (1, 4), "qwen3": (1, 4)}
 NUM_KV_HEADS = {"llama": 2, "mistral": 1, "qwen2": 4, "qwen3": 8}  # as tp_cases.FAMILIES
 NUM_HEADS, HEAD_DIM, HIDDEN = 8, 16, 64
 
