@@ -192,6 +192,11 @@ class ExecutableStore:
         _write_whole(path / MANIFEST, _canonical({"format": FORMAT, "fields": fields}))
         return cls(path, fields)
 
+    def place_on(self, devices: Any) -> None:
+        """Load executables onto ``devices`` (the engine's mesh, in order), not all of the
+        process's."""
+        self.devices = list(devices)
+
     def check(self) -> bool:
         """Whether the folder's manifest holds this store's fields (logs the first that
         differs)."""
@@ -301,9 +306,9 @@ def use_executable_store(
         store = None
     if store is not None:
         if runner.sharding is not None:
-            store.devices = list(runner.sharding.mesh.devices.flat)
+            store.place_on(runner.sharding.mesh.devices.flat)
         for compiles in (runner.forward_compiles, runner.sample_compiles, runner.copy_compiles):
-            compiles.store = store
+            compiles.use_store(store)
 
 
 # XLA:CPU executables deserialized in another process sometimes fail when they run ("Function

@@ -40,7 +40,7 @@ class StepCompiles:
     """Runs a jitted function and keeps track of its compilations (counted from jax's
     compilation events in the calling thread: compile_cache.CompileEvents).
 
-    With an executable store (executable_store.py, set by the factory), warm-up loads each
+    With an executable store (executable_store.py, given by use_store), warm-up loads each
     executable the store holds instead of tracing, lowering and compiling it, and saves each
     one it compiles; a call whose arguments have the shapes of a loaded executable runs it.
 
@@ -52,7 +52,7 @@ class StepCompiles:
 
     def __init__(self, name: str, fixed_args: int = 0) -> None:
         self.name = name
-        self.store: ExecutableStore | None = None  # serialized executables, when on
+        self.store: ExecutableStore | None = None  # serialized executables (use_store)
         self._fixed_args = fixed_args
         self._loaded: dict[tuple, Any] = {}  # dispatch key -> executable loaded from the store
         self.num_fresh = 0  # compiled here
@@ -63,6 +63,11 @@ class StepCompiles:
         self._pending: list[Signature] = []  # lowered ahead of time, not compiled yet
         self._lock = threading.Lock()  # lowered in one thread, compiled in others
         self._unsaved: list[tuple[Signature, Any]] = []  # compiled, not yet run (save_ran)
+
+    def use_store(self, store: ExecutableStore | None) -> None:
+        """Warm-up loads what ``store`` holds instead of compiling it, and saves there what it
+        compiles (None: no store)."""
+        self.store = store
 
     def __call__(
         self, fn: Callable[..., Any], args: Sequence[Any], names: Sequence[str], **static: Any
