@@ -44,6 +44,9 @@ _COPY_KINDS = {COPY_ARGS: "copy", GATHER_ARGS: "to_host", SCATTER_ARGS: "from_ho
 _COPY_LABELS = {"copy": "copy", "to_host": "copy to host", "from_host": "copy from host",
                 "draft_copy": "draft copy"}  # fmt: skip
 _DONATING = ("copy", "from_host")  # the copies that take the pages donated (the gather reads)
+# The arguments that are the engine's resident arrays (weights, KV pages: on the device for the
+# whole run), by name; the sample half takes none of them, the block copy the pages only.
+RESIDENT_ARGS = ("params", "kv_caches", "draft_params", "draft_kv_caches")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +60,9 @@ class BucketResult:
     (penalty, ban) list widths, (0, 0) without lists.
     copies: a copy's padded number of blocks. donated_bytes: per device, the KV pages the
     compilation takes donated and must give back in place (0: it donates none; None: not
-    known, the pool is expected). memory: MEMORY_FIELDS (bytes per device). flops,
+    known, the pool is expected). resident_arg_bytes: per device, the engine's resident
+    arrays (RESIDENT_ARGS: weights, KV pages) among its arguments; the rest of them stay on
+    the device while it runs (None: not known, all of them are taken to be arguments). memory: MEMORY_FIELDS (bytes per device). flops,
     bytes_accessed: the compiler's cost analysis (per device; a Pallas kernel without a cost
     estimate counts 0).
     xla_seconds: the compiler's own time estimate ("optimal_seconds"), where it gives one.
@@ -72,6 +77,7 @@ class BucketResult:
     sampling_lists: tuple[int, int] | None = None
     copies: int | None = None
     donated_bytes: int | None = None
+    resident_arg_bytes: int | None = None
     lower_s: float = 0.0
     compile_s: float = 0.0
     memory: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -139,6 +145,13 @@ def describe_job(job: Compilation, draft: bool = False) -> dict[str, Any]:
     )
 
 
+def resident_arg_bytes(job: Compilation) -> int:
+    """Bytes per device of the engine's resident arrays (RESIDENT_ARGS) among ``job``'s
+    arguments."""
+    args = dict(zip(job.names, job.args, strict=True))
+    return device_bytes([args[name] for name in RESIDENT_ARGS if name in args])
+
+
 def device_bytes(arrays: Any) -> int:
     """Bytes of ``arrays`` (a pytree of arrays or ShapeDtypeStructs) on one device: each
     leaf's shard under its sharding, the whole leaf without one."""
@@ -160,6 +173,7 @@ def compile_job(
     failure is a result, not raised. ``on_compiled`` gets the compiled executable (jaxserve
     compile --output keeps it)."""
     facts = describe_job(job, draft)
+    facts["resident_arg_bytes"] = resident_arg_bytes(job)
     start = time.perf_counter()
     try:
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):

@@ -1,11 +1,13 @@
 """The report of an ahead-of-time compilation: per bucket, totals against the memory plan and
 the target, predicted throughput; as a JSON-ready dict and as a table.
 
-Memory, per device (memory_analysis of each compiled step): a step's live bytes are its
+Memory, per device (memory_analysis of each compilation): a compilation's live bytes are its
 arguments (weights, KV pages, the batch) + outputs - the bytes aliased (the donated KV pages
-come back in place) + temporaries. The largest over the steps is set against the memory
-plan's weights + KV pool + workspace reserve (+ KV scales) and against the device memory the
-plan was made with (a TPU's HBM; a GPU's allocator limit: devices.planning_memory_bytes).
+come back in place) + temporaries, + the engine's resident arrays that are not among its
+arguments (the weights and KV pages stay on the device while the sample half or a block copy
+runs). The largest over the compilations is set against the memory plan's weights + KV pool +
+workspace reserve (+ KV scales) and against the device memory the plan was made with (a TPU's
+HBM; a GPU's allocator limit: devices.planning_memory_bytes).
 The KV pages alias when every step's aliased bytes cover the pool (donation works).
 """
 
@@ -50,8 +52,23 @@ class CompileReport:
         return m.weights_bytes + pool + m.workspace_bytes + m.kv_scales_bytes
 
     @property
+    def resident_bytes(self) -> int:
+        """The plan's arrays on the device for the whole run: weights + KV pool + KV scales."""
+        m = self.memory
+        return m.weights_bytes + m.num_kv_blocks * m.kv_bytes_per_block + m.kv_scales_bytes
+
+    def live_bytes(self, bucket: BucketResult) -> int | None:
+        """The device's bytes while ``bucket`` runs: its own peak, + the resident arrays it
+        does not take as arguments (BucketResult.resident_arg_bytes; None: it takes them all)."""
+        if bucket.peak_bytes is None:
+            return None
+        if bucket.resident_arg_bytes is None:
+            return bucket.peak_bytes
+        return bucket.peak_bytes + max(self.resident_bytes - bucket.resident_arg_bytes, 0)
+
+    @property
     def compiled_peak_bytes(self) -> int | None:
-        peaks = [b.peak_bytes for b in self.buckets if b.ok and b.peak_bytes is not None]
+        peaks = [self.live_bytes(b) for b in self.buckets if b.ok and b.peak_bytes is not None]
         return max(peaks) if peaks else None
 
     @property
@@ -140,6 +157,7 @@ class CompileReport:
 
     def _bucket_dict(self, bucket: BucketResult) -> dict[str, Any]:
         out = bucket.as_dict()
+        out["live_bytes"] = self.live_bytes(bucket) if bucket.ok else None
         if bucket.kind == "step":
             phase = "decode" if bucket.tokens == bucket.rows else "prefill"
             est = estimate(self.with_sample(bucket), self.step_model, self.target, phase,

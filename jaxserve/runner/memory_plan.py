@@ -14,9 +14,10 @@ figure is per device: under tensor parallelism each of the N devices holds the s
                      sharded on K then, sharding.py)
     KV scales        an FP8 KV cache's f32 k_scale and v_scale per layer (8 bytes a layer)
     workspace        a reserve for the step's live buffers besides weights and KV pages
-                     (memory_sizes.workspace_bytes: activations of max_num_batched_tokens tokens,
-                     f32 logits of max_num_seqs rows or of one chunk of prompt logprobs,
-                     whichever is more)
+                     (memory_sizes.workspace_bytes): the larger of the step's two halves,
+                     the forward's (activations of max_num_batched_tokens tokens, f32 logits
+                     of max_num_seqs rows or of one chunk of prompt logprobs, whichever is
+                     more) and the sample's (17 f32 [max_num_seqs, V] buffers, measured)
     budget           memory_utilization x the device's memory (the allocator's bytes_limit
                      on GPU / TPU, CacheConfig.cpu_memory_bytes on the CPU); with an explicit
                      num_kv_blocks, which overrides memory_utilization, the whole of it

@@ -16,16 +16,32 @@ DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # KV pages: the model dtypes, or an FP8 KV cache (config.FP8_STORAGE_DTYPES).
 KV_DTYPE_SIZES = {**DTYPE_SIZES, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
-# The workspace reserve (workspace_bytes). Per token of a step, in the model dtype: 4 hidden-
-# sized buffers (residual stream, normed input, attention output, MLP output), q, k, v and the
-# attention output (2 (N + K) H), and 3 MLP-sized ones (gate, up, their product). Per
-# logits row, in f32: the logits and the sampler's working copy of them (or, for a chunk of
+# The workspace reserve (workspace_bytes): the larger of the step's two halves (runner/step.py:
+# two executables, run one after the other, so their buffers are never live at once).
+# The forward half (forward_workspace_bytes), per token of a step, in the model dtype: 4
+# hidden-sized buffers (residual stream, normed input, attention output, MLP output), q, k, v
+# and the attention output (2 (N + K) H), and 3 MLP-sized ones (gate, up, their product). Per
+# logits row, in f32: the logits it returns and a working copy of them (or, for a chunk of
 # prompt logprobs, their log-softmax).
 _HIDDEN_BUFFERS = 4
 _MLP_BUFFERS = 3
 _LOGITS_BUFFERS = 2
 _LOGITS_ITEMSIZE = 4
-
+# The sample half (sample_workspace_bytes): f32 [R, V] buffers per row of max_num_seqs, its
+# logits argument and the sampler's temporaries. Measured with the real compilers, deviceless
+# (memory_analysis of the sample half alone; docs/benchmarks.md, "Ahead-of-time compilation"),
+# the temporaries in units of R x V x 4 bytes, without / with sampling lists (penalties, bans,
+# token constraints: a variant every engine compiles):
+#   XLA:TPU v6e-1, V = 128256:  R = 64: 2.1 / 10.1;  R = 128: 10.0 / 12.0;  R = 256: 10.0 / 15.1
+#   XLA:TPU v5e-8 (tp 8), V = 128256, R = 256: 10.0 / 11.0 per chip
+#   XLA:TPU v6e-1, V = 32000, R = 256: 3.1 / 7.2
+# (top-k / top-p's sort keys and indices, the masked and penalised copies, layout copies; the
+# compiler's schedule, not a fixed count, decides how many are live at once, hence no clean
+# law). At most 15.1: 1 (the logits) + 16 (the temporaries, rounded up) = 17 buffers, which
+# also covers the lists' own arguments (2 i32 [R, min(max_model_len + 1, V)]: 0.18 R V 4 at
+# V = 128256 and max_model_len 8192). Per device, not divided by tp: the sample half is
+# replicated (runner/step.py: jit_sample), each device samples from the whole logits.
+_SAMPLE_BUFFERS = 17
 
 def weights_bytes(model: CausalLM, tensor_parallel_size: int) -> tuple[int, int]:
     """(bytes on one device, bytes of every parameter once) of `model`'s params, each in its
@@ -65,17 +81,30 @@ def workspace_bytes(
     arch: ModelArchConfig, dtype: str, *, max_num_batched_tokens: int, max_num_seqs: int
 ) -> int:
     """The reserve for one step's live buffers besides weights and KV pages, on one device:
+    the larger of the forward half's (forward_workspace_bytes) and the sample half's
+    (sample_workspace_bytes). The step runs them as two executables, one after the other
+    (runner/step.py), so the device holds one half's buffers at a time. It is a reserve, not
+    a measurement (`jaxserve compile` measures it: docs/compilation.md).
+    """
+    forward = forward_workspace_bytes(
+        arch, dtype, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs
+    )
+    return max(forward, sample_workspace_bytes(arch, max_num_seqs=max_num_seqs))
+
+
+def forward_workspace_bytes(
+    arch: ModelArchConfig, dtype: str, *, max_num_batched_tokens: int, max_num_seqs: int
+) -> int:
+    """The forward half's live buffers besides weights and KV pages, on one device:
 
         max_num_batched_tokens x (4 D + 2 (N + K) H + 3 F) x itemsize(dtype)     activations
       + max(max_num_seqs, C) x V x 4 bytes x 2                                  f32 logits
 
     (D hidden, N / K query / KV heads, H head_dim, F intermediate, V vocab; C the rows of one
-    chunk of prompt logprobs, logprob_chunks.max_chunk_rows(max_num_batched_tokens): the step
-    computes them after sampling, one chunk at a time, so the larger of the two sets of logits
-    is live, never both.) Not divided by tp: the logits are gathered whole for sampling, and
-    XLA may keep more buffers alive than one layer's, so the reserve errs on the generous
-    side. It is a reserve, not a measurement (`jaxserve compile` measures it: docs/
-    compilation.md).
+    chunk of prompt logprobs, logprob_chunks.max_chunk_rows(max_num_batched_tokens): computed
+    one chunk at a time, so the larger of the two sets of logits is live, never both.) Not
+    divided by tp: XLA may keep more buffers alive than one layer's, so it errs on the
+    generous side.
     """
     a = arch
     per_token = (
@@ -87,3 +116,10 @@ def workspace_bytes(
     logits_rows = max(max_num_seqs, max_chunk_rows(max_num_batched_tokens))
     logits = logits_rows * a.vocab_size * _LOGITS_ITEMSIZE * _LOGITS_BUFFERS
     return activations + logits
+
+
+def sample_workspace_bytes(arch: ModelArchConfig, *, max_num_seqs: int) -> int:
+    """The sample half's live buffers on one device: max_num_seqs x V x 4 bytes x 17, its
+    f32 logits and the sampler's temporaries (_SAMPLE_BUFFERS: measured, see there). Not
+    divided by tp: the sample half runs replicated, on the whole logits, on every device."""
+    return max_num_seqs * arch.vocab_size * _LOGITS_ITEMSIZE * _SAMPLE_BUFFERS

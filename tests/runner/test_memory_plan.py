@@ -24,6 +24,7 @@ from jaxserve.runner.memory_plan import (
     resolve_max_model_len,
     workspace_bytes,
 )
+from jaxserve.runner.memory_sizes import forward_workspace_bytes, sample_workspace_bytes
 
 GIB = 1 << 30
 
@@ -204,20 +205,49 @@ def test_max_model_len_within_the_model() -> None:
         resolve_max_model_len(4096, arch)
 
 
-def test_workspace_scales_with_the_step_budget() -> None:
+def test_forward_workspace_scales_with_the_step_budget() -> None:
     arch = tiny_random_llama_arch()
-    one = workspace_bytes(arch, "float32", max_num_batched_tokens=1, max_num_seqs=1)
+    one = forward_workspace_bytes(arch, "float32", max_num_batched_tokens=1, max_num_seqs=1)
     assert one == (4 * 128 + 2 * 6 * 32 + 3 * 256) * 4 + arch.vocab_size * 8
     activations = one - arch.vocab_size * 8
     # The logits reserve is max(max_num_seqs, rows of one prompt-logprob chunk) rows: the
     # step computes prompt logprobs of up to CHUNK_ROWS (256) rows at a time, after sampling
     # (logprob_chunks.py), so 64 tokens with 8 sequences reserve 64 rows of logits, not 8.
-    many = workspace_bytes(arch, "float32", max_num_batched_tokens=64, max_num_seqs=8)
+    many = forward_workspace_bytes(arch, "float32", max_num_batched_tokens=64, max_num_seqs=8)
     assert many == 64 * activations + 64 * arch.vocab_size * 8
-    big = workspace_bytes(arch, "float32", max_num_batched_tokens=2048, max_num_seqs=8)
+    big = forward_workspace_bytes(arch, "float32", max_num_batched_tokens=2048, max_num_seqs=8)
     assert big == 2048 * activations + CHUNK_ROWS * arch.vocab_size * 8
-    seqs = workspace_bytes(arch, "float32", max_num_batched_tokens=2048, max_num_seqs=512)
+    seqs = forward_workspace_bytes(arch, "float32", max_num_batched_tokens=2048, max_num_seqs=512)
     assert seqs == 2048 * activations + 512 * arch.vocab_size * 8
+
+
+def test_the_workspace_is_the_larger_half_and_the_sample_half_is_per_row(llama3_8b) -> None:
+    """The step's halves are two executables run in turn: the reserve is the larger one's
+    buffers, never their sum. The sample half's are 17 f32 [R, V] buffers (its logits and the
+    sampler's temporaries, measured by the real compilers: memory_sizes._SAMPLE_BUFFERS),
+    linear in max_num_seqs and V, independent of the token budget, the dtype and tp."""
+    arch = llama3_8b
+    assert sample_workspace_bytes(arch, max_num_seqs=256) == 256 * 128256 * 4 * 17
+    assert sample_workspace_bytes(arch, max_num_seqs=512) == 2 * sample_workspace_bytes(
+        arch, max_num_seqs=256
+    )
+    for tokens, seqs in [(2048, 256), (8192, 16), (16384, 256), (64, 64)]:
+        forward = forward_workspace_bytes(arch, "bfloat16", max_num_batched_tokens=tokens,
+                                          max_num_seqs=seqs)  # fmt: skip
+        sample = sample_workspace_bytes(arch, max_num_seqs=seqs)
+        total = workspace_bytes(arch, "bfloat16", max_num_batched_tokens=tokens, max_num_seqs=seqs)
+        assert total == max(forward, sample) < forward + sample
+    # Llama-3-8B at the engine's defaults: the sampler's buffers (2.08 GiB) outweigh the
+    # forward's activations and logits (0.51 GiB).
+    default = workspace_bytes(arch, "bfloat16", max_num_batched_tokens=2048, max_num_seqs=256)
+    assert default == sample_workspace_bytes(arch, max_num_seqs=256)
+    # A long prefill chunk with few sequences: the forward's.
+    long = workspace_bytes(arch, "bfloat16", max_num_batched_tokens=16384, max_num_seqs=16)
+    assert long == forward_workspace_bytes(arch, "bfloat16", max_num_batched_tokens=16384,
+                                           max_num_seqs=16)  # fmt: skip
+    # Per device: tensor parallelism shrinks the weights and KV, not the reserve.
+    plans = [plan(llama3_8b, tensor_parallel_size=tp) for tp in (1, 8)]
+    assert plans[0].workspace_bytes == plans[1].workspace_bytes == default
 
 
 def test_blocks_for_budget_counts_what_is_used_and_caps() -> None:
