@@ -62,9 +62,9 @@ class BucketResult:
     compilation takes donated and must give back in place (0: it donates none; None: not
     known, the pool is expected). resident_arg_bytes: per device, the engine's resident
     arrays (RESIDENT_ARGS: weights, KV pages) among its arguments; the rest of them stay on
-    the device while it runs (None: not known, all of them are taken to be arguments). memory: MEMORY_FIELDS (bytes per device). flops,
-    bytes_accessed: the compiler's cost analysis (per device; a Pallas kernel without a cost
-    estimate counts 0).
+    the device while it runs (None: not known, all of them are taken to be arguments).
+    memory: MEMORY_FIELDS (bytes per device). flops, bytes_accessed: the compiler's cost
+    analysis (per device; a Pallas kernel without a cost estimate counts 0).
     xla_seconds: the compiler's own time estimate ("optimal_seconds"), where it gives one.
     """
 

@@ -43,6 +43,7 @@ _LOGITS_ITEMSIZE = 4
 # replicated (runner/step.py: jit_sample), each device samples from the whole logits.
 _SAMPLE_BUFFERS = 17
 
+
 def weights_bytes(model: CausalLM, tensor_parallel_size: int) -> tuple[int, int]:
     """(bytes on one device, bytes of every parameter once) of `model`'s params, each in its
     own dtype (the model dtype, or 8-bit weights and f32 scales under a quantization),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from tiny_config import TINY_LLAMA
 
@@ -94,3 +96,31 @@ def test_a_step_estimate_adds_its_sample_half_and_a_sample_has_its_label() -> No
     assert report.totals()["kv_aliased"]
     text = format_report(report.as_dict())
     assert "sample R=8 " in text and "sample R=8 lists=(65, 65)" in text
+
+
+def test_the_sample_half_and_a_copy_run_beside_the_resident_weights_and_pages() -> None:
+    """A compilation's live bytes on the device are its own (arguments + outputs - aliased +
+    temporaries) plus the resident arrays (weights, KV pool, KV scales) it does not take as
+    arguments: the sample half takes none, so its temporaries come on top of all of them, and
+    a copy takes the pages only; a result that does not say (None) takes them all."""
+    pool = 65 * 16 * 2 * 2 * 4 * 128 * 2
+    step = dataclasses.replace(_step(8, 8, 2e9, pool), resident_arg_bytes=pool + 10**9)
+    sample_memory = dict(argument_size_in_bytes=10**4, output_size_in_bytes=10,
+                         alias_size_in_bytes=0, temp_size_in_bytes=5 * 10**9,
+                         generated_code_size_in_bytes=0)  # fmt: skip
+    sample = BucketResult("sample", True, rows=8, sampling_lists=(0, 0), donated_bytes=0,
+                          resident_arg_bytes=0, compile_s=0.1, memory=sample_memory)  # fmt: skip
+    copy_memory = dict(sample_memory, argument_size_in_bytes=pool, output_size_in_bytes=pool,
+                       alias_size_in_bytes=pool, temp_size_in_bytes=0)  # fmt: skip
+    copy = BucketResult("copy", True, copies=2, donated_bytes=pool, resident_arg_bytes=pool,
+                        compile_s=0.1, memory=copy_memory)  # fmt: skip
+    report = _report([step, sample, copy])
+    resident = report.memory.weights_bytes + pool
+    assert report.resident_bytes == resident
+    assert report.live_bytes(step) == step.peak_bytes  # it holds them all as arguments
+    assert report.live_bytes(sample) == resident + 10**4 + 10 + 5 * 10**9
+    assert report.live_bytes(copy) == pool + report.memory.weights_bytes
+    assert report.totals()["compiled_peak_bytes"] == report.live_bytes(sample)
+    assert report.as_dict()["buckets"][1]["live_bytes"] == report.live_bytes(sample)
+    unknown = dataclasses.replace(sample, resident_arg_bytes=None)
+    assert report.live_bytes(unknown) == unknown.peak_bytes

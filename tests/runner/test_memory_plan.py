@@ -107,14 +107,17 @@ def test_llama3_8b_weights_and_kv_per_token(llama3_8b: ModelArchConfig) -> None:
 
 def test_llama3_8b_on_an_h200(llama3_8b: ModelArchConfig) -> None:
     memory = plan(llama3_8b)
-    # 2048 tokens x (4 D + 2 (N + K) H + 3 F) x 2 bytes + 256 rows x V x 4 bytes x 2
-    workspace = 2048 * (4 * 4096 + 2 * (32 + 8) * 128 + 3 * 14336) * 2 + 256 * 128256 * 4 * 2
-    assert memory.workspace_bytes == workspace == 547_880_960
+    # The forward half: 2048 tokens x (4 D + 2 (N + K) H + 3 F) x 2 bytes + 256 rows x V x 4
+    # bytes x 2; the sample half: 256 rows x V x 4 bytes x 17, the larger.
+    forward = 2048 * (4 * 4096 + 2 * (32 + 8) * 128 + 3 * 14336) * 2 + 256 * 128256 * 4 * 2
+    assert forward == 547_880_960
+    workspace = 256 * 128256 * 4 * 17
+    assert memory.workspace_bytes == workspace == 2_232_680_448
     assert memory.budget_bytes == int(141 * GIB * 0.9) == 136_257_837_465
     blocks = (136_257_837_465 - 16_060_522_496 - workspace) // (131_072 * 16)
-    assert memory.num_kv_blocks_fit == blocks == 57_053
-    assert memory.max_kv_tokens == (blocks - 1) * 16 == 912_832  # the null block is no one's
-    assert memory.max_num_seqs_at_max_model_len == (blocks - 1) // 512 == 111
+    assert memory.num_kv_blocks_fit == blocks == 56_249
+    assert memory.max_kv_tokens == (blocks - 1) * 16 == 899_968  # the null block is no one's
+    assert memory.max_num_seqs_at_max_model_len == (blocks - 1) // 512 == 109
     assert memory.num_kv_blocks == blocks  # 256 x 512 + 1 would be more: not capped
     assert memory.fits and memory.shortfall() is None
 
@@ -154,20 +157,20 @@ def test_does_not_fit(llama3_8b: ModelArchConfig) -> None:
     assert "16060522496 bytes of weights" in small.shortfall()
     with pytest.raises(ValueError, match=r"model 'llama' does not fit .* exceed the budget"):
         small.check("llama")
-    # 17.5 GiB: the weights fit, with room for about 2300 tokens: not one sequence of 8192.
-    tight = plan(llama3_8b, device_memory_bytes=int(17.5 * GIB))
+    # 19.5 GiB: the weights fit, with room for about 4200 tokens: not one sequence of 8192.
+    tight = plan(llama3_8b, device_memory_bytes=int(19.5 * GIB))
     assert not tight.fits and 0 < tight.max_kv_tokens < 8192
     assert "one sequence of max_model_len=8192 needs 512 blocks" in tight.shortfall()
-    assert plan(llama3_8b, device_memory_bytes=int(17.5 * GIB), max_model_len=2048).fits
+    assert plan(llama3_8b, device_memory_bytes=int(19.5 * GIB), max_model_len=2048).fits
 
 
 def test_explicit_pool_is_checked_against_the_whole_device(llama3_8b: ModelArchConfig) -> None:
-    # 0.9 x 18 GiB would not hold weights + workspace + 8192 tokens; the whole 18 GiB does.
+    # 0.9 x 19 GiB would not hold weights + workspace + 8192 tokens; the whole 19 GiB does.
     pool = 8192 // 16 + 1
-    fits = plan(llama3_8b, device_memory_bytes=18 * GIB, num_kv_blocks=pool)
-    assert fits.fits and fits.budget_bytes == 18 * GIB and fits.num_kv_blocks == pool
+    fits = plan(llama3_8b, device_memory_bytes=19 * GIB, num_kv_blocks=pool)
+    assert fits.fits and fits.budget_bytes == 19 * GIB and fits.num_kv_blocks == pool
     assert fits.max_kv_tokens == 8192 and fits.max_num_seqs_at_max_model_len == 1
-    too_big = plan(llama3_8b, device_memory_bytes=18 * GIB, num_kv_blocks=100_000)
+    too_big = plan(llama3_8b, device_memory_bytes=19 * GIB, num_kv_blocks=100_000)
     assert not too_big.fits
     with pytest.raises(ValueError, match="num_kv_blocks=100000"):
         too_big.check("llama")

@@ -1,0 +1,60 @@
+"""The memory planner's reserve for the step's sample half against what the real TPU compiler
+(libtpu, deviceless) allocates for it: the sample half alone, in both sampler variants, for a
+tiny Llama with Llama-3's vocabulary (the sample half's shapes are R, V and the sampler's list
+widths only: the model's other sizes do not reach it). Its arguments (the f32 logits, the
+sampling lists) and temporaries stay within memory_sizes.sample_workspace_bytes on a v6e-1
+(the chip whose compiler keeps the most of them alive; per chip at tensor parallelism the half
+is replicated, the same arrays: bench/aot_check.sh compiles Llama-3.1-8B's for v5e-8). About a
+minute of compilation on a 2-core machine. Skipped without libtpu (``pip install
+"jaxserve[tpu]"``)."""
+
+from __future__ import annotations
+
+import pytest
+from aot_compilers import require_compiler
+from tiny_config import TINY_LLAMA, write_tiny_llama
+
+from jaxserve.aot.abstract_engine import build_abstract_engine
+from jaxserve.aot.compiler import compile_job
+from jaxserve.aot.targets import get_target
+from jaxserve.config import EngineConfig
+from jaxserve.models.hf_configs import arch_config_from_hf
+from jaxserve.runner.job_shapes import WarmupSet
+from jaxserve.runner.memory_sizes import sample_workspace_bytes
+from jaxserve.runner.step import SAMPLE_ARGS
+from jaxserve.runner.warmup import compilations
+
+LLAMA3_VOCAB = {**TINY_LLAMA, "vocab_size": 128256}
+ROWS = 16  # max_num_seqs: the largest row bucket
+
+
+@pytest.fixture(autouse=True)
+def _no_mds_query(monkeypatch) -> None:
+    monkeypatch.setenv("TPU_SKIP_MDS_QUERY", "1")
+
+
+def test_the_compiled_sample_half_fits_the_planners_reserve(tmp_path) -> None:
+    target, tp = "v6e-1", 1
+    require_compiler(target)
+    model = write_tiny_llama(tmp_path / "model", LLAMA3_VOCAB)
+    config = EngineConfig.from_kwargs(model=model, tensor_parallel_size=tp, max_model_len=256,
+                                      max_num_seqs=ROWS, max_num_batched_tokens=ROWS)  # fmt: skip
+    engine = build_abstract_engine(config, get_target(target))
+    runner = engine.runner
+    shape = max(runner.buckets.all_shapes())  # (T, R, B) with R = ROWS
+    assert shape[1] == ROWS
+    jobs = compilations(runner, WarmupSet((shape,), runner.sampling.variant_widths, ()))
+    samples = [job for job in jobs if tuple(job.names) == SAMPLE_ARGS]
+    assert len(samples) == 2  # without and with the sampling lists
+    reserve = sample_workspace_bytes(arch_config_from_hf(LLAMA3_VOCAB), max_num_seqs=ROWS)
+    assert engine.resolved.memory.workspace_bytes >= reserve
+    for job in samples:
+        result = compile_job(job, engine.resolved.sharding.mesh)
+        assert result.ok, result.error
+        m = result.memory
+        # the logits alone are one of the reserve's 17 f32 [R, V] buffers
+        assert m["argument_size_in_bytes"] >= ROWS * 128256 * 4
+        assert m["argument_size_in_bytes"] + m["temp_size_in_bytes"] <= reserve, (
+            result.label, m, reserve,
+        )  # fmt: skip
+        assert result.resident_arg_bytes == 0  # no weights, no KV pages: they stay resident
