@@ -1,6 +1,7 @@
 """Tabulate `jaxserve compile --json` reports (bench/aot_check.sh writes them): one row per
 report with the target, tensor parallelism, compile status and time, the compiled memory per
-device against the memory plan and the chip, KV aliasing, and the roofline predictions.
+device against the memory plan and the chip (and the compilation at the peak), KV aliasing,
+and the roofline predictions.
 
     python bench/aot_report.py REPORT.json... [--markdown TABLE.md]
 """
@@ -19,6 +20,7 @@ COLUMNS = (
     "compiled",
     "compile s",
     "compiled peak GiB / device",
+    "peak at",
     "planned GiB",
     "compiled / planned",
     "max temp GiB (reserve)",
@@ -43,6 +45,7 @@ def row(report: dict[str, Any]) -> list[str]:
         f"{ok}/{totals['num_compilations']}",
         f"{totals['compile_seconds']:.0f}",
         "-" if peak is None else f"{peak / GIB:.2f}",
+        peak_label(report),
         f"{totals['planned_bytes'] / GIB:.2f}",
         "-" if ratio is None else f"{ratio:.3f}",
         "-" if temp is None else f"{temp / GIB:.2f} ({reserve:.2f})",
@@ -54,6 +57,12 @@ def row(report: dict[str, Any]) -> list[str]:
         else f"{decode['tokens_per_s']:,.0f} ({decode['tokens']} @ {report['decode_context']})",
         "-" if prefill is None else f"{prefill['tokens_per_s']:,.0f} ({prefill['tokens']})",
     ]
+
+
+def peak_label(report: dict[str, Any]) -> str:
+    """The compilation whose live bytes (resident weights and pages included) are the peak."""
+    live = [b for b in report["buckets"] if b.get("live_bytes") is not None]
+    return max(live, key=lambda b: b["live_bytes"])["label"] if live else "-"
 
 
 def markdown(reports: list[dict[str, Any]]) -> str:
