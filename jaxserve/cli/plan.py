@@ -84,8 +84,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--platform",
         choices=PLATFORMS,
-        help="the platform dtype=auto resolves for (default: gpu with --device-memory-gb, "
-        "else the local device's)",
+        help="the platform dtype=auto resolves for, whose sampler the workspace reserves for "
+        "(default: gpu with --device-memory-gb, else the local device's)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_engine_flags(p, only=PLAN_ENGINE_FLAGS)
@@ -159,6 +159,7 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
         quantization=resolve_quantization(
             config.model.quantization, declared_quantization(source), config.model.model
         ),
+        platform=platform,
     )
     return {
         "model": config.model.model,

@@ -125,6 +125,7 @@ def _checked_memory_plan(
         device_memory_bytes=memory_bytes,
         quantization=quantization,
         draft_arch=draft_arch,
+        platform=plan.platform,
     )
     memory.check(config.model.model)
     logger.info(

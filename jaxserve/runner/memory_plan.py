@@ -17,7 +17,8 @@ figure is per device: under tensor parallelism each of the N devices holds the s
                      (memory_sizes.workspace_bytes): the larger of the step's two halves,
                      the forward's (activations of max_num_batched_tokens tokens, f32 logits
                      of max_num_seqs rows or of one chunk of prompt logprobs, whichever is
-                     more) and the sample's (17 f32 [max_num_seqs, V] buffers, measured)
+                     more) and the sample's (f32 [max_num_seqs, V] buffers, as many as the
+                     platform's compiler was measured to keep: 17 on TPU, 8 on GPU)
     budget           memory_utilization x the device's memory (the allocator's bytes_limit
                      on GPU / TPU, CacheConfig.cpu_memory_bytes on the CPU); with an explicit
                      num_kv_blocks, which overrides memory_utilization, the whole of it
@@ -246,6 +247,7 @@ def plan_memory(
     num_kv_blocks: int | None = None,
     quantization: str | None = None,
     draft_arch: ModelArchConfig | None = None,
+    platform: str | None = None,
 ) -> MemoryPlan:
     """The MemoryPlan of `arch` in `dtype` (already resolved: not "auto") on devices of
     `device_memory_bytes` each. Reads no weights and allocates nothing; a bad argument raises
@@ -256,6 +258,9 @@ def plan_memory(
         quantization: None, "int8" or "fp8" (resolved: the checkpoint's own or the requested).
         draft_arch: speculative decoding's draft model, whose weights (in `dtype`) and KV pages
             (in `dtype`, one block for each of the target's) count with the target's.
+        platform: "cpu", "gpu" or "tpu" (the ExecutionPlan's), whose compiler's sampler
+            temporaries the workspace reserves (memory_sizes.sample_workspace_bytes); None:
+            the largest measured.
     """
     _check_arguments(**{k: v for k, v in locals().items() if k not in _RESOLVED_ARGUMENTS})
     model = get_model(arch, dtype=dtype, quantization=quantization)
@@ -264,9 +269,8 @@ def plan_memory(
     )
     # An explicit pool overrides memory_utilization (CacheConfig): it must fit in the device.
     utilization = 1.0 if num_kv_blocks is not None else memory_utilization
-    workspace = workspace_bytes(
-        arch, dtype, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs
-    )
+    workspace = workspace_bytes(arch, dtype, max_num_batched_tokens=max_num_batched_tokens,
+                                max_num_seqs=max_num_seqs, platform=platform)  # fmt: skip
     return MemoryPlan(
         architecture=arch.architecture,
         dtype=dtype,
@@ -320,6 +324,7 @@ def memory_plan_for(
     device_memory_bytes: int,
     quantization: str | None = None,
     draft_arch: ModelArchConfig | None = None,
+    platform: str | None = None,
 ) -> MemoryPlan:
     """The MemoryPlan of this engine configuration (tensor parallelism, block size, step
     budget, memory share, explicit pool) for `arch` in the resolved dtypes: what build_runner
@@ -339,6 +344,7 @@ def memory_plan_for(
         num_kv_blocks=cache.num_kv_blocks,
         quantization=quantization,
         draft_arch=draft_arch,
+        platform=platform,
     )
 
 
@@ -358,9 +364,12 @@ def _check_arguments(
     kv_cache_dtype: str,
     memory_utilization: float,
     num_kv_blocks: int | None,
+    platform: str | None,
     **positive_ints: int,
 ) -> None:
     """plan_memory's argument checks (TypeError / ValueError, each named with its value)."""
+    if platform not in (None, "cpu", "gpu", "tpu"):
+        raise ValueError(f"platform must be 'cpu', 'gpu', 'tpu' or None, got {platform!r}")
     for name, value, sizes in (
         ("dtype", dtype, DTYPE_SIZES),
         ("kv_cache_dtype", kv_cache_dtype, KV_DTYPE_SIZES),

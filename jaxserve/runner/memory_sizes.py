@@ -35,13 +35,17 @@ _LOGITS_ITEMSIZE = 4
 #   XLA:TPU v6e-1, V = 128256:  R = 64: 2.1 / 10.1;  R = 128: 10.0 / 12.0;  R = 256: 10.0 / 15.1
 #   XLA:TPU v5e-8 (tp 8), V = 128256, R = 256: 10.0 / 11.0 per chip
 #   XLA:TPU v6e-1, V = 32000, R = 256: 3.1 / 7.2
-# (top-k / top-p's sort keys and indices, the masked and penalised copies, layout copies; the
-# compiler's schedule, not a fixed count, decides how many are live at once, hence no clean
-# law). At most 15.1: 1 (the logits) + 16 (the temporaries, rounded up) = 17 buffers, which
-# also covers the lists' own arguments (2 i32 [R, min(max_model_len + 1, V)]: 0.18 R V 4 at
-# V = 128256 and max_model_len 8192). Per device, not divided by tp: the sample half is
-# replicated (runner/step.py: jit_sample), each device samples from the whole logits.
-_SAMPLE_BUFFERS = 17
+#   XLA:GPU h200 and a100-80g, V = 128256:  R = 64 and R = 256: 3.1 / 6.1
+# (top-k / top-p's sort keys and indices, the masked and penalised copies, layout copies). On
+# XLA:GPU that is a fixed count; on XLA:TPU the compiler's schedule decides how many are live
+# at once, hence no clean law there: the reserve takes the largest seen. Per platform: 1 (the
+# logits) + the temporaries rounded up (TPU 16, GPU 7), which also covers the lists' own
+# arguments (2 i32 [R, min(max_model_len + 1, V)]: 0.18 R V 4 at V = 128256 and max_model_len
+# 8192); a platform not measured (the CPU, whose draw is a C++ kernel) takes the largest. Per
+# device, not divided by tp: the sample half is replicated (runner/step.py: jit_sample), each
+# device samples from the whole logits.
+_SAMPLE_BUFFERS = {"tpu": 17, "gpu": 8}
+_SAMPLE_BUFFERS_UNMEASURED = max(_SAMPLE_BUFFERS.values())
 
 
 def weights_bytes(model: CausalLM, tensor_parallel_size: int) -> tuple[int, int]:
@@ -79,18 +83,24 @@ def kv_scales_bytes(arch: ModelArchConfig, kv_cache_dtype: str) -> int:
 
 
 def workspace_bytes(
-    arch: ModelArchConfig, dtype: str, *, max_num_batched_tokens: int, max_num_seqs: int
+    arch: ModelArchConfig,
+    dtype: str,
+    *,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    platform: str | None = None,
 ) -> int:
     """The reserve for one step's live buffers besides weights and KV pages, on one device:
     the larger of the forward half's (forward_workspace_bytes) and the sample half's
-    (sample_workspace_bytes). The step runs them as two executables, one after the other
-    (runner/step.py), so the device holds one half's buffers at a time. It is a reserve, not
-    a measurement (`jaxserve compile` measures it: docs/compilation.md).
+    (sample_workspace_bytes, on ``platform``). The step runs them as two executables, one
+    after the other (runner/step.py), so the device holds one half's buffers at a time. It is
+    a reserve, not a measurement (`jaxserve compile` measures it: docs/compilation.md).
     """
     forward = forward_workspace_bytes(
         arch, dtype, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs
     )
-    return max(forward, sample_workspace_bytes(arch, max_num_seqs=max_num_seqs))
+    sample = sample_workspace_bytes(arch, max_num_seqs=max_num_seqs, platform=platform)
+    return max(forward, sample)
 
 
 def forward_workspace_bytes(
@@ -119,8 +129,12 @@ def forward_workspace_bytes(
     return activations + logits
 
 
-def sample_workspace_bytes(arch: ModelArchConfig, *, max_num_seqs: int) -> int:
-    """The sample half's live buffers on one device: max_num_seqs x V x 4 bytes x 17, its
-    f32 logits and the sampler's temporaries (_SAMPLE_BUFFERS: measured, see there). Not
-    divided by tp: the sample half runs replicated, on the whole logits, on every device."""
-    return max_num_seqs * arch.vocab_size * _LOGITS_ITEMSIZE * _SAMPLE_BUFFERS
+def sample_workspace_bytes(
+    arch: ModelArchConfig, *, max_num_seqs: int, platform: str | None = None
+) -> int:
+    """The sample half's live buffers on one device: max_num_seqs x V x 4 bytes x the
+    platform's buffers (_SAMPLE_BUFFERS, measured, see there: 17 on TPU, 8 on GPU; 17 on a
+    platform not measured or None), its f32 logits and the sampler's temporaries. Not divided
+    by tp: the sample half runs replicated, on the whole logits, on every device."""
+    buffers = _SAMPLE_BUFFERS.get(platform, _SAMPLE_BUFFERS_UNMEASURED)
+    return max_num_seqs * arch.vocab_size * _LOGITS_ITEMSIZE * buffers

@@ -46,7 +46,8 @@ def test_the_compiled_sample_half_fits_the_planners_reserve(tmp_path) -> None:
     jobs = compilations(runner, WarmupSet((shape,), runner.sampling.variant_widths, ()))
     samples = [job for job in jobs if tuple(job.names) == SAMPLE_ARGS]
     assert len(samples) == 2  # without and with the sampling lists
-    reserve = sample_workspace_bytes(arch_config_from_hf(LLAMA3_VOCAB), max_num_seqs=ROWS)
+    arch = arch_config_from_hf(LLAMA3_VOCAB)
+    reserve = sample_workspace_bytes(arch, max_num_seqs=ROWS, platform="tpu")
     assert engine.resolved.memory.workspace_bytes >= reserve
     for job in samples:
         result = compile_job(job, engine.resolved.sharding.mesh)

@@ -64,17 +64,17 @@ def test_llama3_8b_on_an_h200(llama3: str, capsys: pytest.CaptureFixture[str]) -
     assert plan["num_params"] == 8_030_261_248
     assert plan["weights_bytes"] == 16_060_522_496
     assert plan["kv_bytes_per_token"] == 131_072
-    assert plan["max_kv_tokens"] == 899_968
-    assert plan["max_num_seqs_at_max_model_len"] == 109
+    assert plan["max_kv_tokens"] == 908_992
+    assert plan["max_num_seqs_at_max_model_len"] == 110
     assert plan["fits"] is True and plan["reason"] is None
     assert plan["dtype"] == "bfloat16" and plan["platform"] == "gpu"
     assert plan["device_memory_bytes"] == 141 * GIB and plan["memory_utilization"] == 0.9
-    assert plan["workspace_bytes"] == 2_232_680_448  # the sample half's
+    assert plan["workspace_bytes"] == 1_050_673_152  # the sample half on a GPU
     assert cli.main(["plan", "--model", llama3, "--device-memory-gb", "141"]) == 0
     text = capsys.readouterr().out
     assert "weights per device:   16,060,522,496 bytes (14.96 GiB)" in text
-    assert "max_kv_tokens:        899,968 (56,248 blocks of 16 tokens" in text
-    assert "sequences at once:    109 of max_model_len=8,192" in text
+    assert "max_kv_tokens:        908,992 (56,812 blocks of 16 tokens" in text
+    assert "sequences at once:    110 of max_model_len=8,192" in text
     assert text.rstrip().endswith("fits:                 yes")
 
 
@@ -97,11 +97,11 @@ def test_does_not_fit_exits_1_and_still_prints(
     code, plan = plan_json(capsys, "--model", llama3, "--device-memory-gb", "16")
     assert code == 1 and plan["fits"] is False and plan["max_kv_tokens"] == 0
     assert "exceed the budget" in plan["reason"]
-    assert cli.main(["plan", "--model", llama3, "--device-memory-gb", "19.5"]) == 1
+    assert cli.main(["plan", "--model", llama3, "--device-memory-gb", "18"]) == 1
     text = capsys.readouterr().out
     assert "fits:                 no: " in text and "one sequence of max_model_len=8192" in text
     # The same model fits a shorter max_model_len, or in float32 on a larger device.
-    assert cli.main(["plan", "--model", llama3, "--device-memory-gb", "19.5"]
+    assert cli.main(["plan", "--model", llama3, "--device-memory-gb", "18"]
                     + ["--max-model-len", "2048"]) == 0  # fmt: skip
     assert capsys.readouterr().out.rstrip().endswith("yes")
     code, plan = plan_json(
@@ -194,7 +194,7 @@ def test_hub_ids_fetch_config_json_only(
     argv = ["--model", "meta-llama/Meta-Llama-3-8B", "--device-memory-gb", "141"]
     code, plan = plan_json(capsys, *argv)
     assert code == 0 and plan["model"] == "meta-llama/Meta-Llama-3-8B"
-    assert plan["weights_bytes"] == 16_060_522_496 and plan["max_kv_tokens"] == 899_968
+    assert plan["weights_bytes"] == 16_060_522_496 and plan["max_kv_tokens"] == 908_992
 
     calls: list[dict] = []
 

@@ -253,6 +253,23 @@ def test_the_workspace_is_the_larger_half_and_the_sample_half_is_per_row(llama3_
     assert plans[0].workspace_bytes == plans[1].workspace_bytes == default
 
 
+def test_the_sample_half_reserves_what_the_platforms_compiler_keeps(llama3_8b) -> None:
+    """XLA:TPU keeps up to 15.1 f32 [R, V] temporaries live in the sample half, XLA:GPU 6.1
+    (memory_sizes._SAMPLE_BUFFERS): 17 and 8 buffers with the logits; a platform not measured
+    (the CPU, or None) reserves the larger."""
+    rows_by_vocab = 256 * 128256 * 4
+    buffers = {"tpu": 17, "gpu": 8, "cpu": 17, None: 17}
+    for platform, count in buffers.items():
+        sample = sample_workspace_bytes(llama3_8b, max_num_seqs=256, platform=platform)
+        assert sample == rows_by_vocab * count
+        assert plan(llama3_8b, platform=platform).workspace_bytes == sample
+    # On a GPU more KV fits: the reserve is 1.18 GiB smaller.
+    gpu, tpu = plan(llama3_8b, platform="gpu"), plan(llama3_8b, platform="tpu")
+    assert gpu.max_kv_tokens > tpu.max_kv_tokens
+    with pytest.raises(ValueError, match="platform must be 'cpu', 'gpu', 'tpu' or None, got 'x'"):
+        plan(llama3_8b, platform="x")
+
+
 def test_blocks_for_budget_counts_what_is_used_and_caps() -> None:
     sizes = dict(budget_bytes=1000, bytes_per_block=100, max_useful_blocks=99)
     assert blocks_for_budget(used_bytes=300, **sizes) == 7
