@@ -81,8 +81,12 @@ class LLGuidanceBackend:
             tokenizer.to_str(), n_vocab=n_vocab, eos_token=eos or None
         )
         self.bitmask_words = (n_vocab + 31) // 32
-        added = tokenizer.get_added_tokens_decoder().values()
-        self._special_tokens = frozenset(t.content for t in added if t.special)
+        # llguidance's special tokens (every added token, "special" or not: Qwen's <tool_call>
+        # too), by their text: structural-tag triggers that name one (llguidance_tags.py).
+        added = tokenizer.get_added_tokens_decoder()
+        self._special_tokens = frozenset(
+            t.content for i, t in added.items() if self._tokenizer.is_special_token(i)
+        )
 
     def compile(self, kind: str, spec: str) -> LLGuidanceGrammar:
         if kind == "structural_tag":

@@ -2,13 +2,13 @@
 ``llguidance.StructTag`` per structure, its trigger the first of the request's triggers that
 its ``begin`` starts with (vLLM's guidance backend pairs them the same way).
 
-A trigger written like a token (``<...>``) that the tokenizer has as a special token is matched
-as that token (the model emits it as one id, which free text never allows); any other trigger
-is matched in the text (a lazy lexeme: the tag starts where the text first contains it). vLLM
-takes every ``<...>`` trigger for a special token and fails to compile when the tokenizer has
-none by that name (Qwen's non-special ``<tool_call>``, for one); here such a trigger is text. A
-request whose ``<...>`` triggers mix special tokens and text is refused: llguidance's StructTag
-treats all of them one way.
+A trigger written like a token (``<...>``) that is one of llguidance's special tokens (every
+added token of the tokenizer, Qwen's ``<tool_call>`` included) is matched as that token: the
+model emits it as one id, which free text never allows. Any other trigger is matched in the
+text (a lazy lexeme: the tag starts where the text first contains it). vLLM takes every
+``<...>`` trigger for a special token, and a tokenizer without one by that name fails to
+compile; here such a trigger is text. A request whose ``<...>`` triggers mix special tokens and
+text is refused: llguidance's StructTag treats all of them one way.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def struct_tag_grammar(
 
     Args:
         spec: check_structural_tag's canonical text.
-        special_tokens: the tokenizer's special tokens, by their text.
+        special_tokens: llguidance's special tokens of the tokenizer, by their text.
         json_defaults: llguidance's JSON options for each schema (its own "x-guidance" wins).
 
     Raises:

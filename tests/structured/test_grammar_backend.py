@@ -10,6 +10,7 @@ import threading
 import jsonschema
 import numpy as np
 import pytest
+from tokenizers import AddedToken
 
 from jaxserve import SamplingParams, StructuredOutputsParams
 from jaxserve.checkpoints_tools.tiny_random import build_tiny_tokenizer
@@ -304,6 +305,19 @@ def test_structural_tag_trigger_that_is_a_special_token_is_matched_as_that_token
     state = spec.new_state()
     assert state.accept(tokenizer.encode("hi", add_special_tokens=False).ids + [1]) is None
     assert state.accept(tokenizer.encode("x", add_special_tokens=False).ids) == "error"
+    # An added token that is not "special" (Qwen's <tool_call>) is one to llguidance too.
+    qwen_like = build_tiny_tokenizer()
+    qwen_like.add_tokens([AddedToken("<tool_call>", special=False)])
+    call = qwen_like.token_to_id("<tool_call>")
+    tag = {"structures": [{"begin": "<tool_call>", "schema": GET, "end": "</tool_call>"}],
+           "triggers": ["<tool_call>"]}  # fmt: skip
+    params = SamplingParams(structured_outputs={"structural_tag": tag})
+    state = StructuredOutputs(qwen_like, V, [EOS]).check(params).new_state()
+    ids = [*qwen_like.encode("hi", add_special_tokens=False).ids, call]
+    assert state.accept(ids) is None
+    body = qwen_like.encode('{"n":7}</tool_call>', add_special_tokens=False).ids
+    assert state.accept(body) is None  # the tag, then free text again
+    assert state.accept([call, *qwen_like.encode("x", add_special_tokens=False).ids]) == "error"
     # Triggers written like tokens that are partly special tokens, partly not: refused.
     mixed = {"structures": [{"begin": "<s>", "schema": GET, "end": ""},
                             {"begin": "<fn>", "schema": GET, "end": ""}],
