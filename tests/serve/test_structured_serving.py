@@ -123,6 +123,8 @@ def test_structured_outputs_extra_field_and_logit_bias(oai, llm_engine):
          "structured_outputs", r"structured_outputs.structural_tag.triggers must be a non-empty"),
         ({"structured_outputs": {"choice": []}}, "structured_outputs",
          r"structured_outputs.choice must be non-empty"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs",
+         r"structured_outputs: exactly one of"),
         ({"tools": [{"type": "function", "function": {"name": "f", "strict": 1}}],
           "tool_choice": "required"}, "tools[0].function.strict", "must be a boolean"),
     ],

@@ -103,7 +103,7 @@ def translate_params_errors(
         message = str(e)
         match = re.match(r"SamplingParams\.(\w+)", message)
         if match is None:  # StructuredOutputsParams' own checks: the constraint's field
-            match = re.match(r"StructuredOutputsParams(?=\.)", message)
+            match = re.match(r"StructuredOutputsParams(?=[.:])", message)
             if match is None:
                 raise OpenAIError(message) from None
             param = names["structured_outputs"]
