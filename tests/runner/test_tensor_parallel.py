@@ -136,6 +136,13 @@ def test_structured_outputs_and_logit_bias_under_tp_match_one_device(results):
     assert two == one
     assert re.fullmatch(one["regex"], one["regex_text"]), one["regex_text"]
     assert one["biased"] == [7] * 6  # +100 on an allowed token: every step takes it
+    assert one["repeat_text"] == "a b " * 4
+
+
+def test_constrained_ngram_speculation_under_tp_keeps_one_devices_tokens(results):
+    one, spec = results["parity"]["llama"]["1"]["constrained"], results["spec"]
+    assert spec["constrained"] == one
+    assert spec["constrained_draft_tokens"] > 0  # the repeats drafted, cut by the grammar
 
 
 def test_speculative_decoding_under_tp_keeps_one_devices_tokens(results):

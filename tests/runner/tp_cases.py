@@ -15,7 +15,9 @@ separate process; test_tensor_parallel.py runs it once and checks the JSON it wr
     orbax                   tokens and param shardings of an Orbax checkpoint restored at tp 2
     spec                    llama at tp 2 with speculative decoding, drafts from an oracle that
                             knows tp 1's tokens: greedy and seeded tokens, drafts verified and
-                            accepted (k = 3, so several tokens per step); spec["draft_model"]:
+                            accepted (k = 3, so several tokens per step); spec["constrained"]:
+                            the constrained requests with the real n-gram proposer (drafts
+                            checked against a regex and allowed ids); spec["draft_model"]:
                             the same with llama as its own draft model, sharded at tp 2
     maps[tp]                memory maps and executables of llama warmed up at tp 4 and 8 with
                             table widths bucketed (runner/map_budget.py), and its greedy tokens
@@ -113,21 +115,27 @@ def _seeded(llm: LLM) -> list[list[int]]:
 
 
 CONSTRAINED_REGEX = "[ab]{2,5}"
+REPEAT_REGEX = "(a b ){4}"  # its prompt already says "a b a b": n-gram drafts from the start
 
 
 def _constrained(llm: LLM) -> dict[str, Any]:
-    """Structured outputs and token constraints: a regex, and a logit bias with a ban list,
-    each greedy (the mask and the bias are applied to the vocabulary-sharded logits)."""
+    """Structured outputs and token constraints: two regexes, and a logit bias with a ban
+    list, each greedy (the mask and the bias are applied to the vocabulary-sharded logits)."""
     prompt = [5, 17, 42]
+    repeat = [5, *llm.get_tokenizer().encode("a b a b", add_special_tokens=False).ids]
     params = [
         SamplingParams(temperature=0.0, max_tokens=6,
                        structured_outputs={"regex": CONSTRAINED_REGEX}),
         SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
                        logit_bias={7: 100.0}, allowed_token_ids=list(range(3, 40))),
+        SamplingParams(temperature=0.0, max_tokens=10,
+                       structured_outputs={"regex": REPEAT_REGEX}),
     ]  # fmt: skip
-    outs = llm.generate([prompt, prompt], params, use_tqdm=False)
+    outs = llm.generate([prompt, prompt, repeat], params, use_tqdm=False)
     return {"regex": CONSTRAINED_REGEX, "regex_text": outs[0].outputs[0].text,
-            "biased": outs[1].outputs[0].token_ids}  # fmt: skip
+            "biased": outs[1].outputs[0].token_ids,
+            "repeat_text": outs[2].outputs[0].text,
+            "repeat": outs[2].outputs[0].token_ids}  # fmt: skip
 
 
 class _BackendCompiles:
@@ -237,6 +245,13 @@ def run_spec(work: pathlib.Path, parity: dict[str, Any]) -> dict[str, Any]:
     stats = llm.get_stats()
     out["draft_tokens"] = stats["spec_decode_num_draft_tokens"]
     out["accepted_tokens"] = stats["spec_decode_num_accepted_tokens"]
+    # The real n-gram proposer under constraints: drafts from repeats, checked against the
+    # grammar, the allowed ids and the bias's forced token; the tokens must still be tp 1's.
+    llm.engine.core.spec = SpecDecoder(SpeculativeConfig(**config))
+    out["constrained"] = _constrained(llm)
+    out["constrained_draft_tokens"] = (
+        llm.get_stats()["spec_decode_num_draft_tokens"] - out["draft_tokens"]
+    )
     del llm
     # The draft-model form: the target as its own draft, sharded like it on the same mesh.
     config = {**config, "method": "draft_model", "model": str(work / "llama")}
