@@ -92,7 +92,8 @@ class KVTransferConfig:
         default_storage_path()); each model and KV layout has a subfolder of its own.
     lease_s: seconds a saved block stays in the store for consumers (> 0); a producer deletes
         its older blocks as it saves new ones. JaxTransferConnector: how long an offer's
-        gathered copy may wait for its pull, holding device memory until then.
+        gathered copy may wait for its pull, holding device memory until then (or until
+        max_held_offers_fraction releases it).
     ray_address, ray_namespace: the Ray cluster to join ("auto": this host's) and the
         namespace of the store's actor ("RayStoreConnector" only).
     transfer_host, transfer_port: "JaxTransferConnector" only: where the engine's

@@ -50,7 +50,8 @@ class PullGuard:
         """``fetch(connection)``'s result, or None: it failed (logged), it did not end in
         ``timeout_s`` (abandoned: ``connection`` poisoned), or too many pulls are blocked."""
         if self.num_stuck >= self.max_stuck:
-            self.num_refused += 1
+            with self._lock:
+                self.num_refused += 1
             logger.warning("KV transfer: %s not started: %d abandoned pulls still blocked",
                            what, self.max_stuck)  # fmt: skip
             return None
@@ -67,7 +68,8 @@ class PullGuard:
         thread.join(self.timeout_s)
         if not thread.is_alive():
             return result[0] if result else None
-        self.num_abandoned += 1
+        with self._lock:
+            self.num_abandoned += 1
         logger.warning("KV transfer: %s still running after %.3g s; abandoned", what,
                        self.timeout_s)  # fmt: skip
         poison = getattr(connection, "_poison_connection", None)
