@@ -3,8 +3,10 @@ its own jax.experimental.transfer server on 127.0.0.1: a prefill's answer names 
 consumer pulls the prompt's KV device to device (the same bytes as the producer's pages) and
 answers with the producer's own greedy tokens; an offer that cannot be pulled (a producer gone,
 a lease ended, another layout or prompt) is computed instead or fails the request, as
-kv_load_failure_policy says; nothing is held afterwards on either side, and after a warm-up the
-connector's gathers and scatters compile nothing."""
+kv_load_failure_policy says, and so is an offer the producer's cap released for a newer one or a
+pull that hangs (abandoned after pull_timeout_s while the engine serves others); nothing is held
+afterwards on either side, and after a warm-up the connector's gathers and scatters compile
+nothing."""
 
 from __future__ import annotations
 
