@@ -10,11 +10,14 @@ the runner.
 
     build_runner(config)
         resolve_model(config)      -> ResolvedModel: plan, memory plan, shardings, host tier size
-        _load_weights(resolved)    -> LoadedCheckpoint (each weight in its sharding)
-        make_runner(resolved, ckpt) -> ModelRunner (its KV scales, host tier and connector:
-                                       kv_attachments.py), HostTier | None
-        use_executable_store(...)  serialized executables in the compilation cache folder
-        warm_up_all(runner, workers)  when warmup is True (else per job: engine/job_warmup.py)
+        start_runner(resolved, cache_dir): startup.StartupPipeline, these two overlapped:
+          load thread:    _load_weights(resolved) -> LoadedCheckpoint (each weight placed)
+          calling thread: make_runner(resolved, abstract checkpoint) -> ModelRunner (its KV
+                          scales, host tier and connector: kv_attachments.py), HostTier | None;
+                          use_executable_store(...) (serialized executables in the
+                          compilation cache folder); a server's warm-up compiled (warmup=True;
+                          else per job: engine/job_warmup.py)
+          then the loaded weights in the runner, and each warmed-up step run once
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.host_block_pool import HostTier
 from jaxserve.models import ModelArchConfig, get_model
 from jaxserve.pallas_kernels.ragged_paged_attention.impl import AttentionImpl, head_split_refusal
+from jaxserve.runner.abstract_weights import abstract_checkpoint
 from jaxserve.runner.compile_cache import enable_compilation_cache
 from jaxserve.runner.draft_model import DraftSpec
 from jaxserve.runner.executable_store import fields_of, use_executable_store
@@ -52,7 +56,8 @@ from jaxserve.runner.memory_plan import MemoryPlan, memory_plan_for, resolve_max
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.plan import ExecutionPlan, make_plan
 from jaxserve.runner.sharding import ShardingPlan, make_mesh, per_device_bytes, plan_sharding
-from jaxserve.runner.warmup import warm_up_all
+from jaxserve.runner.startup import StartupPipeline
+from jaxserve.runner.warmup import ServerWarmup, warm_up_all
 from jaxserve.runner.xla_flags import apply_cpu_workarounds
 
 logger = logging.getLogger("jaxserve")
@@ -166,6 +171,8 @@ class ResolvedModel:
     sharding: ShardingPlan
     num_host_blocks: int  # host KV tier slots; 0: no host tier
     draft_arch: ModelArchConfig | None = None  # speculative decoding's draft model, if any
+    arch: ModelArchConfig | None = None  # the model's architecture (its config.json)
+    source: str = ""  # where its config.json was read: a folder, or a built-in model's name
 
 
 def build_runner(config: EngineConfig) -> tuple[ModelRunner, RunnerInfo]:
@@ -186,13 +193,8 @@ def build_runner(config: EngineConfig) -> tuple[ModelRunner, RunnerInfo]:
     cache_dir = enable_compilation_cache(config.runner.compilation_cache_dir)
     logger.info("compilation cache: %s", cache_dir or "off")
     resolved = resolve_model(config)
-    ckpt = _load_weights(resolved)
-    runner, host_tier = make_runner(resolved, ckpt)
+    runner, host_tier, ckpt = start_runner(resolved, cache_dir)
     _compare_weights(runner, resolved.memory)
-    fields = fields_of(resolved, ckpt.arch)
-    use_executable_store(runner, cache_dir, fields, config.runner.precompiled)
-    if config.runner.warmup is True:  # "job": before each job (engine/job_warmup.py)
-        warm_up_all(runner, resolved.plan.compile_workers)
     if host_tier is not None and config.cache.preemption_mode == "auto":
         # "auto" preemption weighs copies against recomputation: measure the copies once.
         bytes_per_s, latency_s = runner.measure_offload_bandwidth()
@@ -264,7 +266,65 @@ def resolve_model(config: EngineConfig, machine: Machine | None = None) -> Resol
         sharding=plan_sharding(get_model(arch, quantization=quantization), machine.mesh),
         num_host_blocks=host_kv_blocks(config.cache.kv_offloading_size, block_bytes),
         draft_arch=draft_arch,
+        arch=arch,
+        source=str(config_source),
     )
+
+
+def start_runner(
+    resolved: ResolvedModel, cache_dir: str | None
+) -> tuple[ModelRunner, HostTier | None, LoadedCheckpoint]:
+    """The runner of ``resolved`` with its loaded weights and its executable store, warmed up
+    when it is a server's (warmup=True): the weights load in a thread while the runner is
+    built over their shapes and compiles (startup.py), unless the runner needs their values to
+    be built (an FP8 KV cache: its scales may come from a calibration pass)."""
+    config = resolved.config
+
+    def make(ckpt: LoadedCheckpoint) -> tuple[ModelRunner, HostTier | None]:
+        runner, host_tier = make_runner(resolved, ckpt)
+        fields = fields_of(resolved, ckpt.arch)
+        use_executable_store(runner, cache_dir, fields, config.runner.precompiled)
+        return runner, host_tier
+
+    server = config.runner.warmup is True  # "job": before each job (engine/job_warmup.py)
+    workers = resolved.plan.compile_workers
+    if _weights_first(resolved):
+        ckpt = _load_weights(resolved)
+        runner, host_tier = make(ckpt)
+        if server:
+            warm_up_all(runner, workers)
+        return runner, host_tier, ckpt
+    warmup = ServerWarmup(workers) if server else None
+    return StartupPipeline(
+        load=lambda: _load_weights(resolved),
+        abstract=_abstract_weights(resolved),
+        make_runner=make,
+        compile_all=None if warmup is None else warmup.compile,
+        run_once=None if warmup is None else warmup.run,
+    ).run()
+
+
+def _weights_first(resolved: ResolvedModel) -> bool:
+    """Whether the weights must load before the runner is built: an FP8 KV cache (its scales
+    may come from a calibration pass over the weights: kv_attachments.kv_scales_of), or a Hub
+    model (only its config.json is here yet, not the files that name its EOS ids)."""
+    fp8 = resolved.plan.kv_cache_dtype.startswith("float8")
+    return fp8 or resolved.source != resolved.config.model.model
+
+
+def _abstract_weights(resolved: ResolvedModel) -> LoadedCheckpoint:
+    """The checkpoint _load_weights will load, with abstract params (abstract_weights.py)."""
+    config = resolved.config
+    ckpt = abstract_checkpoint(
+        resolved.arch,
+        resolved.source,
+        dtype=resolved.plan.dtype,
+        quantization=config.model.quantization,
+        shardings=resolved.sharding.param_shardings(),
+    )
+    if config.model.tokenizer is not None:
+        ckpt = replace_tokenizer(ckpt, config.model.tokenizer)
+    return ckpt
 
 
 def _draft_arch(
