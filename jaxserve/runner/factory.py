@@ -9,10 +9,13 @@ plan's dtype, each into its sharding. The engine gets back plain host facts (Run
 the runner.
 
     build_runner(config)
-        resolve_model(config)      -> ResolvedModel: plan, memory plan, shardings, host tier size
-        start_runner(resolved, cache_dir): startup.StartupPipeline, these two overlapped:
+        resolve_model(config, check_kernels=False) -> ResolvedModel: plan (its attention
+                                   kernel not self-checked yet), memory plan, shardings, host
+                                   tier size: what loading the weights needs
+        start_runner(...):         startup.StartupPipeline, these two overlapped:
           load thread:    _load_weights(resolved) -> LoadedCheckpoint (each weight placed)
-          calling thread: make_runner(resolved, abstract checkpoint) -> ModelRunner (its KV
+          calling thread: resolve_model(config) again, the kernel self-checked (_checked_model);
+                          make_runner(resolved, abstract checkpoint) -> ModelRunner (its KV
                           scales, host tier and connector: kv_attachments.py), HostTier | None;
                           use_executable_store(...) (serialized executables in the
                           compilation cache folder); a server's warm-up compiled (warmup=True;
@@ -105,6 +108,7 @@ def _checked_memory_plan(
     max_model_len: int,
     quantization: str | None,
     draft_arch: ModelArchConfig | None = None,
+    log: bool = True,
 ) -> MemoryPlan | None:
     """The memory plan on one device of `machine`, checked: raises before any weight is read
     when the model cannot fit. None when the pool size is explicit and the device reports no
@@ -119,7 +123,8 @@ def _checked_memory_plan(
     except RuntimeError as e:
         if config.cache.num_kv_blocks is None:
             raise
-        logger.warning("%s: not checking that the weights and the KV pool fit", e)
+        if log:
+            logger.warning("%s: not checking that the weights and the KV pool fit", e)
         return None
     memory = memory_plan_for(
         config,
@@ -132,6 +137,8 @@ def _checked_memory_plan(
         draft_arch=draft_arch,
     )
     memory.check(config.model.model)
+    if not log:
+        return memory
     logger.info(
         "memory plan: weights %d bytes, workspace %d bytes, KV %d bytes per token (per device); "
         "%d KV blocks of %d tokens",
@@ -192,8 +199,12 @@ def build_runner(config: EngineConfig) -> tuple[ModelRunner, RunnerInfo]:
     apply_cpu_workarounds()  # before jax starts its backends (make_mesh lists the devices)
     cache_dir = enable_compilation_cache(config.runner.compilation_cache_dir)
     logger.info("compilation cache: %s", cache_dir or "off")
-    resolved = resolve_model(config)
-    runner, host_tier, ckpt = start_runner(resolved, cache_dir)
+    # All but the attention kernel's self-check, which the weights do not depend on: it runs
+    # in this thread while they load (start_runner).
+    unchecked = resolve_model(config, check_kernels=False)
+    runner, host_tier, ckpt, resolved = start_runner(
+        unchecked, cache_dir, lambda: _checked_model(config, unchecked)
+    )
     _compare_weights(runner, resolved.memory)
     if host_tier is not None and config.cache.preemption_mode == "auto":
         # "auto" preemption weighs copies against recomputation: measure the copies once.
@@ -212,7 +223,9 @@ def build_runner(config: EngineConfig) -> tuple[ModelRunner, RunnerInfo]:
     return runner, info
 
 
-def resolve_model(config: EngineConfig, machine: Machine | None = None) -> ResolvedModel:
+def resolve_model(
+    config: EngineConfig, machine: Machine | None = None, check_kernels: bool = True
+) -> ResolvedModel:
     """The plan, the checked memory plan, the shardings and the host tier's size of
     ``config``'s model, from its architecture alone (of a Hub model, config.json is all that
     is fetched so far): a model that cannot fit fails before any weight is fetched or read,
@@ -220,6 +233,8 @@ def resolve_model(config: EngineConfig, machine: Machine | None = None) -> Resol
 
     Args:
         machine: what to plan for (machine.py); None: this process's first devices.
+        check_kernels: False: the attention kernel is not self-checked, nothing is logged
+            (build_runner: enough to load the weights, while _checked_model checks it).
 
     Raises:
         as build_runner, but nothing about the weights themselves.
@@ -231,10 +246,11 @@ def resolve_model(config: EngineConfig, machine: Machine | None = None) -> Resol
         model_config.model, files=CONFIG_FILES, **_hub_arguments(config)
     )
     arch = load_arch(config_source)
-    plan = make_plan(config, machine, arch, declared_dtype(config_source))
-    logger.info("execution plan: %s", plan.summary())
-    for reason in plan.attention_refused:
-        logger.info("attention: passed over %s", reason)
+    plan = make_plan(config, machine, arch, declared_dtype(config_source), check_kernels)
+    if check_kernels:
+        logger.info("execution plan: %s", plan.summary())
+        for reason in plan.attention_refused:
+            logger.info("attention: passed over %s", reason)
     max_model_len = resolve_max_model_len(model_config.max_model_len, arch)
     # 8-bit weights: the checkpoint's own (quantization_config) or LLM(quantization=...)'s,
     # quantized while loading; they change the param shapes, so the memory plan and the
@@ -244,7 +260,7 @@ def resolve_model(config: EngineConfig, machine: Machine | None = None) -> Resol
     )
     draft_arch = _draft_arch(config, arch, plan.attention)
     memory = _checked_memory_plan(
-        config, arch, plan, machine, max_model_len, quantization, draft_arch
+        config, arch, plan, machine, max_model_len, quantization, draft_arch, log=check_kernels
     )
     block_bytes = get_model(arch).kv_cache_bytes_per_block(
         config.cache.block_size, plan.kv_cache_dtype
@@ -272,36 +288,57 @@ def resolve_model(config: EngineConfig, machine: Machine | None = None) -> Resol
 
 
 def start_runner(
-    resolved: ResolvedModel, cache_dir: str | None
-) -> tuple[ModelRunner, HostTier | None, LoadedCheckpoint]:
-    """The runner of ``resolved`` with its loaded weights and its executable store, warmed up
-    when it is a server's (warmup=True): the weights load in a thread while the runner is
-    built over their shapes and compiles (startup.py), unless the runner needs their values to
-    be built (an FP8 KV cache: its scales may come from a calibration pass)."""
-    config = resolved.config
+    unchecked: ResolvedModel, cache_dir: str | None, checked: Callable[[], ResolvedModel]
+) -> tuple[ModelRunner, HostTier | None, LoadedCheckpoint, ResolvedModel]:
+    """The runner with its loaded weights and its executable store, warmed up when it is a
+    server's (warmup=True), and the model resolved with its kernel self-checked (``checked()``).
+    The weights load (with ``unchecked``'s dtype and shardings) in a thread while the calling
+    thread self-checks the kernel, builds the runner over their shapes and compiles
+    (startup.py), unless the runner needs their values to be built (_weights_first)."""
+    config = unchecked.config
 
-    def make(ckpt: LoadedCheckpoint) -> tuple[ModelRunner, HostTier | None]:
+    def make(resolved: ResolvedModel, ckpt: LoadedCheckpoint):
         runner, host_tier = make_runner(resolved, ckpt)
         fields = fields_of(resolved, ckpt.arch)
         use_executable_store(runner, cache_dir, fields, config.runner.precompiled)
         return runner, host_tier
 
     server = config.runner.warmup is True  # "job": before each job (engine/job_warmup.py)
-    workers = resolved.plan.compile_workers
-    if _weights_first(resolved):
+    workers = unchecked.plan.compile_workers
+    if _weights_first(unchecked):
+        resolved = checked()
         ckpt = _load_weights(resolved)
-        runner, host_tier = make(ckpt)
+        runner, host_tier = make(resolved, ckpt)
         if server:
             warm_up_all(runner, workers)
-        return runner, host_tier, ckpt
+        return runner, host_tier, ckpt, resolved
     warmup = ServerWarmup(workers) if server else None
     return StartupPipeline(
-        load=lambda: _load_weights(resolved),
-        abstract=_abstract_weights(resolved),
+        load=lambda: _load_weights(unchecked),
+        resolve=checked,
+        abstract=_abstract_weights,
         make_runner=make,
         compile_all=None if warmup is None else warmup.compile,
         run_once=None if warmup is None else warmup.run,
     ).run()
+
+
+def _checked_model(config: EngineConfig, unchecked: ResolvedModel) -> ResolvedModel:
+    """``config``'s model with its attention kernel self-checked; the weights loading for
+    ``unchecked`` fit it (the check chooses the kernel, never the dtype or the shardings).
+
+    Raises:
+        ValueError: with strict_kernels, a kernel that fails its self-check (plan.make_plan).
+    """
+    resolved = resolve_model(config)
+    same = (
+        resolved.plan.dtype == unchecked.plan.dtype
+        and resolved.config.model.quantization == unchecked.config.model.quantization
+        and resolved.sharding.param_shardings() == unchecked.sharding.param_shardings()
+    )
+    if not same:  # a bug: the weights being loaded are not those this engine needs
+        raise RuntimeError("the attention self-check changed the weights' dtype or shardings")
+    return resolved
 
 
 def _weights_first(resolved: ResolvedModel) -> bool:

@@ -3,34 +3,37 @@
 Compiling a step needs the weights' shapes, not their values, and the two costs are of
 different kinds: reading safetensors or Orbax shards and copying them to the device is I/O and
 transfers, tracing, lowering and compiling (or loading from a cache) is CPU work. So a
-``StartupPipeline`` runs the load in a thread of its own while the calling thread builds the
-ModelRunner over abstract weights (abstract_weights.py: jax.ShapeDtypeStructs in their
-shardings), gives it its executable store and, for a server (``warmup=True``), compiles the
-whole warm-up set, smallest shapes first. Then it waits for the weights, puts them in the
-runner, and only then runs each step once (warmup.run_once needs real weights):
+``StartupPipeline`` runs the load in a thread of its own while the calling thread self-checks
+the attention kernel (plan.py: the weights depend on the dtype and the shardings, not on the
+kernel), builds the ModelRunner over abstract weights (abstract_weights.py:
+jax.ShapeDtypeStructs in their shardings), gives it its executable store and, for a server
+(``warmup=True``), compiles the whole warm-up set, smallest shapes first. Then it waits for
+the weights, puts them in the runner, and only then runs each step once (warmup.run_once
+needs real weights):
 
-    calling thread | abstract runner | store | compile / load executables ... | wait | run once |
+    calling thread | kernel check | runner | store | compile / load executables | wait | run once |
     load thread    | read + place weights ....... |
 
 The steps jax compiled for the abstract weights are the ones the loaded weights call: the same
 shapes, dtypes and shardings, checked leaf by leaf (abstract_weights.mismatch) before they are
 used; a checkpoint that differs (nothing known does) is logged and its runner built again from
 the loaded weights, compiled as before. Where the runner itself needs the weights' values to be
-built (an FP8 KV cache whose scales may come from a calibration pass) the load comes first.
+built (an FP8 KV cache whose scales may come from a calibration pass), or where only
+config.json is here yet (a Hub model), the load comes first (factory._weights_first).
 
 Failures: an error in the load thread stops the compilations at the next one (the error is
-raised in the calling thread, as the sequential load raised it); an error (or Ctrl-C) in the
-calling thread waits for the load to end before it propagates, so no thread outlives the
-call, and a Ctrl-C during that wait stops waiting (the load thread is a daemon: it cannot hold
-the process). ``events``, in order, is a test hook: ("load", "start" / "end"), ("compile",
-"start" / "end"), ("weights", "attached").
+raised in the calling thread, as the sequential load raised it); an error in the calling
+thread waits for the load to end before it propagates, so no thread outlives the call. A
+Ctrl-C while the calling thread waits for the load (either wait) stops waiting at once: the
+load thread, a daemon that cannot hold the process, ends on its own and its result is
+dropped. ``events``, in order, is a test hook: ("load", "start" / "end"), ("resolve", "end"),
+("compile", "start" / "end"), ("weights", "attached").
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
@@ -89,13 +92,16 @@ class BackgroundCall(Generic[T]):
 
 
 class StartupPipeline:
-    """Loads the weights in a thread while the calling thread builds and compiles.
+    """Loads the weights in a thread while the calling thread resolves, builds and compiles.
 
     Args:
         load: reads the checkpoint (factory._load_weights): runs in the load thread.
-        abstract: the checkpoint with abstract weights (abstract_weights.abstract_checkpoint).
-        make_runner: (checkpoint) -> (runner, host tier), the runner given its executable
-            store (factory: make_runner, then use_executable_store).
+        resolve: () -> the model resolved with its attention kernel self-checked (the
+            weights do not depend on the kernel), in the calling thread while they load.
+        abstract: (resolved) -> the checkpoint with abstract weights
+            (abstract_weights.abstract_checkpoint).
+        make_runner: (resolved, checkpoint) -> (runner, host tier), the runner given its
+            executable store (factory: make_runner, then use_executable_store).
         compile_all: None (the warm-up is per job, or never), else (runner, checks) ->
             compiles the server's warm-up set, calling ``checks()`` before each compilation
             (it raises the load's error once the load has failed).
@@ -106,19 +112,20 @@ class StartupPipeline:
     def __init__(
         self,
         load: Callable[[], Any],
-        abstract: Any,
-        make_runner: Callable[[Any], tuple[Any, Any]],
+        resolve: Callable[[], Any],
+        abstract: Callable[[Any], Any],
+        make_runner: Callable[[Any, Any], tuple[Any, Any]],
         compile_all: Callable[[Any, Callable[[], None]], None] | None = None,
         run_once: Callable[[Any], None] | None = None,
     ) -> None:
         self._load = load
+        self._resolve = resolve
         self._abstract = abstract
         self._make_runner = make_runner
         self._compile_all = compile_all
         self._run_once = run_once
         self.events: list[tuple[str, str]] = []  # the test hook (module docstring)
         self._lock = threading.Lock()
-        self.overlap_s = 0.0  # seconds the calling thread worked while the weights loaded
 
     def _event(self, what: str, when: str) -> None:
         with self._lock:
@@ -131,17 +138,21 @@ class StartupPipeline:
         finally:
             self._event("load", "end")
 
-    def run(self) -> tuple[Any, Any, Any]:
-        """(runner, host tier, loaded checkpoint): the runner holds the loaded weights and,
-        with a server's warm-up, every executable of its set, each run once.
+    def run(self) -> tuple[Any, Any, Any, Any]:
+        """(runner, host tier, loaded checkpoint, resolved model): the runner holds the
+        loaded weights and, with a server's warm-up, every executable of its set, each run
+        once.
 
         Raises:
-            what the load raises (first), else what building or compiling raises.
+            what the load raises (first, once it has failed), else what resolving, building
+            or compiling raises.
         """
         load = BackgroundCall(self._timed_load, "jaxserve-weights").start()
-        start = time.perf_counter()
         try:
-            runner, host_tier = self._make_runner(self._abstract)
+            resolved = self._resolve()
+            self._event("resolve", "end")
+            abstract = self._abstract(resolved)
+            runner, host_tier = self._make_runner(resolved, abstract)
             if self._compile_all is not None:
                 self._event("compile", "start")
                 self._compile_all(runner, load.raise_if_failed)
@@ -149,9 +160,8 @@ class StartupPipeline:
         except BaseException:
             self._stop(load)
             raise
-        self.overlap_s = time.perf_counter() - start
         ckpt = load.result()
-        differs = mismatch(self._abstract, ckpt)
+        differs = mismatch(abstract, ckpt)
         if differs is not None:
             logger.warning(
                 "the loaded checkpoint is not the one its config.json describes (%s): building "
@@ -159,14 +169,14 @@ class StartupPipeline:
                 differs,
             )
             runner = host_tier = None  # its KV pages freed before the new runner's
-            runner, host_tier = self._make_runner(ckpt)
+            runner, host_tier = self._make_runner(resolved, ckpt)
             if self._compile_all is not None:
                 self._compile_all(runner, lambda: None)
         runner.params = ckpt.params
         self._event("weights", "attached")
         if self._run_once is not None:
             self._run_once(runner)
-        return runner, host_tier, ckpt
+        return runner, host_tier, ckpt, resolved
 
     def _stop(self, load: BackgroundCall) -> None:
         """The calling thread failed: wait for the load to end (its result or error dropped:

@@ -124,8 +124,10 @@ def test_a_server_compiles_while_its_weights_load_and_generates_the_same_tokens(
     monkeypatch.setattr(warmup, "compile_set", compile_set)
     monkeypatch.setattr(factory, "_load_weights", load)
     engine = LLMEngine("tiny-random-llama", **ENGINE)
-    assert events == [("load", "start"), ("compile", "start"), ("compile", "end"),
-                      ("load", "end"), ("weights", "attached")]  # fmt: skip
+    # The attention self-check, the runner and the compilations, all before the load ended.
+    assert events == [("load", "start"), ("resolve", "end"), ("compile", "start"),
+                      ("compile", "end"), ("load", "end"), ("weights", "attached")]  # fmt: skip
+    assert engine.info.plan.attention_checked
     assert all(isinstance(p, jax.Array) for p in jax.tree_util.tree_leaves(engine.runner.params))
     overlapped = _generate(engine)
     stats = engine.get_stats()
