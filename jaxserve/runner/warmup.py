@@ -166,30 +166,22 @@ def _not_run(warmed: set, what: WarmupSet) -> tuple[list[Step], list[int]]:
 
 
 def compilations(runner: ModelRunner, what: WarmupSet) -> list[Compilation]:
-    """The compilations warm-up runs: the forward half for each shape of ``what`` (in its
-    order: the smallest T first), the sample half for each of its (R, sampler variant), the
-    block copy for each of its sizes, the host KV tier's copies and a draft model's
-    functions."""
-    jobs = [
-        Compilation(
-            runner.forward_compiles,
-            runner.jitted_forward,
-            (runner.params, runner.kv_caches, *padding_forward_inputs(runner, t, r, b)),
-            FORWARD_ARGS,
-        )
-        for t, r, b in what.shapes
-    ]
-    jobs += [
-        Compilation(
-            runner.sample_compiles,
-            runner.jitted_sample,
-            padding_sample_inputs(runner, r, widths),
-            SAMPLE_ARGS,
-        )
-        for r, widths in what.samples
-    ]
-    jobs += _copy_compilations(runner.copy_compiles, runner.jitted_copy, runner.kv_caches,
-                               what.copy_sizes)  # fmt: skip
+    """The compilations warm-up runs, smallest step first: the block copies, then the forward
+    half for each shape of ``what`` (in its order: the smallest T first), each followed by the
+    sample half of its row bucket R in every sampler variant of ``what`` not listed yet (so
+    each prefix of the list runs every step up to its largest T); then the host KV tier's
+    copies and a draft model's functions."""
+    jobs = _copy_compilations(runner.copy_compiles, runner.jitted_copy, runner.kv_caches,
+                              what.copy_sizes)  # fmt: skip
+    samples = list(what.samples)
+    for t, r, b in what.shapes:
+        forward = (runner.params, runner.kv_caches, *padding_forward_inputs(runner, t, r, b))
+        jobs.append(Compilation(runner.forward_compiles, runner.jitted_forward, forward,
+                                FORWARD_ARGS))  # fmt: skip
+        jobs += [_sample_compilation(runner, rows, widths) for rows, widths in samples
+                 if rows == r]  # fmt: skip
+        samples = [s for s in samples if s[0] != r]
+    jobs += [_sample_compilation(runner, rows, widths) for rows, widths in samples]
     if runner.kv_offload is not None:
         jobs += runner.kv_offload.compilations(runner.kv_caches)
     if runner.kv_connector is not None:  # its staging copies (kv_connector_worker.py)
@@ -197,6 +189,12 @@ def compilations(runner: ModelRunner, what: WarmupSet) -> list[Compilation]:
     if runner.draft is not None:
         jobs += _draft_compilations(runner)
     return jobs
+
+
+def _sample_compilation(runner: ModelRunner, rows: int, widths: tuple[int, int]) -> Compilation:
+    """The sample half for ``rows`` padding rows with sampling lists of ``widths``."""
+    return Compilation(runner.sample_compiles, runner.jitted_sample,
+                       padding_sample_inputs(runner, rows, widths), SAMPLE_ARGS)  # fmt: skip
 
 
 def _draft_compilations(runner: ModelRunner) -> list[Compilation]:

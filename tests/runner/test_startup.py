@@ -208,3 +208,28 @@ def test_weights_other_than_their_shapes_rebuild_the_runner(monkeypatch, caplog)
         engine = LLMEngine("tiny-random-llama", warmup=False, **ENGINE)
     assert "eos_token_ids" in caplog.text and events[-1] == ("weights", "attached")
     assert engine.runner.eos_token_ids == sorted(engine.info.eos_token_ids)
+
+
+def test_warmup_lists_the_smallest_steps_first_each_prefix_runnable():
+    engine = LLMEngine("tiny-random-llama", warmup=False, **ENGINE | {"max_num_batched_tokens": 16})
+    runner = engine.runner
+    what = runner.warmup_set()
+    jobs = warmup.compilations(runner, what)
+    num_copies = len(what.copy_sizes)
+    assert all(j.compiles is runner.copy_compiles for j in jobs[:num_copies])  # small: first
+    tokens, rows, listed = [], set(), set()
+
+    def runnable() -> bool:  # every listed forward's row bucket in every sampler variant
+        return {(r, w) for r, w in what.samples if r in rows} <= listed
+
+    for job in jobs[num_copies:]:
+        if job.compiles is runner.forward_compiles:
+            assert runnable()
+            tokens.append(job.args[2].shape[0])  # input_ids: T
+            rows.add(job.args[4].shape[0])  # logits_indices: R
+        else:
+            assert job.compiles is runner.sample_compiles
+            md = job.args[3]
+            widths = (md.penalty_token_ids.shape[1], md.banned_token_ids.shape[1])
+            listed.add((job.args[0].shape[0], widths))
+    assert runnable() and tokens == sorted(tokens) and len(tokens) == len(what.shapes) > 2
