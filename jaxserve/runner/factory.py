@@ -187,7 +187,7 @@ def _checked_model(config: EngineConfig, unchecked: ResolvedModel) -> ResolvedMo
     Raises:
         ValueError: with strict_kernels, a kernel that fails its self-check (plan.make_plan).
     """
-    resolved = resolve_model(config)
+    resolved = resolve_model(config, source=unchecked.source)
     same = (
         resolved.plan.dtype == unchecked.plan.dtype
         and resolved.config.model.quantization == unchecked.config.model.quantization

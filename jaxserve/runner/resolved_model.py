@@ -51,7 +51,10 @@ class ResolvedModel:
 
 
 def resolve_model(
-    config: EngineConfig, machine: Machine | None = None, check_kernels: bool = True
+    config: EngineConfig,
+    machine: Machine | None = None,
+    check_kernels: bool = True,
+    source: str | None = None,
 ) -> ResolvedModel:
     """The plan, the checked memory plan, the shardings and the host tier's size of
     ``config``'s model, from its architecture alone (of a Hub model, config.json is all that
@@ -62,6 +65,8 @@ def resolve_model(
         machine: what to plan for (machine.py); None: this process's first devices.
         check_kernels: False: the attention kernel is not self-checked, nothing is logged
             (build_runner: enough to load the weights, while _checked_model checks it).
+        source: where config.json is, when resolved before (a ResolvedModel's ``source``):
+            a Hub model is not looked up again.
 
     Raises:
         as build_runner, but nothing about the weights themselves.
@@ -69,7 +74,7 @@ def resolve_model(
     if machine is None:
         machine = Machine.of_mesh(make_mesh(config.runner.tensor_parallel_size))
     model_config = config.model
-    config_source = resolve_model_source(
+    config_source = source or resolve_model_source(
         model_config.model, files=CONFIG_FILES, **hub_arguments(config)
     )
     arch = load_arch(config_source)
