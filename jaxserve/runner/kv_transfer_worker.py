@@ -78,6 +78,19 @@ class TransferWorker(KVConnectorWorker):
         self.server = server
         self.offers = HeldOffers(server, max_held_blocks)
         self.pulls = PullGuard(pull_timeout_s)
+        connector.report_runner_stats(self.stats)
+
+    def stats(self) -> dict[str, int]:
+        """The held offers and the guarded pulls, in get_stats (and /metrics)."""
+        return {
+            "kv_transfer_offers_held": self.offers.num_held,
+            "kv_transfer_offer_blocks_held": self.offers.held_blocks,
+            "kv_transfer_offers_evicted": self.offers.num_evicted,
+            "kv_transfer_offers_expired": self.offers.num_expired,
+            "kv_transfer_pulls_abandoned": self.pulls.num_abandoned,
+            "kv_transfer_pulls_refused": self.pulls.num_refused,
+            "kv_transfer_pulls_stuck": self.pulls.num_stuck,
+        }
 
     @property
     def num_abandoned_pulls(self) -> int:

@@ -263,6 +263,9 @@ def test_the_cap_releases_the_oldest_offer_and_its_consumer_recomputes(producer,
     finally:
         offers.max_blocks = cap
     assert offers.num_evicted == evicted + 1 and offers.num_held == 1
+    stats = producer.get_stats()  # the runner half's counters reach get_stats (and /metrics)
+    assert stats["kv_transfer_offers_evicted"] == offers.num_evicted
+    assert stats["kv_transfer_offers_held"] == 1 and stats["kv_transfer_offer_blocks_held"] == 4
     before = consumer.get_stats()
     outs = _decode(consumer, prompts, params, "kc")
     assert [list(o.outputs[0].token_ids) for o in outs] == want
@@ -302,5 +305,8 @@ def test_a_hung_pull_never_blocks_the_engine(producer, consumer):
     assert done["free"][1] == 0  # served while the hung pull was still waited for
     assert [list(done[r][0].outputs[0].token_ids) for r in ("hung", "free")] == want
     assert pulls.num_abandoned == abandoned + 1 and pulls.num_stuck == 0
-    assert consumer.get_stats()["kv_connector_load_failures"] == failures + 1
+    stats = consumer.get_stats()
+    assert stats["kv_connector_load_failures"] == failures + 1
+    assert stats["kv_transfer_pulls_abandoned"] == pulls.num_abandoned
+    assert stats["kv_transfer_pulls_stuck"] == 0
     assert_nothing_held(consumer)

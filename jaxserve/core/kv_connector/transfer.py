@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -100,6 +100,8 @@ class TransferConnector:
         self.num_offered_blocks = 0
         self.num_offers = 0
         self.num_too_large = 0  # prompts not offered: their copy alone exceeds the cap
+        # The runner half's counters (held offers, guarded pulls), merged into stats().
+        self._runner_stats: Callable[[], dict[str, int]] | None = None
 
     # ---- consumer -------------------------------------------------------------------------
     def lookup(
@@ -237,10 +239,19 @@ class TransferConnector:
         """Where the KV goes (the start-up log)."""
         return f"transfer server on {self.host}:{self.port}"
 
+    def report_runner_stats(self, stats: Callable[[], dict[str, int]]) -> None:
+        """Merge ``stats()`` (the runner half's counters: kv_transfer_worker.py) into
+        ``stats``, so they reach get_stats and /metrics the way this half's do."""
+        self._runner_stats = stats
+
     def stats(self) -> dict[str, int]:
-        return {
+        out = {
             "kv_connector_loaded_blocks": self.num_loaded_blocks,
             # A producer's blocks offered to consumers (the saves of a store's connector).
             "kv_connector_saved_blocks": self.num_offered_blocks,
             "kv_transfer_offers": self.num_offers,
+            "kv_transfer_offers_too_large": self.num_too_large,
         }
+        if self._runner_stats is not None:
+            out.update(self._runner_stats())
+        return out
