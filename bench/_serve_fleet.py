@@ -3,7 +3,10 @@ comparison side by side in one run.
 
 --data-parallel-size N  a multi-turn chat workload (conversations of several turns, each turn's
     prompt its previous turn's prompt, an answer and a new user message; the conversations
-    concurrent, each one's turns in order) against one engine holding N replicas' KV blocks
+    concurrent, each one's turns in order, each turn after a user's pause: ``--think-time``
+    seconds on average, exponential, the same pauses in every run; without them the
+    conversations would move in lockstep and round-robin would send an even number of them to
+    the same replica turn after turn, by accident) against one engine holding N replicas' KV blocks
     and against N replicas (``jaxserve serve --data-parallel-size N``) routed by prefix and by
     round-robin: the prefix-cache hit rate (of the replicas together, from /metrics), output
     tokens/s and TTFT of each.
@@ -98,8 +101,16 @@ def conversations(num: int, engine: dict, vocab: int, seed: int) -> list[list[tu
     return convs
 
 
-async def _conversation(session, url: str, turns, records: list) -> None:
-    for prompt, max_tokens in turns:
+def think_times(num: int, mean_s: float, seed: int) -> list[list[float]]:
+    """Each conversation's pause before each of its turns (exponential, mean ``mean_s``)."""
+    rng = np.random.default_rng(seed + 2)
+    return [(rng.exponential(mean_s, NUM_TURNS) if mean_s > 0 else np.zeros(NUM_TURNS)).tolist()
+            for _ in range(num)]  # fmt: skip
+
+
+async def _conversation(session, url: str, turns, pauses, records: list) -> None:
+    for (prompt, max_tokens), pause in zip(turns, pauses, strict=True):
+        await asyncio.sleep(pause)
         rec = RequestRecord(len(records), len(prompt), max_tokens, 0.0)
         records.append(rec)
         body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens,
@@ -112,17 +123,22 @@ async def _conversation(session, url: str, turns, records: list) -> None:
             rec.ttft = times[0] - start
 
 
-async def _drive(url: str, convs) -> tuple[list[RequestRecord], float]:
+async def _drive(url: str, convs, pauses) -> tuple[list[RequestRecord], float]:
     records: list[RequestRecord] = []
     timeout = aiohttp.ClientTimeout(total=1800)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         t0 = time.perf_counter()
-        await asyncio.gather(*(_conversation(session, url, t, records) for t in convs))
+        await asyncio.gather(
+            *(
+                _conversation(session, url, t, p, records)
+                for t, p in zip(convs, pauses, strict=True)
+            )
+        )
         return records, time.perf_counter() - t0
 
 
-def _dp_run(name: str, url: str, convs) -> dict:
-    records, wall = asyncio.run(_drive(f"{url}/v1/completions", convs))
+def _dp_run(name: str, url: str, convs, pauses) -> dict:
+    records, wall = asyncio.run(_drive(f"{url}/v1/completions", convs, pauses))
     text = _get(f"{url}/metrics")
     queries = _metric_sum(text, "jaxserve:prefix_cache_queries_total")
     hits = _metric_sum(text, "jaxserve:prefix_cache_hits_total")
@@ -145,6 +161,7 @@ def run_data_parallel(args, preset) -> dict:
     model = prepare_model(preset, Path(args.cache))
     engine = _engine(preset)
     convs = conversations(args.conversations, engine, model.vocab_size, args.seed)
+    pauses = think_times(len(convs), args.think_time, args.seed)
     one = dict(engine, num_kv_blocks=engine["num_kv_blocks"] * n)
     configs = [
         ("one-engine", one, []),
@@ -157,7 +174,7 @@ def run_data_parallel(args, preset) -> dict:
         server.start()
         try:
             server.wait_healthy(args.startup_timeout)
-            runs.append(_dp_run(name, server.base_url, convs))
+            runs.append(_dp_run(name, server.base_url, convs, pauses))
         finally:
             server.stop()
     by = {r["name"]: r for r in runs}
@@ -174,6 +191,7 @@ def run_data_parallel(args, preset) -> dict:
         "engine": engine,
         "conversations": len(convs),
         "turns": NUM_TURNS,
+        "think_time_s": args.think_time,
         "runs": runs,
         "ratios": ratios,
     }

@@ -62,14 +62,26 @@ from jaxserve import LLM, SamplingParams
 T["imported"] = time.time()
 out = {"mode": mode}
 
-# The warm-ups: LLM(warmup=True)'s inside LLM(...) (factory.warm_up_all), and the default
-# one of each job (engine/llm.py's warm_up_for: jaxserve generate's), summed.
+# The warm-ups: LLM(warmup=True)'s inside LLM(...) (warmup.ServerWarmup: its compile, which
+# may overlap the weight load, and its run once on the loaded weights), and the default one of
+# each job (engine/llm.py's warm_up_for: jaxserve generate's), summed.
 import jaxserve.engine.llm as llm_module
+import jaxserve.runner.warmup as warmup_module
 WARM = {}
+LOAD = {"weights_s": 0.0}  # factory._load_weights (in the start-up's load thread)
+def _timed_load(fn):
+    def wrapper(*args):
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            LOAD["weights_s"] += time.perf_counter() - start
+    return wrapper
+factory._load_weights = _timed_load(factory._load_weights)
 def _timed(owner, name, runner_of, workers_of):
     fn = getattr(owner, name)
     def wrapper(*args):
-        runner = runner_of(args[0])
+        runner = runner_of(args)
         fresh, hits = engine_counts(runner)
         before = proc_snapshot()
         start = time.perf_counter()
@@ -84,8 +96,9 @@ def _timed(owner, name, runner_of, workers_of):
         WARM["workers"] = workers_of(args)
         return result
     setattr(owner, name, wrapper)
-_timed(factory, "warm_up_all", lambda runner: runner, lambda args: args[1])
-_timed(llm_module, "warm_up_for", lambda engine: engine.runner,
+_timed(warmup_module.ServerWarmup, "compile", lambda args: args[1], lambda args: args[0].workers)
+_timed(warmup_module.ServerWarmup, "run", lambda args: args[1], lambda args: args[0].workers)
+_timed(llm_module, "warm_up_for", lambda args: args[0].runner,
        lambda args: args[0].info.plan.compile_workers)
 
 if mode == "demo":
@@ -108,12 +121,15 @@ if mode == "demo":
                      "recompilations": stats["recompilations"]}
     out["warmup"] = WARM
 elif mode == "construct":
+    if spec.get("weights_first"):  # the start-up before runner/startup.py: load, then compile
+        factory._weights_first = lambda resolved: True
     start = time.perf_counter()
     llm = LLM(**spec["engine"], warmup=True)
     out["construct_s"] = time.perf_counter() - start
     fresh, hits = engine_counts(llm.engine.runner)
     out["engine"] = {"fresh": fresh, "cache_hits": hits}
     out["warmup"] = WARM
+    out["weights_s"] = LOAD["weights_s"]
 elif mode == "workers":
     start = time.perf_counter()
     llm = LLM(**spec["engine"], warmup=False)

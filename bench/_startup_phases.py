@@ -6,8 +6,11 @@ cached; second: the compilation cache and the serialized executables of the firs
 
     import      spawn -> jax and jaxserve imported (trace / lower / compile: jax's seconds in
                 the whole of LLM(...) -> first token, the weights' and the plan's included)
-    config      resolve_model: config.json, the plan, the memory plan
-    weights     the checkpoint loaded onto the device (the demo's: generated)
+    config      resolve_model: config.json, the plan, the memory plan (twice: without the
+                attention self-check, then with it while the weights load)
+    weights     the checkpoint loaded onto the device (the demo's: generated), in the
+                start-up's load thread (runner/startup.py): it overlaps the second config
+                and the runner, so the phases add up to more than LLM(...)'s time
     runner      the ModelRunner: KV pool, host buffers, jitted functions
     warm-up     the shapes LLM's default warm-up compiles before the first request (the
                 job's), split into jax's trace, lower and compile (fresh or from jax's cache)

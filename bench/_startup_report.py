@@ -73,6 +73,14 @@ def _print_construct(c: dict) -> None:
     _row("  engine: fresh compilations", a["engine"]["fresh"], b["engine"]["fresh"], digits=0)
     _row("  engine: cache hits", a["engine"]["cache_hits"], b["engine"]["cache_hits"], digits=0)
     _row("  process-wide: fresh", a["process"]["fresh"], b["process"]["fresh"], digits=0)
+    _row("  weights s (load thread)", a.get("weights_s"), b.get("weights_s"))
+    mean = c.get("restart", {}).get("construct_s_mean", {})
+    if len(mean) == 2:
+        print("  restarted (second process), construct s, mean of "
+              f"{len(c['restart']['runs']['overlapped'])}: weights first, then compiled / "
+              "weights loading while the executables load")  # fmt: skip
+        _row("    weights first / overlapped", mean["weights_first"], mean["overlapped"],
+             c["overlap_ratio"])  # fmt: skip
 
 
 def _print_workers(w: dict) -> None:

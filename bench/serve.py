@@ -152,6 +152,13 @@ def _add_fleet_flags(p: argparse.ArgumentParser) -> None:
         "a consumer behind jaxserve router (ITL, TTFT; bench/_serve_fleet.py)",
     )
     p.add_argument("--conversations", type=int, default=8, help="--data-parallel-size's")
+    p.add_argument(
+        "--think-time",
+        type=float,
+        default=0.2,
+        help="--data-parallel-size's: mean seconds a user pauses before each turn (exponential, "
+        "seeded; 0: every conversation in lockstep, which makes round-robin sticky)",
+    )
     p.add_argument("--num-decodes", type=int, default=4, help="--disagg's streaming decodes")
     p.add_argument("--burst", type=int, default=4, help="--disagg's long prompts")
     p.add_argument(

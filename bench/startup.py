@@ -165,24 +165,38 @@ def demo(preset: Preset) -> dict:
     }
 
 
-def construct(preset: Preset, model: str) -> dict:
-    """Experiment 2: LLM(model, warmup=True) twice on one cache folder."""
+def construct(preset: Preset, model: str, repeats: int = 2) -> dict:
+    """Experiment 2: LLM(model, warmup=True) twice on one cache folder; then, on that folder
+    (a restarted server), ``repeats`` pairs of second processes alternated: the weights loaded
+    while the executables load (runner/startup.py) against loaded first, then compiled."""
     engine = {**preset.engine, "model": model}
-    runs = []
+    keys = ("wall_s", "import_s", "construct_s", "weights_s", "engine", "warmup")
+    runs, restart = [], {"overlapped": [], "weights_first": []}
     with tempfile.TemporaryDirectory(prefix="startup-construct-") as cache:
         for i in range(2):
             print(f"  construct process {i + 1}/2 ...", flush=True)
             run = run_child({"mode": "construct", "engine": engine}, cache)
-            compact = _compact(run, ("wall_s", "import_s", "construct_s", "engine", "warmup"))
+            compact = _compact(run, keys)
             compact["cache_after"] = _cache_files(cache)
             runs.append(compact)
+        order = []
+        for r in range(repeats):  # a linear drift hits both alike
+            pair = ["weights_first", "overlapped"]
+            order += pair if r % 2 == 0 else pair[::-1]
+        for i, mode in enumerate(order):
+            print(f"  construct, second process, {mode} ({i + 1}/{len(order)}) ...", flush=True)
+            spec = {"mode": "construct", "engine": engine, "weights_first": mode != "overlapped"}
+            restart[mode].append(_compact(run_child(spec, cache), keys))
     first, second = runs
+    mean = {m: sum(r["construct_s"] for r in rs) / len(rs) for m, rs in restart.items() if rs}
     return {
         "engine": engine,
         "runs": runs,
         "construct_ratio": second["construct_s"] / first["construct_s"],
         "warmup_ratio": second["warmup"]["warmup_s"] / first["warmup"]["warmup_s"],
         "wall_ratio": second["wall_s"] / first["wall_s"],
+        "restart": {"order": order, "runs": restart, "construct_s_mean": mean},
+        "overlap_ratio": mean["overlapped"] / mean["weights_first"] if len(mean) == 2 else None,
     }
 
 
@@ -326,6 +340,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=",".join(EXPERIMENTS),
         help=f"comma-separated subset of {','.join(EXPERIMENTS)} (default: all)",
     )
+    p.add_argument(
+        "--restart-repeats", type=int, default=2,
+        help="experiment 2's pairs of second processes (weights first vs overlapped)",
+    )  # fmt: skip
     p.add_argument("--output", type=Path, default=RESULTS)
     return p.parse_args(argv)
 
@@ -360,7 +378,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"--experiments: unknown {unknown}; known: {list(EXPERIMENTS)}")
     runs = {
         "demo": lambda: demo(preset),
-        "construct": lambda: construct(preset, model),
+        "construct": lambda: construct(preset, model, args.restart_repeats),
         "workers": lambda: workers(preset, model, args.workers, args.repeats or preset.repeats),
         "features": lambda: features(preset),
         "phases": lambda: phases(_phase_models(preset, model), child_env),

@@ -42,7 +42,12 @@ _COMMON_EXTRA_KEYS = ("lease_s", "load_async")
 _TRANSPORT_EXTRA_KEYS = {
     "shared_storage": ("shared_storage_path",),
     "ray": ("ray_address", "ray_namespace"),
-    "jax_transfer": ("transfer_host", "transfer_port", "pull_timeout_s"),
+    "jax_transfer": (
+        "transfer_host",
+        "transfer_port",
+        "pull_timeout_s",
+        "max_held_offers_fraction",
+    ),
 }
 # A request's kv_transfer_params: key -> (type, meaning).
 KV_TRANSFER_PARAMS = {
@@ -87,7 +92,8 @@ class KVTransferConfig:
         default_storage_path()); each model and KV layout has a subfolder of its own.
     lease_s: seconds a saved block stays in the store for consumers (> 0); a producer deletes
         its older blocks as it saves new ones. JaxTransferConnector: how long an offer's
-        gathered copy may wait for its pull, holding device memory until then.
+        gathered copy may wait for its pull, holding device memory until then (or until
+        max_held_offers_fraction releases it).
     ray_address, ray_namespace: the Ray cluster to join ("auto": this host's) and the
         namespace of the store's actor ("RayStoreConnector" only).
     transfer_host, transfer_port: "JaxTransferConnector" only: where the engine's
@@ -95,6 +101,12 @@ class KVTransferConfig:
         (so a host other consumers can reach; port 0: any free port).
     pull_timeout_s: "JaxTransferConnector" only: the longest a consumer waits for one pull
         before the load counts as failed (a producer that hangs).
+    max_held_offers_fraction: "JaxTransferConnector" only: the most device memory a
+        producer's offers (their gathered copies, padded) may hold at once, as a fraction of
+        its KV cache's pages (0 < value <= 1; outside the memory plan). An offer past it
+        releases the oldest ones first (their consumers recompute or fail, as
+        kv_load_failure_policy says); a prompt whose copy alone is larger is not offered (its
+        decode computes it).
     load_async: a consumer's loads run in the background (the runner reads the store in a
         thread; the request waits in WAITING_FOR_REMOTE_KVS, and the engine steps on); False:
         the scheduler reads the blocks when it admits the request and they are written before
@@ -112,6 +124,7 @@ class KVTransferConfig:
     transfer_host: str = "127.0.0.1"
     transfer_port: int = 0
     pull_timeout_s: float = 30.0
+    max_held_offers_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         if self.kv_connector not in KV_CONNECTORS:
@@ -161,6 +174,12 @@ class KVTransferConfig:
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait > 0:
             raise ValueError(
                 f"kv_transfer_config pull_timeout_s must be a number > 0, got {wait!r}"
+            )
+        held = self.max_held_offers_fraction
+        if isinstance(held, bool) or not isinstance(held, (int, float)) or not 0 < held <= 1:
+            raise ValueError(
+                "kv_transfer_config max_held_offers_fraction must be a number in (0, 1], got "
+                f"{held!r}"
             )
 
     @property

@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
+from jaxserve.structural_tag import check_structural_tag
+
 # vLLM's caps: a request may name at most this many allowed ids and biased tokens. The sampler
 # takes the biases as a fixed-width list (one compiled shape), so the cap is also its width.
 MAX_ALLOWED_TOKEN_IDS = 1024
@@ -21,7 +23,7 @@ MAX_BAD_WORDS = 128  # words per request (each becomes 1 or 2 token sequences)
 MAX_CHOICES = 1024
 MAX_SPEC_CHARS = 1 << 20  # a schema (as JSON), regex or grammar: 1 MiB of text at most
 
-STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,9 @@ class StructuredOutputsParams:
     choice: the output is exactly one of these strings.
     grammar: a Lark grammar (llguidance's dialect), or GBNF (recognised by ``::=``).
     json_object: True: the output is some JSON object.
+    structural_tag: free text with tagged JSON segments (structural_tag.py: vLLM's
+        ``{"structures": [{"begin", "schema", "end"}], "triggers": [...]}``, a dict or its JSON
+        text; kept as canonical JSON text).
 
     Raises:
         ValueError / TypeError at construction, naming the field and the limit.
@@ -43,13 +48,14 @@ class StructuredOutputsParams:
     choice: list[str] | tuple[str, ...] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         set_kinds = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
         if len(set_kinds) != 1:
             raise ValueError(
                 "StructuredOutputsParams: exactly one of json, regex, choice, grammar, "
-                f"json_object must be set, got {set_kinds or 'none'}"
+                f"json_object, structural_tag must be set, got {set_kinds or 'none'}"
             )
         kind = set_kinds[0]
         value = getattr(self, kind)
@@ -57,6 +63,10 @@ class StructuredOutputsParams:
             self._check_json(value)
         elif kind == "choice":
             self._check_choice(value)
+        elif kind == "structural_tag":
+            canonical = check_structural_tag(value)
+            _check_text("StructuredOutputsParams.structural_tag", canonical)
+            object.__setattr__(self, "structural_tag", canonical)
         elif kind == "json_object":
             if value is not True:
                 raise TypeError(f"StructuredOutputsParams.json_object must be True, got {value!r}")
@@ -65,7 +75,8 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        """The one constraint set: "json", "regex", "choice", "grammar" or "json_object"."""
+        """The one constraint set: "json", "regex", "choice", "grammar", "json_object" or
+        "structural_tag"."""
         return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
 
     def cache_key(self) -> tuple[str, str]:

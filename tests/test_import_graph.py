@@ -43,6 +43,7 @@ HOST_MODULES = [
     "jaxserve.speculative_config",
     "jaxserve.spec_decode",
     "jaxserve.sampling_constraints",
+    "jaxserve.structural_tag",
     "jaxserve.structured.manager",
     "jaxserve.structured.step_masks",
     "jaxserve.structured.draft_checks",
@@ -107,6 +108,7 @@ HOST_DATA = (
     "kv_transfer_config",
     "sampling_params",
     "sampling_constraints",
+    "structural_tag",
     "request",
     "outputs",
 )

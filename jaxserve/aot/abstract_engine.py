@@ -14,21 +14,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import pathlib
-from typing import Any
-
-import jax
-import jax.numpy as jnp
 
 from jaxserve.aot.devices import compile_devices, planning_memory_bytes
 from jaxserve.aot.targets import AcceleratorTarget, chip_facts
-from jaxserve.checkpoints_tools import LoadedCheckpoint, TokenizerInfo
+from jaxserve.checkpoints_tools import LoadedCheckpoint
 from jaxserve.checkpoints_tools.hub import CONFIG_FILES
 from jaxserve.checkpoints_tools.load import load_arch
 from jaxserve.checkpoints_tools.load import resolve_model as resolve_model_source
-from jaxserve.checkpoints_tools.tokenizer import load_tokenizer
 from jaxserve.config import EngineConfig
-from jaxserve.models import CausalLM, ModelArchConfig, get_model
+from jaxserve.models import ModelArchConfig, get_model
+from jaxserve.runner.abstract_weights import abstract_checkpoint, abstract_params
 from jaxserve.runner.draft_model import DraftSpec
 from jaxserve.runner.factory import ResolvedModel, make_runner, resolve_model
 from jaxserve.runner.kv_cache import abstract_kv_caches
@@ -109,17 +104,8 @@ def _abstract_draft(resolved: ResolvedModel) -> DraftSpec | None:
     model = get_model(resolved.draft_arch, dtype=plan.dtype, attention=plan.attention,
                       max_model_len=config.model.max_model_len)  # fmt: skip
     sharding = plan_sharding(model, resolved.sharding.mesh)
-    params = _abstract_params(model, sharding.param_shardings())
+    params = abstract_params(model, sharding.param_shardings())
     return DraftSpec(model, params, config.speculative.num_speculative_tokens, sharding)
-
-
-def _abstract_params(model: CausalLM, shardings: Any) -> Any:
-    """``model``'s params as jax.ShapeDtypeStructs placed by ``shardings``."""
-    return jax.tree_util.tree_map(
-        lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-        model.param_shapes(),
-        shardings,
-    )
 
 
 def _abstract_checkpoint(
@@ -127,24 +113,11 @@ def _abstract_checkpoint(
 ) -> LoadedCheckpoint:
     """A LoadedCheckpoint whose params are jax.ShapeDtypeStructs in their shardings (the
     plan's dtype and quantization), with the folder's EOS ids (they size the sampler's ban
-    lists) and no tokenizer."""
-    config, plan = resolved.config, resolved.plan
-    quantization = config.model.quantization
-    model = get_model(arch, dtype=plan.dtype, quantization=quantization)
-    params = _abstract_params(model, resolved.sharding.param_shardings())
-    folder = pathlib.Path(source)
-    if folder.is_dir():
-        tokenizer = load_tokenizer(folder)
-        tokenizer = dataclasses.replace(tokenizer, tokenizer=None)
-    else:  # a built-in model
-        tokenizer = TokenizerInfo(None, eos_token_ids=frozenset(arch.eos_token_ids))
-    return LoadedCheckpoint(
-        arch=arch,
-        params=params,
-        dtype=jnp.dtype(plan.dtype),
-        eos_token_ids=tokenizer.eos_token_ids,
-        max_position_embeddings=arch.max_position_embeddings,
-        tokenizer=tokenizer,
-        path=str(folder) if folder.is_dir() else None,
-        quantization=quantization,
+    lists) and no tokenizer (runner/abstract_weights.py)."""
+    return abstract_checkpoint(
+        arch,
+        source,
+        dtype=resolved.plan.dtype,
+        quantization=resolved.config.model.quantization,
+        shardings=resolved.sharding.param_shardings(),
     )

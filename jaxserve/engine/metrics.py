@@ -50,6 +50,12 @@ _MIRRORED = {
     "kv_connector_saved_blocks": "kv_connector_saved_blocks",
     # lookups or loads that gave a request less KV than its kv_transfer_params promised
     "kv_connector_load_failures": "kv_connector_load_failures",
+    # JaxTransferConnector: a producer's offers released by the cap and at their lease's end,
+    # a consumer's pulls abandoned past pull_timeout_s and refused while too many hang
+    "kv_transfer_offers_evicted": "kv_transfer_offers_evicted",
+    "kv_transfer_offers_expired": "kv_transfer_offers_expired",
+    "kv_transfer_pulls_abandoned": "kv_transfer_pulls_abandoned",
+    "kv_transfer_pulls_refused": "kv_transfer_pulls_refused",
     # speculative decoding (vLLM's names; 0 while it is off)
     "spec_decode_num_drafts": "spec_decode_num_drafts",
     "spec_decode_num_draft_tokens": "spec_decode_num_draft_tokens",
@@ -82,6 +88,10 @@ class EngineMetrics:
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to run.")
         self.kv_cache_usage_perc = gauge(
             "kv_cache_usage_perc", "Fraction of the KV cache's blocks in use (1 = all)."
+        )
+        self.kv_transfer_offer_blocks_held = gauge(
+            "kv_transfer_offer_blocks_held",
+            "KV blocks a JaxTransferConnector producer holds offered (0 without one).",
         )
         self._mirrored = {
             key: counter(name, f"Engine counter {key}.") for key, name in _MIRRORED.items()
@@ -131,6 +141,7 @@ class EngineMetrics:
         self.num_requests_running.set(stats["num_requests_running"])
         self.num_requests_waiting.set(stats["num_requests_waiting"])
         self.kv_cache_usage_perc.set(stats["kv_cache_usage"])
+        self.kv_transfer_offer_blocks_held.set(stats.get("kv_transfer_offer_blocks_held", 0))
         for key, metric in self._mirrored.items():
             value = stats.get(key, 0)
             if value > self._mirrored_last[key]:

@@ -20,7 +20,12 @@ from jaxserve.entrypoints.openai.settings import ServerSettings
 from jaxserve.fleet.backends import BackendPool
 from jaxserve.fleet.placement import detect_platform, machine_devices, plan_placements
 from jaxserve.fleet.proxy import FrontSettings, build_front_app
-from jaxserve.fleet.replicas import start_replicas, stop_replicas, wait_ready
+from jaxserve.fleet.replicas import (
+    replica_serve_args,
+    start_replicas,
+    stop_replicas,
+    wait_ready,
+)
 from jaxserve.fleet.routing import make_policy
 from jaxserve.fleet.serve_front import serve_front
 
@@ -66,6 +71,7 @@ def run_data_parallel(
     placements = plan_placements(
         config.num_replicas, config.tensor_parallel_size, platform, cpus=cpus, gpus=gpus
     )
+    replica_serve_args(serve_args, 0, config.num_replicas)  # transfer ports past 65535: refused
     sock = bind_socket(settings.host, settings.port)
     replicas = []
     # SIGTERM as SIGINT from here: however the front is stopped, the replicas are stopped too

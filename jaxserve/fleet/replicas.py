@@ -3,11 +3,16 @@
 listens beyond loopback; it checks the key).
 
 A replica's port is found free by binding port 0 and closing it just before the process
-starts; a replica that cannot take it exits with status 2 and the start fails naming it.
+starts; a replica that cannot take it exits with status 2 and the start fails naming it. A
+JaxTransferConnector's fixed ``transfer_port`` (kv_transfer_config) would be taken by every
+replica: replica i listens on ``transfer_port + i`` instead (port 0, the default: each its own
+free port; a producer's answers name the port it has, so consumers and the router need no
+list).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -46,16 +51,47 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+_KV_FLAG = "--kv-transfer-config"
+
+
+def replica_serve_args(serve_args: Sequence[str], index: int, num_replicas: int) -> list[str]:
+    """Replica ``index``'s ``jaxserve serve`` flags: ``serve_args`` with a fixed
+    kv_transfer_config ``transfer_port`` moved to ``transfer_port + index``.
+
+    Raises:
+        ValueError: the last replica's port would pass 65535.
+    """
+    argv = list(serve_args)
+    if _KV_FLAG not in argv[:-1]:
+        return argv
+    at = argv.index(_KV_FLAG) + 1
+    config = json.loads(argv[at])
+    extra = config.get("kv_connector_extra_config") or {}
+    base = extra.get("transfer_port", 0)
+    if not isinstance(base, int) or isinstance(base, bool) or base == 0:
+        return argv  # 0: each replica a free port of its own; a bad value: the replica says
+    if base + num_replicas - 1 > 65535:
+        raise ValueError(
+            f"kv_transfer_config transfer_port={base}: {num_replicas} data-parallel replicas "
+            f"take ports {base}..{base + num_replicas - 1}, past 65535"
+        )
+    config["kv_connector_extra_config"] = {**extra, "transfer_port": base + index}
+    argv[at] = json.dumps(config)
+    return argv
+
+
 def start_replicas(
     serve_args: Sequence[str],
     placements: Sequence[Placement],
     environ: Mapping[str, str],
 ) -> list[Replica]:
-    """Start one ``jaxserve serve SERVE_ARGS --host 127.0.0.1 --port P`` per placement."""
+    """Start one ``jaxserve serve SERVE_ARGS --host 127.0.0.1 --port P`` per placement
+    (replica_serve_args: each its own KV transfer port)."""
     replicas = []
     for index, placement in enumerate(placements):
         port = free_port()
-        argv = [sys.executable, "-m", "jaxserve.cli", "serve", *serve_args]
+        own = replica_serve_args(serve_args, index, len(placements))
+        argv = [sys.executable, "-m", "jaxserve.cli", "serve", *own]
         argv += ["--host", "127.0.0.1", "--port", str(port)]
         env = {**environ, **placement.env, **front_environment()}  # exits with the front
         env.pop("JAXSERVE_API_KEY", None)  # the front checks the key; replicas are loopback

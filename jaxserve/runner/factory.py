@@ -9,12 +9,18 @@ plan's dtype, each into its sharding. The engine gets back plain host facts (Run
 the runner.
 
     build_runner(config)
-        resolve_model(config)      -> ResolvedModel: plan, memory plan, shardings, host tier size
-        _load_weights(resolved)    -> LoadedCheckpoint (each weight in its sharding)
-        make_runner(resolved, ckpt) -> ModelRunner (its KV scales, host tier and connector:
-                                       kv_attachments.py), HostTier | None
-        use_executable_store(...)  serialized executables in the compilation cache folder
-        warm_up_all(runner, workers)  when warmup is True (else per job: engine/job_warmup.py)
+        resolve_model(config, check_kernels=False) -> ResolvedModel: plan (its attention
+                                   kernel not self-checked yet), memory plan, shardings, host
+                                   tier size: what loading the weights needs
+        start_runner(...):         startup.StartupPipeline, these two overlapped:
+          load thread:    _load_weights(resolved) -> LoadedCheckpoint (each weight placed)
+          calling thread: resolve_model(config) again, the kernel self-checked (_checked_model);
+                          make_runner(resolved, abstract checkpoint) -> ModelRunner (its KV
+                          scales, host tier and connector: kv_attachments.py), HostTier | None;
+                          use_executable_store(...) (serialized executables in the
+                          compilation cache folder); a server's warm-up compiled (warmup=True;
+                          else per job: engine/job_warmup.py)
+          then the loaded weights in the runner, and each warmed-up step run once
 """
 
 from __future__ import annotations
@@ -23,36 +29,25 @@ import logging
 import pathlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
 
 from jaxserve.checkpoints_tools import LoadedCheckpoint, TokenizerInfo, load_checkpoint
-from jaxserve.checkpoints_tools.hub import CONFIG_FILES
-from jaxserve.checkpoints_tools.load import (
-    declared_dtype,
-    declared_quantization,
-    load_arch,
-)
-from jaxserve.checkpoints_tools.load import (
-    resolve_model as resolve_model_source,
-)
-from jaxserve.checkpoints_tools.quantization import resolve_quantization
 from jaxserve.checkpoints_tools.tokenizer import load_tokenizer
 from jaxserve.config import EngineConfig
 from jaxserve.core.host_block_pool import HostTier
-from jaxserve.models import ModelArchConfig, get_model
-from jaxserve.pallas_kernels.ragged_paged_attention.impl import AttentionImpl, head_split_refusal
+from jaxserve.models import get_model
+from jaxserve.runner.abstract_weights import abstract_checkpoint
 from jaxserve.runner.compile_cache import enable_compilation_cache
 from jaxserve.runner.draft_model import DraftSpec
 from jaxserve.runner.executable_store import fields_of, use_executable_store
 from jaxserve.runner.kv_attachments import host_tier_of, kv_connector_of, kv_scales_of
 from jaxserve.runner.kv_cache import KVAllocator, allocate_kv_caches
-from jaxserve.runner.kv_offload import host_kv_blocks
-from jaxserve.runner.machine import Machine
-from jaxserve.runner.memory_plan import MemoryPlan, memory_plan_for, resolve_max_model_len
+from jaxserve.runner.memory_plan import MemoryPlan
 from jaxserve.runner.model_runner import ModelRunner
-from jaxserve.runner.plan import ExecutionPlan, make_plan
-from jaxserve.runner.sharding import ShardingPlan, make_mesh, per_device_bytes, plan_sharding
-from jaxserve.runner.warmup import warm_up_all
+from jaxserve.runner.plan import ExecutionPlan
+from jaxserve.runner.resolved_model import ResolvedModel, hub_arguments, resolve_model
+from jaxserve.runner.sharding import per_device_bytes, plan_sharding
+from jaxserve.runner.startup import StartupPipeline
+from jaxserve.runner.warmup import ServerWarmup, warm_up_all
 from jaxserve.runner.xla_flags import apply_cpu_workarounds
 
 logger = logging.getLogger("jaxserve")
@@ -92,54 +87,6 @@ def replace_tokenizer(ckpt: LoadedCheckpoint, tokenizer: str) -> LoadedCheckpoin
     )
 
 
-def _checked_memory_plan(
-    config: EngineConfig,
-    arch: ModelArchConfig,
-    plan: ExecutionPlan,
-    machine: Machine,
-    max_model_len: int,
-    quantization: str | None,
-    draft_arch: ModelArchConfig | None = None,
-) -> MemoryPlan | None:
-    """The memory plan on one device of `machine`, checked: raises before any weight is read
-    when the model cannot fit. None when the pool size is explicit and the device reports no
-    memory limit (nothing to check against; logged).
-
-    Raises:
-        ValueError: the model does not fit (the numbers named).
-        RuntimeError: the device reports no memory limit and num_kv_blocks is not given.
-    """
-    try:
-        memory_bytes = machine.device_memory(config.cache.cpu_memory_bytes)
-    except RuntimeError as e:
-        if config.cache.num_kv_blocks is None:
-            raise
-        logger.warning("%s: not checking that the weights and the KV pool fit", e)
-        return None
-    memory = memory_plan_for(
-        config,
-        arch,
-        dtype=plan.dtype,
-        kv_cache_dtype=plan.kv_cache_dtype,
-        max_model_len=max_model_len,
-        device_memory_bytes=memory_bytes,
-        quantization=quantization,
-        draft_arch=draft_arch,
-        platform=plan.platform,
-    )
-    memory.check(config.model.model)
-    logger.info(
-        "memory plan: weights %d bytes, workspace %d bytes, KV %d bytes per token (per device); "
-        "%d KV blocks of %d tokens",
-        memory.weights_bytes,
-        memory.workspace_bytes,
-        memory.kv_bytes_per_token,
-        memory.num_kv_blocks,
-        memory.block_size,
-    )
-    return memory
-
-
 def _compare_weights(runner: ModelRunner, memory: MemoryPlan | None) -> None:
     """Warn when the loaded weights (a draft model's included) take other than the planned
     bytes on a device (the pool was sized with the planned figure)."""
@@ -154,19 +101,6 @@ def _compare_weights(runner: ModelRunner, memory: MemoryPlan | None) -> None:
             loaded,
             memory.weights_bytes,
         )
-
-
-@dataclass(frozen=True)
-class ResolvedModel:
-    """What the engine config resolves to before any weight is read: the plan, the memory
-    check, the shardings and the host tier's size (resolve_model)."""
-
-    config: EngineConfig  # with every "auto" / None resolved
-    plan: ExecutionPlan
-    memory: MemoryPlan | None  # None: explicit num_kv_blocks, device memory unknown
-    sharding: ShardingPlan
-    num_host_blocks: int  # host KV tier slots; 0: no host tier
-    draft_arch: ModelArchConfig | None = None  # speculative decoding's draft model, if any
 
 
 def build_runner(config: EngineConfig) -> tuple[ModelRunner, RunnerInfo]:
@@ -186,14 +120,13 @@ def build_runner(config: EngineConfig) -> tuple[ModelRunner, RunnerInfo]:
     apply_cpu_workarounds()  # before jax starts its backends (make_mesh lists the devices)
     cache_dir = enable_compilation_cache(config.runner.compilation_cache_dir)
     logger.info("compilation cache: %s", cache_dir or "off")
-    resolved = resolve_model(config)
-    ckpt = _load_weights(resolved)
-    runner, host_tier = make_runner(resolved, ckpt)
+    # All but the attention kernel's self-check, which the weights do not depend on: it runs
+    # in this thread while they load (start_runner).
+    unchecked = resolve_model(config, check_kernels=False)
+    runner, host_tier, ckpt, resolved = start_runner(
+        unchecked, cache_dir, lambda: _checked_model(config, unchecked)
+    )
     _compare_weights(runner, resolved.memory)
-    fields = fields_of(resolved, ckpt.arch)
-    use_executable_store(runner, cache_dir, fields, config.runner.precompiled)
-    if config.runner.warmup is True:  # "job": before each job (engine/job_warmup.py)
-        warm_up_all(runner, resolved.plan.compile_workers)
     if host_tier is not None and config.cache.preemption_mode == "auto":
         # "auto" preemption weighs copies against recomputation: measure the copies once.
         bytes_per_s, latency_s = runner.measure_offload_bandwidth()
@@ -211,93 +144,81 @@ def build_runner(config: EngineConfig) -> tuple[ModelRunner, RunnerInfo]:
     return runner, info
 
 
-def resolve_model(config: EngineConfig, machine: Machine | None = None) -> ResolvedModel:
-    """The plan, the checked memory plan, the shardings and the host tier's size of
-    ``config``'s model, from its architecture alone (of a Hub model, config.json is all that
-    is fetched so far): a model that cannot fit fails before any weight is fetched or read,
-    and every weight is then loaded once, in the plan's dtype, into its own sharding.
+def start_runner(
+    unchecked: ResolvedModel, cache_dir: str | None, checked: Callable[[], ResolvedModel]
+) -> tuple[ModelRunner, HostTier | None, LoadedCheckpoint, ResolvedModel]:
+    """The runner with its loaded weights and its executable store, warmed up when it is a
+    server's (warmup=True), and the model resolved with its kernel self-checked (``checked()``).
+    The weights load (with ``unchecked``'s dtype and shardings) in a thread while the calling
+    thread self-checks the kernel, builds the runner over their shapes and compiles
+    (startup.py), unless the runner needs their values to be built (_weights_first)."""
+    config = unchecked.config
 
-    Args:
-        machine: what to plan for (machine.py); None: this process's first devices.
+    def make(resolved: ResolvedModel, ckpt: LoadedCheckpoint):
+        runner, host_tier = make_runner(resolved, ckpt)
+        fields = fields_of(resolved, ckpt.arch)
+        use_executable_store(runner, cache_dir, fields, config.runner.precompiled)
+        return runner, host_tier
 
-    Raises:
-        as build_runner, but nothing about the weights themselves.
-    """
-    if machine is None:
-        machine = Machine.of_mesh(make_mesh(config.runner.tensor_parallel_size))
-    model_config = config.model
-    config_source = resolve_model_source(
-        model_config.model, files=CONFIG_FILES, **_hub_arguments(config)
-    )
-    arch = load_arch(config_source)
-    plan = make_plan(config, machine, arch, declared_dtype(config_source))
-    logger.info("execution plan: %s", plan.summary())
-    for reason in plan.attention_refused:
-        logger.info("attention: passed over %s", reason)
-    max_model_len = resolve_max_model_len(model_config.max_model_len, arch)
-    # 8-bit weights: the checkpoint's own (quantization_config) or LLM(quantization=...)'s,
-    # quantized while loading; they change the param shapes, so the memory plan and the
-    # shardings see them too.
-    quantization = resolve_quantization(
-        model_config.quantization, declared_quantization(config_source), model_config.model
-    )
-    draft_arch = _draft_arch(config, arch, plan.attention)
-    memory = _checked_memory_plan(
-        config, arch, plan, machine, max_model_len, quantization, draft_arch
-    )
-    block_bytes = get_model(arch).kv_cache_bytes_per_block(
-        config.cache.block_size, plan.kv_cache_dtype
-    )
-    num_kv_blocks = config.cache.num_kv_blocks if memory is None else memory.num_kv_blocks
-    resolved = replace(
-        config,
-        model=replace(model_config, max_model_len=max_model_len, quantization=quantization),
-        cache=replace(config.cache, num_kv_blocks=num_kv_blocks),
-        scheduler=replace(
-            config.scheduler, max_model_len=max_model_len, async_scheduling=plan.async_scheduling
-        ),  # fmt: skip
-        runner=replace(config.runner, attention_backend=plan.attention.name),
-    )
-    return ResolvedModel(
-        config=resolved,
-        plan=plan,
-        memory=memory,
-        sharding=plan_sharding(get_model(arch, quantization=quantization), machine.mesh),
-        num_host_blocks=host_kv_blocks(config.cache.kv_offloading_size, block_bytes),
-        draft_arch=draft_arch,
-    )
+    server = config.runner.warmup is True  # "job": before each job (engine/job_warmup.py)
+    workers = unchecked.plan.compile_workers
+    if _weights_first(unchecked):
+        resolved = checked()
+        ckpt = _load_weights(resolved)
+        runner, host_tier = make(resolved, ckpt)
+        if server:
+            warm_up_all(runner, workers)
+        return runner, host_tier, ckpt, resolved
+    warmup = ServerWarmup(workers) if server else None
+    return StartupPipeline(
+        load=lambda: _load_weights(unchecked),
+        resolve=checked,
+        abstract=_abstract_weights,
+        make_runner=make,
+        compile_all=None if warmup is None else warmup.compile,
+        run_once=None if warmup is None else warmup.run,
+    ).run()
 
 
-def _draft_arch(
-    config: EngineConfig, arch: ModelArchConfig, attention: AttentionImpl
-) -> ModelArchConfig | None:
-    """The draft model's architecture (its config.json only) when speculative decoding uses
-    one, checked against the target before any weight is read.
+def _checked_model(config: EngineConfig, unchecked: ResolvedModel) -> ResolvedModel:
+    """``config``'s model with its attention kernel self-checked; the weights loading for
+    ``unchecked`` fit it (the check chooses the kernel, never the dtype or the shardings).
 
     Raises:
-        ValueError: a draft whose vocabulary is not the target's (both named), or whose heads
-            the target's attention, run per device under tensor parallelism, cannot split.
+        ValueError: with strict_kernels, a kernel that fails its self-check (plan.make_plan).
     """
-    spec = config.speculative
-    if spec is None or spec.method != "draft_model":
-        return None
-    source = resolve_model_source(spec.model, files=CONFIG_FILES)
-    draft = load_arch(source)
-    if draft.vocab_size != arch.vocab_size:
-        raise ValueError(
-            f"speculative_config['model']={spec.model!r} has vocab_size={draft.vocab_size}, the "
-            f"target {config.model.model!r} has {arch.vocab_size}: a draft model must share "
-            "the target's vocabulary"
-        )
-    if attention.mesh is not None:
-        tp = attention.mesh.shape[attention.axis]
-        reason = head_split_refusal(draft.num_heads, draft.num_kv_heads, tp)
-        if reason is not None:
-            raise ValueError(
-                f"speculative_config['model']={spec.model!r} cannot run with attention "
-                f"{attention.name!r} at tensor_parallel_size={tp}: {reason}"
-            )
-    return draft
+    resolved = resolve_model(config, source=unchecked.source)
+    same = (
+        resolved.plan.dtype == unchecked.plan.dtype
+        and resolved.config.model.quantization == unchecked.config.model.quantization
+        and resolved.sharding.param_shardings() == unchecked.sharding.param_shardings()
+    )
+    if not same:  # a bug: the weights being loaded are not those this engine needs
+        raise RuntimeError("the attention self-check changed the weights' dtype or shardings")
+    return resolved
+
+
+def _weights_first(resolved: ResolvedModel) -> bool:
+    """Whether the weights must load before the runner is built: an FP8 KV cache (its scales
+    may come from a calibration pass over the weights: kv_attachments.kv_scales_of), or a Hub
+    model (only its config.json is here yet, not the files that name its EOS ids)."""
+    fp8 = resolved.plan.kv_cache_dtype.startswith("float8")
+    return fp8 or resolved.source != resolved.config.model.model
+
+
+def _abstract_weights(resolved: ResolvedModel) -> LoadedCheckpoint:
+    """The checkpoint _load_weights will load, with abstract params (abstract_weights.py)."""
+    config = resolved.config
+    ckpt = abstract_checkpoint(
+        resolved.arch,
+        resolved.source,
+        dtype=resolved.plan.dtype,
+        quantization=config.model.quantization,
+        shardings=resolved.sharding.param_shardings(),
+    )
+    if config.model.tokenizer is not None:
+        ckpt = replace_tokenizer(ckpt, config.model.tokenizer)
+    return ckpt
 
 
 def _load_draft(resolved: ResolvedModel) -> DraftSpec | None:
@@ -314,10 +235,6 @@ def _load_draft(resolved: ResolvedModel) -> DraftSpec | None:
     return DraftSpec(model, ckpt.params, spec.num_speculative_tokens, sharding)
 
 
-def _hub_arguments(config: EngineConfig) -> dict[str, Any]:
-    return dict(revision=config.model.revision, download_dir=config.model.download_dir)
-
-
 def _load_weights(resolved: ResolvedModel) -> LoadedCheckpoint:
     """The checkpoint, each weight in the plan's dtype and its sharding (and the tokenizer of
     another folder when one is given)."""
@@ -327,7 +244,7 @@ def _load_weights(resolved: ResolvedModel) -> LoadedCheckpoint:
         dtype=resolved.plan.dtype,
         param_sharding=resolved.sharding.param_sharding,
         quantization=model_config.quantization,
-        **_hub_arguments(resolved.config),
+        **hub_arguments(resolved.config),
     )
     if model_config.tokenizer is not None:
         ckpt = replace_tokenizer(ckpt, model_config.tokenizer)

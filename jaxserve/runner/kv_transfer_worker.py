@@ -6,7 +6,10 @@ Producer: after the forward that completes a prefill's prompt, its full blocks a
 into one array on the device (kv_transfer_copies.py, dispatched in step order, so it reads the
 KV this forward wrote; the request's blocks may be reused once it finishes, the gathered copy
 is what travels) and offered with ``await_pull`` under the offer's id, with the lease's end as
-the server's timeout: the server drops the array after the pull or when the lease ends.
+the server's timeout. The server drops the array after the pull; HeldOffers
+(kv_transfer_offers.py) releases it when its lease ends (the server alone would only when the
+next offer is made) or, oldest first, when the offers would hold more than
+``max_held_offers_fraction`` of the KV cache.
 
 Consumer: each LoadJob (its ``source`` a PullSource) is pulled in one of the worker's reader
 threads (KVConnectorWorker's asynchronous loads): a fresh connection to the producer's server,
@@ -14,18 +17,17 @@ one pull of the offer's padded shape, waited for; then the first step dispatched
 scatters the rows of the blocks the request lacks into its fresh blocks. A pull of a producer
 that is gone would wait forever, and so would one of an offer the producer no longer holds: the
 producer is first probed with a TCP connection (refused: nothing loads), an offer past its lease
-is not pulled, and a pull that has not ended after ``pull_timeout_s`` is abandoned (its thread
-left blocked, logged). Each loads nothing: the request's promised KV is missing, and its
-kv_load_failure_policy applies (sched/remote_kv.py).
+is not pulled, an offer its producer released answers with an error at once, and a pull that
+has not ended after ``pull_timeout_s`` is abandoned and its connection closed (PullGuard,
+kv_transfer_pulls.py: the blocked threads stay bounded). Each loads nothing: the request's
+promised KV is missing, and its kv_load_failure_policy applies (sched/remote_kv.py).
 """
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import logging
 import socket
-import threading
 import time
 from typing import Any
 
@@ -37,6 +39,8 @@ from jaxserve.core.kv_connector.transfer import PullSource, TransferConnector
 from jaxserve.kv_transfer_config import KVTransferConfig
 from jaxserve.runner.kv_connector_worker import KVCaches, KVConnectorWorker
 from jaxserve.runner.kv_transfer_copies import TransferCopies
+from jaxserve.runner.kv_transfer_offers import HeldOffers
+from jaxserve.runner.kv_transfer_pulls import PullGuard
 from jaxserve.runner.sharding import ShardingPlan
 
 logger = logging.getLogger("jaxserve")
@@ -55,6 +59,7 @@ class TransferWorker(KVConnectorWorker):
         their compilations).
     server: this engine's jax.experimental.transfer server.
     pull_timeout_s: the longest one pull is waited for.
+    max_held_blocks: the most gathered blocks (padded) its offers may hold at once.
     """
 
     # Pulls of several requests at once, each over its own connection: one slow or hung
@@ -67,11 +72,30 @@ class TransferWorker(KVConnectorWorker):
         copies: TransferCopies,
         server: Any,
         pull_timeout_s: float,
+        max_held_blocks: int,
     ) -> None:
         super().__init__(connector, copies)  # type: ignore[arg-type]
         self.server = server
-        self.pull_timeout_s = float(pull_timeout_s)
-        self.num_abandoned_pulls = 0  # pulls still blocked after pull_timeout_s; monotonic
+        self.offers = HeldOffers(server, max_held_blocks)
+        self.pulls = PullGuard(pull_timeout_s)
+        connector.report_runner_stats(self.stats)
+
+    def stats(self) -> dict[str, int]:
+        """The held offers and the guarded pulls, in get_stats (and /metrics)."""
+        return {
+            "kv_transfer_offers_held": self.offers.num_held,
+            "kv_transfer_offer_blocks_held": self.offers.held_blocks,
+            "kv_transfer_offers_evicted": self.offers.num_evicted,
+            "kv_transfer_offers_expired": self.offers.num_expired,
+            "kv_transfer_pulls_abandoned": self.pulls.num_abandoned,
+            "kv_transfer_pulls_refused": self.pulls.num_refused,
+            "kv_transfer_pulls_stuck": self.pulls.num_stuck,
+        }
+
+    @property
+    def num_abandoned_pulls(self) -> int:
+        """Pulls still running after pull_timeout_s (monotonic)."""
+        return self.pulls.num_abandoned
 
     # ---- producer -------------------------------------------------------------------------
     def save(self, kv_caches: KVCaches, meta: KVConnectorMeta) -> KVCaches:
@@ -79,9 +103,12 @@ class TransferWorker(KVConnectorWorker):
         only read."""
         for offer in meta.offers:
             data = self.staging.gather(kv_caches, offer.block_ids)
-            until = datetime.datetime.fromtimestamp(offer.expires_at)
-            self.server.await_pull(offer.transfer_id, [data], timeout=until)
+            self.offers.offer(offer.transfer_id, data, offer.expires_at)
         return kv_caches
+
+    def close(self) -> None:
+        """Release every held offer (the engine shuts down)."""
+        self.offers.close()
 
     # ---- consumer -------------------------------------------------------------------------
     def _read(self, job: LoadJob) -> jax.Array | None:
@@ -100,24 +127,13 @@ class TransferWorker(KVConnectorWorker):
             logger.warning("KV transfer: producer %s of %s is gone (%s)", where, job.req_id, e)
             return None
         spec = self.staging.spec(source.num_blocks)
-        result: list[Any] = []
 
-        def pull() -> None:
-            try:
-                (data,) = self.server.connect(where).pull(source.transfer_id, [spec])
-                result.append(jax.block_until_ready(data))
-            except Exception as e:  # the producer died mid-pull: the connection closed
-                logger.warning("KV transfer: pull of %s from %s failed (%s)", job.req_id, where, e)
+        def fetch(connection: Any) -> Any:
+            (data,) = connection.pull(source.transfer_id, [spec])
+            return jax.block_until_ready(data)
 
-        thread = threading.Thread(target=pull, name="jaxserve-kv-pull", daemon=True)
-        thread.start()
-        thread.join(self.pull_timeout_s)
-        if thread.is_alive():
-            self.num_abandoned_pulls += 1
-            logger.warning("KV transfer: pull of %s from %s still running after %.3g s; "
-                           "abandoned", job.req_id, where, self.pull_timeout_s)  # fmt: skip
-            return None
-        return result[0] if result else None
+        what = f"pull of {job.req_id} from {where}"
+        return self.pulls.pull(self.server.connect(where), fetch, what)
 
     def _write(self, kv_caches: KVCaches, job: LoadJob, data: Any) -> tuple[KVCaches, int]:
         """Scatter the pulled rows of the job's blocks (offered blocks ``first_block`` on)."""
@@ -160,5 +176,8 @@ def make_transfer_connector(
             f"devices ({e})"
         ) from e
     port = int(server.address().rsplit(":", 1)[1])
-    connector = TransferConnector(config, page_shape[2], fingerprint, (host, port))
-    return TransferWorker(connector, copies, server, config.pull_timeout_s)
+    num_kv_blocks = page_shape[1]
+    max_held = max(1, int(config.max_held_offers_fraction * num_kv_blocks))
+    connector = TransferConnector(config, page_shape[2], fingerprint, (host, port),
+                                  max_offer_blocks=max_held)  # fmt: skip
+    return TransferWorker(connector, copies, server, config.pull_timeout_s, max_held)

@@ -138,6 +138,7 @@ def make_plan(
     mesh: jax.sharding.Mesh | Machine,
     arch: ModelArchConfig,
     declared_dtype: str | None,
+    check_kernels: bool = True,
 ) -> ExecutionPlan:
     """Decide everything for this engine on this mesh (of this process's devices) or machine
     (machine.py: also a chip that is not attached, from its facts alone; its kernel is then
@@ -145,6 +146,9 @@ def make_plan(
 
     Args:
         declared_dtype: the dtype the checkpoint declares (its config), or None.
+        check_kernels: False: the attention kernel is not self-checked (a plan to start
+            loading the weights with, which depend on its dtype only: factory.build_runner
+            makes the checked one while they load).
 
     Raises:
         ValueError: an attention_backend that cannot run here (the message lists those that
@@ -158,11 +162,11 @@ def make_plan(
     tp = config.runner.tensor_parallel_size
     target = _target(config, arch, dtype, kv_cache_dtype, facts)
     attention, refused = select_attention(config.runner.attention_backend, target)
-    if machine.attached:
+    if machine.attached and check_kernels:
         attention, refused = _checked(attention, refused, target, config)
-    else:
+    elif not machine.attached:
         logger.info("attention %s not self-checked: no %s attached", attention.name, target.where)
-    if platform == "cpu" and attention.kernel != "cpu":
+    if platform == "cpu" and attention.kernel != "cpu" and check_kernels:
         _warn_unbuilt(cpu_rows.unavailable_reason(), "attention", attention.name)
     if tp > 1:
         attention = dataclasses.replace(attention, mesh=mesh, axis=TP_AXIS)
@@ -181,7 +185,7 @@ def make_plan(
         mid_token_buckets=on_cpu,
         single_token_bucket=on_cpu,
         compile_workers=1 if on_cpu else max(1, min(4, os.cpu_count() or 1)),
-        attention_checked=machine.attached,
+        attention_checked=machine.attached and check_kernels,
         max_executables=map_budget.max_executables() if on_cpu else None,
         async_scheduling=_async_scheduling(config.scheduler.async_scheduling, platform),
     )

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -31,6 +32,7 @@ from jaxserve.runner.draft_model import PROPOSE_ARGS, DraftModel
 from jaxserve.runner.input_batch import PreparedBatch
 from jaxserve.runner.job_shapes import Shape, WarmupSet
 from jaxserve.runner.sampling_metadata import SamplingMetadata
+from jaxserve.runner.startup import checked
 from jaxserve.runner.step import COPY_ARGS, FORWARD_ARGS, SAMPLE_ARGS, attention_metadata
 from jaxserve.runner.step_compiles import Compilation, compile_concurrently, signature
 from jaxserve.runner.token_feed import NO_SLOT, TokenFeed
@@ -49,17 +51,37 @@ LOAD_WORKERS = min(4, os.cpu_count() or 1)
 
 
 def warm_up_all(runner: ModelRunner, workers: int) -> None:
-    """Compile every step shape now (a server's warm-up), and log what it cost."""
-    start = time.perf_counter()
-    hits = runner.num_compilation_cache_hits
-    num = runner.warmup(workers=workers)
-    logger.info(
-        "warm-up: %d compilations (%d loaded from the compilation cache) in %.1f s, %d at a time",
-        num,
-        runner.num_compilation_cache_hits - hits,
-        time.perf_counter() - start,
-        workers,
-    )
+    """Compile every step shape now and run each once (a server's warm-up, once its weights
+    are loaded), and log what it cost."""
+    server = ServerWarmup(workers)
+    server.compile(runner)
+    server.run(runner)
+
+
+class ServerWarmup:
+    """A server's warm-up (every bucket: ModelRunner.warmup_set) in its two halves: ``compile``
+    needs only the runner's shapes (it may run while the weights load: startup.py), ``run``
+    runs each step once on the loaded weights, then logs the count and the seconds."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self._start: float | None = None
+
+    def compile(self, runner: ModelRunner, checks: Callable[[], None] | None = None) -> None:
+        if self._start is None:
+            self._start = time.perf_counter()
+        compile_set(runner, runner.warmup_set(), self.workers, checks)
+
+    def run(self, runner: ModelRunner) -> None:
+        run_set(runner, runner.warmup_set())
+        logger.info(
+            "warm-up: %d compilations (%d loaded from the compilation cache) in %.1f s, "
+            "%d at a time",
+            runner.num_compilations + runner.num_compilation_cache_hits,
+            runner.num_compilation_cache_hits,
+            time.perf_counter() - (self._start or time.perf_counter()),
+            self.workers,
+        )
 
 
 def warm_up(runner: ModelRunner, what: WarmupSet, workers: int) -> int:
@@ -72,21 +94,41 @@ def warm_up(runner: ModelRunner, what: WarmupSet, workers: int) -> int:
     compilations outside warm-up are explained in the log (step_compiles.py).
     """
     before = runner.num_compilations + runner.num_compilation_cache_hits
+    compile_set(runner, what, workers)
+    run_set(runner, what)
+    return runner.num_compilations + runner.num_compilation_cache_hits - before
+
+
+def compile_set(
+    runner: ModelRunner,
+    what: WarmupSet,
+    workers: int,
+    checks: Callable[[], None] | None = None,
+) -> None:
+    """Warm-up's first half: compile (or load from the executable store) what ``what`` lists,
+    calling ``checks()`` before each (it raises to stop them: startup.py's failed load).
+    Needs the runner's shapes only: its params may be abstract."""
     for compiles in runner.all_compiles():
         compiles.begin_warmup()
     try:
         stored, rest = _split_stored(compilations(runner, what))
+        if checks is not None:
+            stored, rest = checked(stored, checks), checked(rest, checks)
         compile_concurrently(stored, LOAD_WORKERS)
         compile_concurrently(rest, workers)
     finally:
         for compiles in runner.all_compiles():
             compiles.finish_warmup()
+
+
+def run_set(runner: ModelRunner, what: WarmupSet) -> None:
+    """Warm-up's second half, on the loaded weights: run each step shape and block copy of
+    ``what`` not run before once, then save the executables that ran to the store."""
     run_once(runner, *_not_run(runner.warmed, what))
     # Only the step's halves and the block copy have run (run_once): only they are serialized.
     ran = (runner.forward_compiles, runner.sample_compiles, runner.copy_compiles)
     for compiles in runner.all_compiles():
         compiles.save_ran(any(compiles is c for c in ran))
-    return runner.num_compilations + runner.num_compilation_cache_hits - before
 
 
 def _split_stored(jobs: list[Compilation]) -> tuple[list[Compilation], list[Compilation]]:
@@ -124,30 +166,22 @@ def _not_run(warmed: set, what: WarmupSet) -> tuple[list[Step], list[int]]:
 
 
 def compilations(runner: ModelRunner, what: WarmupSet) -> list[Compilation]:
-    """The compilations warm-up runs: the forward half for each shape of ``what`` (in its
-    order: the smallest T first), the sample half for each of its (R, sampler variant), the
-    block copy for each of its sizes, the host KV tier's copies and a draft model's
-    functions."""
-    jobs = [
-        Compilation(
-            runner.forward_compiles,
-            runner.jitted_forward,
-            (runner.params, runner.kv_caches, *padding_forward_inputs(runner, t, r, b)),
-            FORWARD_ARGS,
-        )
-        for t, r, b in what.shapes
-    ]
-    jobs += [
-        Compilation(
-            runner.sample_compiles,
-            runner.jitted_sample,
-            padding_sample_inputs(runner, r, widths),
-            SAMPLE_ARGS,
-        )
-        for r, widths in what.samples
-    ]
-    jobs += _copy_compilations(runner.copy_compiles, runner.jitted_copy, runner.kv_caches,
-                               what.copy_sizes)  # fmt: skip
+    """The compilations warm-up runs, smallest step first: the block copies, then the forward
+    half for each shape of ``what`` (in its order: the smallest T first), each followed by the
+    sample half of its row bucket R in every sampler variant of ``what`` not listed yet (so
+    each prefix of the list runs every step up to its largest T); then the host KV tier's
+    copies and a draft model's functions."""
+    jobs = _copy_compilations(runner.copy_compiles, runner.jitted_copy, runner.kv_caches,
+                              what.copy_sizes)  # fmt: skip
+    samples = list(what.samples)
+    for t, r, b in what.shapes:
+        forward = (runner.params, runner.kv_caches, *padding_forward_inputs(runner, t, r, b))
+        jobs.append(Compilation(runner.forward_compiles, runner.jitted_forward, forward,
+                                FORWARD_ARGS))  # fmt: skip
+        jobs += [_sample_compilation(runner, rows, widths) for rows, widths in samples
+                 if rows == r]  # fmt: skip
+        samples = [s for s in samples if s[0] != r]
+    jobs += [_sample_compilation(runner, rows, widths) for rows, widths in samples]
     if runner.kv_offload is not None:
         jobs += runner.kv_offload.compilations(runner.kv_caches)
     if runner.kv_connector is not None:  # its staging copies (kv_connector_worker.py)
@@ -155,6 +189,12 @@ def compilations(runner: ModelRunner, what: WarmupSet) -> list[Compilation]:
     if runner.draft is not None:
         jobs += _draft_compilations(runner)
     return jobs
+
+
+def _sample_compilation(runner: ModelRunner, rows: int, widths: tuple[int, int]) -> Compilation:
+    """The sample half for ``rows`` padding rows with sampling lists of ``widths``."""
+    return Compilation(runner.sample_compiles, runner.jitted_sample,
+                       padding_sample_inputs(runner, rows, widths), SAMPLE_ARGS)  # fmt: skip
 
 
 def _draft_compilations(runner: ModelRunner) -> list[Compilation]:

@@ -19,6 +19,8 @@ import numpy as np
 from llguidance.gbnf_to_lark import gbnf_to_lark
 from tokenizers import Tokenizer
 
+from jaxserve.structured.llguidance_tags import struct_tag_grammar
+
 _JSON_DEFAULTS = {"whitespace_flexible": False}
 
 
@@ -79,9 +81,18 @@ class LLGuidanceBackend:
             tokenizer.to_str(), n_vocab=n_vocab, eos_token=eos or None
         )
         self.bitmask_words = (n_vocab + 31) // 32
+        # llguidance's special tokens (every added token, "special" or not: Qwen's <tool_call>
+        # too), by their text: structural-tag triggers that name one (llguidance_tags.py).
+        added = tokenizer.get_added_tokens_decoder()
+        self._special_tokens = frozenset(
+            t.content for i, t in added.items() if self._tokenizer.is_special_token(i)
+        )
 
     def compile(self, kind: str, spec: str) -> LLGuidanceGrammar:
-        grammar = _grammar(kind, spec)
+        if kind == "structural_tag":
+            grammar = struct_tag_grammar(spec, self._special_tokens, _JSON_DEFAULTS)
+        else:
+            grammar = _grammar(kind, spec)
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
             grammar, self._tokenizer
         )

@@ -33,3 +33,11 @@ def test_metric_sums_skip_the_replica_lines():
     assert _serve_fleet._metric_sum(text, "jaxserve:prefix_cache_hits_total") == 7.0
     assert _serve_fleet._percentiles([1.0, float("nan")])["p50"] == 1.0
     assert _serve_fleet._percentiles([]) == {}
+
+
+def test_think_times_are_seeded_and_zero_means_lockstep():
+    pauses = _serve_fleet.think_times(4, 0.2, seed=0)
+    assert pauses == _serve_fleet.think_times(4, 0.2, seed=0)
+    assert len(pauses) == 4 and all(len(p) == _serve_fleet.NUM_TURNS for p in pauses)
+    assert all(t >= 0 for p in pauses for t in p) and pauses[0] != pauses[1]
+    assert _serve_fleet.think_times(2, 0.0, seed=0) == [[0.0] * _serve_fleet.NUM_TURNS] * 2

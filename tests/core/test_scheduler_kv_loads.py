@@ -22,7 +22,7 @@ from sched_fake_model import (
     reference_output,
     run_to_completion,
 )
-from test_scheduler_property import _Harness
+from sched_harness import Harness
 
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.core.kv_connector.shared_storage import SharedStorageConnector
@@ -85,7 +85,7 @@ def test_random_loads_keep_invariants_and_lose_no_request(
     sched, runner = _scheduler(num_blocks, block_size, budget, max_seqs, policy, load_async)
     runner.load_delay = lambda job: rng.randint(1, 4)
     runner.load_cut = lambda job: len(job.block_ids) if rng.random() < 0.7 else rng.randrange(3)
-    h = _Harness(sched, runner, run_ahead=run_ahead)
+    h = Harness(sched, runner, run_ahead=run_ahead)
     prefixes = [*_STORED, _UNSTORED]
     pending = list(specs)
     for i, op in enumerate(ops + [("add", 0)] * len(specs)):

@@ -3,8 +3,10 @@ its own jax.experimental.transfer server on 127.0.0.1: a prefill's answer names 
 consumer pulls the prompt's KV device to device (the same bytes as the producer's pages) and
 answers with the producer's own greedy tokens; an offer that cannot be pulled (a producer gone,
 a lease ended, another layout or prompt) is computed instead or fails the request, as
-kv_load_failure_policy says; nothing is held afterwards on either side, and after a warm-up the
-connector's gathers and scatters compile nothing."""
+kv_load_failure_policy says, and so is an offer the producer's cap released for a newer one or a
+pull that hangs (abandoned after pull_timeout_s while the engine serves others); nothing is held
+afterwards on either side, and after a warm-up the connector's gathers and scatters compile
+nothing."""
 
 from __future__ import annotations
 
@@ -202,6 +204,11 @@ def test_the_config_refuses_what_the_transfer_connector_cannot_honour():
         KVTransferConfig.from_value(_kv("kv_both", kv_connector_extra_config={"load_async": False}))
     with pytest.raises(ValueError, match="transfer_port"):
         KVTransferConfig.from_value(_kv("kv_both", kv_connector_extra_config={"transfer_port": -1}))
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="max_held_offers_fraction"):
+            KVTransferConfig.from_value(
+                _kv("kv_both", kv_connector_extra_config={"max_held_offers_fraction": bad})
+            )
     with pytest.raises(ValueError, match="transfer_host"):
         KVTransferConfig.from_value({"kv_connector_extra_config": {"transfer_host": "h"}})
     ok = KVTransferConfig.from_value(
@@ -239,3 +246,67 @@ def test_aborts_on_either_side_free_every_block(producer, consumer):
     producer.step()  # the abort reaches the connector's books
     assert not offered
     assert_nothing_held(producer)
+
+
+def test_the_cap_releases_the_oldest_offer_and_its_consumer_recomputes(producer, consumer):
+    """With room for one prompt's copy, a second offer releases the first: the first's decode
+    gets an error at once and recomputes, the second's pulls; the same tokens, nothing held."""
+    offers = producer.runner.kv_connector.offers
+    prompts = random_prompts(2, seed=40, lo=33, hi=40)  # 4 blocks each: copies of 4
+    want = _greedy(producer, prompts, "k")
+    offers.release_expired(now=float("inf"))  # the earlier tests' offers (pulled) released
+    assert offers.num_held == 0 and offers.held_blocks == 0
+    evicted, cap = offers.num_evicted, offers.max_blocks
+    offers.max_blocks = 4
+    try:
+        params = _prefill(producer, prompts, "kp")
+    finally:
+        offers.max_blocks = cap
+    assert offers.num_evicted == evicted + 1 and offers.num_held == 1
+    stats = producer.get_stats()  # the runner half's counters reach get_stats (and /metrics)
+    assert stats["kv_transfer_offers_evicted"] == offers.num_evicted
+    assert stats["kv_transfer_offers_held"] == 1 and stats["kv_transfer_offer_blocks_held"] == 4
+    before = consumer.get_stats()
+    outs = _decode(consumer, prompts, params, "kc")
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    after = consumer.get_stats()
+    assert after["kv_connector_load_failures"] == before["kv_connector_load_failures"] + 1
+    assert [o.num_cached_tokens for o in outs] == [0, (len(prompts[1]) - 1) // 8 * 8]
+    assert consumer.runner.kv_connector.pulls.num_abandoned == 0  # failed at once, no wait
+    assert_nothing_held(producer)
+    assert_nothing_held(consumer)
+
+
+def test_a_hung_pull_never_blocks_the_engine(producer, consumer):
+    """A pull of an id its producer never offered waits forever: the consumer abandons it
+    after pull_timeout_s (its thread ends: the connection is poisoned) and recomputes, and
+    another request is served meanwhile."""
+    prompts = random_prompts(2, seed=50, lo=30, hi=40)
+    want = _greedy(producer, prompts, "h")
+    (params,) = _prefill(producer, prompts[:1], "hp")
+    params["remote_transfer_id"] += 1  # nobody offers it
+    pulls = consumer.runner.kv_connector.pulls
+    timeout, pulls.timeout_s = pulls.timeout_s, 2.0
+    abandoned, failures = pulls.num_abandoned, consumer.get_stats()["kv_connector_load_failures"]
+    try:
+        sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                            kv_transfer_params=params)  # fmt: skip
+        consumer.add_request("hung", {"prompt_token_ids": prompts[0]}, sp)
+        consumer.add_request("free", {"prompt_token_ids": prompts[1]}, GREEDY)
+        done: dict[str, tuple] = {}
+        for _ in range(2000):  # bounded: each idle step waits for the pull a little
+            for out in consumer.step():
+                if out.finished:
+                    done[out.request_id] = (out, pulls.num_abandoned - abandoned)
+            if not consumer.has_unfinished_requests():
+                break
+    finally:
+        pulls.timeout_s = timeout
+    assert done["free"][1] == 0  # served while the hung pull was still waited for
+    assert [list(done[r][0].outputs[0].token_ids) for r in ("hung", "free")] == want
+    assert pulls.num_abandoned == abandoned + 1 and pulls.num_stuck == 0
+    stats = consumer.get_stats()
+    assert stats["kv_connector_load_failures"] == failures + 1
+    assert stats["kv_transfer_pulls_abandoned"] == pulls.num_abandoned
+    assert stats["kv_transfer_pulls_stuck"] == 0
+    assert_nothing_held(consumer)

@@ -49,6 +49,61 @@ def test_replicas_get_the_engine_flags_and_not_the_fronts():
     assert argv[argv.index("--speculative-config") + 1] == '{"method": "ngram"}'
 
 
+def _two_free_ports() -> int:
+    """A port P with P + 1 free too (bounded tries)."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            base = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.1", base + 1))
+            except OSError:
+                continue
+            return base
+    raise AssertionError("no two consecutive free ports")
+
+
+def test_each_replica_gets_its_own_kv_transfer_port():
+    """A fixed transfer_port would be taken by every replica: replica i gets base + i (and
+    both servers start), port 0 stays 0 (each replica a free port), past 65535 is refused."""
+    import json
+
+    import jax.numpy as jnp
+
+    from jaxserve.cli.serve import replica_args
+    from jaxserve.fleet.replicas import replica_serve_args
+    from jaxserve.kv_transfer_config import KVTransferConfig
+    from jaxserve.runner.kv_transfer_worker import make_transfer_connector
+
+    def argv_for(port: int) -> list[str]:
+        kv = {"kv_connector": "JaxTransferConnector", "kv_role": "kv_producer",
+              "kv_connector_extra_config": {"transfer_port": port, "lease_s": 9}}  # fmt: skip
+        args = cli.build_parser().parse_args(
+            ["serve", "--model", "m", "--data-parallel-size", "2", "--kv-transfer-config",
+             json.dumps(kv)]
+        )  # fmt: skip
+        return replica_args(args)
+
+    def config_of(argv: list[str]) -> dict:
+        return json.loads(argv[argv.index("--kv-transfer-config") + 1])
+
+    base = _two_free_ports()
+    configs = [config_of(replica_serve_args(argv_for(base), i, 2)) for i in range(2)]
+    extras = [c["kv_connector_extra_config"] for c in configs]
+    assert extras == [{"transfer_port": base, "lease_s": 9},
+                      {"transfer_port": base + 1, "lease_s": 9}]  # fmt: skip
+    workers = [make_transfer_connector(KVTransferConfig.from_value(c), "m", 1, (1, 4, 4, 8),
+                                       jnp.float32, None) for c in configs]  # fmt: skip
+    assert [w.connector.port for w in workers] == [base, base + 1]
+    for i in range(2):
+        assert config_of(replica_serve_args(argv_for(0), i, 2)) == config_of(argv_for(0))
+    assert replica_serve_args(["--model", "m"], 1, 2) == ["--model", "m"]
+    with pytest.raises(ValueError, match="transfer_port=65535"):
+        replica_serve_args(argv_for(65535), 0, 2)
+
+
 @pytest.mark.slow
 def test_two_replicas_answer_as_one_engine_and_stop_on_sigterm(engine_url):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}

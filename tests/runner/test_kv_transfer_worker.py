@@ -89,7 +89,7 @@ def test_a_hung_pull_is_abandoned_and_an_expired_offer_not_pulled() -> None:
     copies = TransferCopies(L, (K, S, P, H), jnp.float32, None)
     server = _HangingServer()
     worker = TransferWorker(TransferConnector(_config(), P, "layout", ("127.0.0.1", 0)), copies,
-                            server, pull_timeout_s=0.3)  # fmt: skip
+                            server, pull_timeout_s=0.3, max_held_blocks=8)  # fmt: skip
     with socket.socket() as listener:  # the producer's port answers, its pull never ends
         listener.bind(("127.0.0.1", 0))
         listener.listen()

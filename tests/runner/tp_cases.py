@@ -6,22 +6,24 @@ XLA_FLAGS must hold --xla_force_host_platform_device_count=8 before jax starts, 
 separate process; test_tensor_parallel.py runs it once and checks the JSON it writes:
 
     parity[family][tp]      greedy tokens, param/KV specs and local shard shapes at the family's
-                            TP_SIZES (llama at 1, 2, 4 and 8, the others at 1 and one more);
+                            TP_SIZES (llama at 1, 2 and 4, the others at 1 and one more);
                             for llama at tp 1 and 2 also "seeded": seeded sampled tokens; at
                             tp 2 (warmed up) also "compiles": step compilations in warm-up, then
                             step traces and XLA backend compiles while serving
-    builtin[tp]             tiny-random-llama's greedy tokens at tp 1 and 4 (tp_multihost.py's
-                            reference)
+    builtin                 tiny-random-llama's greedy tokens on one device (tp_multihost.py's
+                            reference: its 4-device mesh over two processes must give them)
     orbax                   tokens and param shardings of an Orbax checkpoint restored at tp 2
     spec                    llama at tp 2 with speculative decoding, drafts from an oracle that
                             knows tp 1's tokens: greedy and seeded tokens, drafts verified and
-                            accepted (k = 3, so several tokens per step); spec["draft_model"]:
+                            accepted (k = 3, so several tokens per step); spec["constrained"]:
+                            the constrained requests with the real n-gram proposer (drafts
+                            checked against a regex and allowed ids); spec["draft_model"]:
                             the same with llama as its own draft model, sharded at tp 2
-    maps[tp]                memory maps and executables of llama warmed up at tp 4 and 8 with
-                            table widths bucketed (runner/map_budget.py), and its greedy tokens
-    kernels[family][backend]  llama and qwen3 at tp 2 with each per-device attention (xla, cpu,
-                            pallas in interpret mode) under shard_map; kernels[family]["hf"]:
-                            transformers' greedy tokens and top-2 margins
+    maps                    memory maps and executables of llama warmed up at tp 8 with table
+                            widths bucketed (runner/map_budget.py), and its greedy tokens
+    kernels[family][backend]  at tp 2 under shard_map, each per-device attention for llama (xla,
+                            cpu, pallas in interpret mode), the Pallas kernel for qwen3;
+                            kernels[family]["hf"]: transformers' greedy tokens and top-2 margins
 """
 
 from __future__ import annotations
@@ -47,12 +49,14 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "qwen2": dict(num_key_value_heads=4, tie_word_embeddings=True),
     "qwen3": dict(num_key_value_heads=8),
 }
-# llama at tp 1, 2 and 8 (K == tp at 2, K < tp at 8; its tp 4 tokens are checked by run_maps'
+# llama at tp 1, 2 and 4 (K == tp at 2, K < tp at 4; its tp 8 tokens are checked by run_maps'
 # warmed-up engine); one more for each other family, the case its K or vocabulary adds (each
 # engine costs ~12 s of compiling on 8 CPU devices):
 # mistral K < tp with a replicated vocabulary, qwen2 K == tp with tied embeddings, qwen3 K > tp.
-TP_SIZES = {"llama": (1, 2, 8), "mistral": (1, 2), "qwen2": (1, 4), "qwen3": (1, 4)}
+TP_SIZES = {"llama": (1, 2, 4), "mistral": (1, 2), "qwen2": (1, 4), "qwen3": (1, 4)}
 COMMON = dict(num_attention_heads=8, head_dim=16)
+# run_kernels' per-device attentions under shard_map at tp 2.
+KERNEL_CASES = {"llama": ("xla", "cpu", "pallas"), "qwen3": ("pallas",)}
 ENGINE = dict(
     dtype="float32",
     # One page per sequence: one table width, so each engine compiles its step once per token
@@ -113,21 +117,27 @@ def _seeded(llm: LLM) -> list[list[int]]:
 
 
 CONSTRAINED_REGEX = "[ab]{2,5}"
+REPEAT_REGEX = "(a b ){4}"  # its prompt already says "a b a b": n-gram drafts from the start
 
 
 def _constrained(llm: LLM) -> dict[str, Any]:
-    """Structured outputs and token constraints: a regex, and a logit bias with a ban list,
-    each greedy (the mask and the bias are applied to the vocabulary-sharded logits)."""
+    """Structured outputs and token constraints: two regexes, and a logit bias with a ban
+    list, each greedy (the mask and the bias are applied to the vocabulary-sharded logits)."""
     prompt = [5, 17, 42]
+    repeat = [5, *llm.get_tokenizer().encode("a b a b", add_special_tokens=False).ids]
     params = [
         SamplingParams(temperature=0.0, max_tokens=6,
                        structured_outputs={"regex": CONSTRAINED_REGEX}),
         SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
                        logit_bias={7: 100.0}, allowed_token_ids=list(range(3, 40))),
+        SamplingParams(temperature=0.0, max_tokens=10,
+                       structured_outputs={"regex": REPEAT_REGEX}),
     ]  # fmt: skip
-    outs = llm.generate([prompt, prompt], params, use_tqdm=False)
+    outs = llm.generate([prompt, prompt, repeat], params, use_tqdm=False)
     return {"regex": CONSTRAINED_REGEX, "regex_text": outs[0].outputs[0].text,
-            "biased": outs[1].outputs[0].token_ids}  # fmt: skip
+            "biased": outs[1].outputs[0].token_ids,
+            "repeat_text": outs[2].outputs[0].text,
+            "repeat": outs[2].outputs[0].token_ids}  # fmt: skip
 
 
 class _BackendCompiles:
@@ -237,6 +247,13 @@ def run_spec(work: pathlib.Path, parity: dict[str, Any]) -> dict[str, Any]:
     stats = llm.get_stats()
     out["draft_tokens"] = stats["spec_decode_num_draft_tokens"]
     out["accepted_tokens"] = stats["spec_decode_num_accepted_tokens"]
+    # The real n-gram proposer under constraints: drafts from repeats, checked against the
+    # grammar, the allowed ids and the bias's forced token; the tokens must still be tp 1's.
+    llm.engine.core.spec = SpecDecoder(SpeculativeConfig(**config))
+    out["constrained"] = _constrained(llm)
+    out["constrained_draft_tokens"] = (
+        llm.get_stats()["spec_decode_num_draft_tokens"] - out["draft_tokens"]
+    )
     del llm
     # The draft-model form: the target as its own draft, sharded like it on the same mesh.
     config = {**config, "method": "draft_model", "model": str(work / "llama")}
@@ -273,15 +290,16 @@ def run_spec(work: pathlib.Path, parity: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_kernels(work: pathlib.Path) -> dict[str, Any]:
-    """The per-device implementations under shard_map at tp 2: llama (K = 2: one KV head per
-    device) and qwen3 (K = 8), each with xla, the C++ cpu kernel and the Pallas (Triton)
-    kernel in interpret mode, beside transformers' greedy tokens."""
+    """The per-device implementations under shard_map at tp 2, beside transformers' greedy
+    tokens: llama (K = 2: one KV head per device) with xla, the C++ cpu kernel and the Pallas
+    (Triton) kernel in interpret mode; qwen3 (K = 8: four per device) with the Pallas kernel
+    (its cpu kernel per device is the parity run's at tp 4)."""
     results: dict[str, Any] = {}
-    for family in ("llama", "qwen3"):
+    for family, backends in KERNEL_CASES.items():
         folder = work / family  # written by run_parity
         prompts = _prompts(512)
         results[family] = {"hf": _hf_greedy(folder, prompts)}
-        for backend in ("xla", "cpu", "pallas"):
+        for backend in backends:
             llm = LLM(str(folder), tensor_parallel_size=2, attention_backend=backend, **ENGINE)
             plan = llm.get_stats()["plan"]
             results[family][backend] = {
@@ -298,11 +316,10 @@ def multihost_prompts() -> list[list[int]]:
     return _prompts(1024, seed=3)
 
 
-def run_builtin() -> dict[int, list[list[int]]]:
-    """tiny-random-llama's greedy tokens at tp 1 and 4 in this one process: what the two
-    processes of tp_multihost.py (2 devices each) must reproduce."""
-    engines = {tp: LLM("tiny-random-llama", tensor_parallel_size=tp, **ENGINE) for tp in (1, 4)}
-    return {tp: _greedy(llm, multihost_prompts()) for tp, llm in engines.items()}
+def run_builtin() -> list[list[int]]:
+    """tiny-random-llama's greedy tokens on one device: what the two processes of
+    tp_multihost.py (2 devices each, one 4-device mesh) must reproduce."""
+    return _greedy(LLM("tiny-random-llama", **ENGINE), multihost_prompts())
 
 
 def run_orbax(work: pathlib.Path) -> dict[str, Any]:
@@ -336,7 +353,7 @@ def run_fp8_calibration(work: pathlib.Path) -> dict[int, list[list[float]]]:
     return out
 
 
-# Warm-up at tp 4 and 8 with table widths to bucket: llama's 2 KV heads do not split 4 or 8 ways,
+# Warm-up at tp 8 with table widths to bucket: llama's 2 KV heads do not split 8 ways,
 # so the reference attention runs, the step's forward half per token bucket x width (2 x 3), its
 # sample half per row bucket x sampler variant (2 x 2), and 3 copies: 13 executables (~2 s each
 # to compile on 8 devices), each holding its memory maps (test_buckets.py checks how the map
@@ -351,24 +368,20 @@ MAPS_ENGINE = {
 }
 
 
-def run_maps(work: pathlib.Path) -> dict[int, dict[str, Any]]:
-    """Memory maps, executables and greedy tokens of warmed-up engines at tp 4 and 8
-    (issue 29, item 18: tp 4 with warm-up died of too many maps)."""
-    results = {}
-    for tp in (4, 8):
-        before = _num_maps()
-        llm = LLM(str(work / "llama"), tensor_parallel_size=tp, **MAPS_ENGINE)
-        stats = llm.get_stats()
-        results[tp] = {
-            "maps_added": _num_maps() - before,
-            "executables": stats["num_compilations"] + stats["num_compilation_cache_hits"],
-            "max_executables": stats["plan"]["max_executables"],
-            "attention": stats["plan"]["attention"],
-            "width_buckets": list(llm.engine.runner.buckets.width_buckets),
-            "tokens": _greedy(llm, _prompts(512)),
-        }
-        del llm
-    return results
+def run_maps(work: pathlib.Path) -> dict[str, Any]:
+    """Memory maps, executables and greedy tokens of a warmed-up engine at tp 8 (issue 29,
+    item 18: tp 4 with warm-up died of too many maps; tp 8 holds more)."""
+    before = _num_maps()
+    llm = LLM(str(work / "llama"), tensor_parallel_size=8, **MAPS_ENGINE)
+    stats = llm.get_stats()
+    return {
+        "maps_added": _num_maps() - before,
+        "executables": stats["num_compilations"] + stats["num_compilation_cache_hits"],
+        "max_executables": stats["plan"]["max_executables"],
+        "attention": stats["plan"]["attention"],
+        "width_buckets": list(llm.engine.runner.buckets.width_buckets),
+        "tokens": _greedy(llm, _prompts(512)),
+    }
 
 
 def _num_maps() -> int:

@@ -49,6 +49,36 @@ def test_response_format_json_schema_and_json_object_on_both_routes(oai):
     assert isinstance(json.loads(comp.choices[0].text), dict)
 
 
+def test_json_schema_strict_false_is_enforced_all_the_same(oai):
+    outs = []
+    for strict in (True, False, None):
+        spec = {"name": "c", "schema": SCHEMA, **({} if strict is None else {"strict": strict})}
+        out = oai.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=60, temperature=0.0,
+            response_format={"type": "json_schema", "json_schema": spec},
+        )  # fmt: skip
+        outs.append(out.choices[0].message.content)
+        jsonschema.validate(json.loads(outs[-1]), SCHEMA)
+    assert outs[0] == outs[1] == outs[2]
+
+
+def test_response_format_structural_tag(oai, llm_engine):
+    (trigger,) = llm_engine.tokenizer.encode("all", add_special_tokens=False).ids
+    flag = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+            "required": ["n"], "additionalProperties": False}  # fmt: skip
+    fmt = {"type": "structural_tag", "triggers": ["all"],
+           "structures": [{"begin": "all=", "schema": flag, "end": ";"}]}  # fmt: skip
+    chat = oai.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=30, temperature=1.0, seed=2,
+        logit_bias={str(trigger): 100}, response_format=fmt,
+    )  # fmt: skip
+    text = chat.choices[0].message.content  # the bias writes the trigger whenever text may come
+    tags = re.findall(r"all=(\{.*?\});", text)
+    assert len(tags) >= 2 and text.startswith("all="), text
+    for tag in tags:
+        jsonschema.validate(json.loads(tag), flag)
+
+
 def test_structured_outputs_extra_field_and_logit_bias(oai, llm_engine):
     choices = ["alpha", "beta"]
     chat = oai.chat.completions.create(
@@ -80,6 +110,23 @@ def test_structured_outputs_extra_field_and_logit_bias(oai, llm_engine):
         ({"logit_bias": {"5": 200}}, "logit_bias", r"must be a number in \[-100, 100\]"),
         ({"logit_bias": {"five": 1}}, "logit_bias", "keys must be token ids"),
         ({"logit_bias": {"99999": 1}}, "logit_bias", r"token id 99999 is outside the vocabulary"),
+        ({"response_format": {"type": "json_schema", "json_schema": {
+            "name": "s", "schema": SCHEMA, "strict": "yes"}}},
+         "response_format.json_schema.strict", "must be a boolean"),
+        ({"response_format": {"type": "structural_tag", "triggers": ["<f="], "structures": [
+            {"begin": "<g>", "schema": {}, "end": ""}]}},
+         "response_format", r"response_format.structural_tag.structures\[0\].begin '<g>' starts "
+         r"with none of the triggers"),
+        ({"response_format": {"type": "structural_tag", "format": {}}},
+         "response_format", r"response_format.structural_tag.format: xgrammar's"),
+        ({"structured_outputs": {"structural_tag": '{"triggers": []}'}},
+         "structured_outputs", r"structured_outputs.structural_tag.triggers must be a non-empty"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs",
+         r"structured_outputs.choice must be non-empty"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs",
+         r"structured_outputs: exactly one of"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "strict": 1}}],
+          "tool_choice": "required"}, "tools[0].function.strict", "must be a boolean"),
     ],
 )  # fmt: skip
 def test_constraints_that_cannot_be_honoured_are_400s_naming_the_field(

@@ -3,6 +3,7 @@ refusal naming the field, the value and the cap."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -21,6 +22,12 @@ def test_each_kind_is_accepted_and_keyed():
         "choice": StructuredOutputsParams(choice=["yes", "no"]),
         "grammar": StructuredOutputsParams(grammar='start: "a"'),
         "json_object": StructuredOutputsParams(json_object=True),
+        "structural_tag": StructuredOutputsParams(
+            structural_tag={
+                "structures": [{"begin": "<a", "schema": {}, "end": ""}],
+                "triggers": ["<a"],
+            }
+        ),
     }
     for kind, params in kinds.items():
         assert params.kind == kind
@@ -54,8 +61,52 @@ def test_structured_outputs_params_refusals(kwargs, error, match):
 
 
 def test_an_unknown_structured_outputs_key_is_named():
-    with pytest.raises(ValueError, match=r"unknown field\(s\) \['structural_tag'\]"):
-        SamplingParams(structured_outputs={"structural_tag": "x"})
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['whitespace_pattern'\]"):
+        SamplingParams(structured_outputs={"whitespace_pattern": "x"})
+
+
+SCHEMA = {"type": "object", "properties": {"b": {}, "a": {}}}
+TAG = {"structures": [{"begin": "<f=x>", "schema": SCHEMA, "end": "</f>"}], "triggers": ["<f="]}
+
+
+def test_a_structural_tag_is_kept_as_canonical_text_from_a_dict_or_json():
+    a = StructuredOutputsParams(structural_tag={"type": "structural_tag", **TAG})
+    b = StructuredOutputsParams(structural_tag=json.dumps(TAG))
+    assert a.kind == "structural_tag" and a == b and a.cache_key() == b.cache_key()
+    assert json.loads(a.structural_tag) == TAG  # "type" dropped, the schema's key order kept
+    assert list(json.loads(a.structural_tag)["structures"][0]["schema"]["properties"]) == ["b", "a"]
+    sp = SamplingParams(structured_outputs={"structural_tag": TAG})
+    assert sp.structured_outputs == a
+
+
+def _tag(**structure):
+    return {"structures": [{"begin": "<f=x>", "schema": SCHEMA, "end": "", **structure}],
+            "triggers": ["<f="]}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "tag, error, match",
+    [
+        ("{nope", ValueError, r": not valid JSON"),
+        ([TAG], TypeError, r" must be an object"),
+        ({"type": "structural_tag", "format": {"type": "triggered_tags"}}, ValueError,
+         r"\.format: xgrammar's"),
+        ({**TAG, "extra": 1}, ValueError, r": unknown field\(s\) \['extra'\]"),
+        ({**TAG, "type": "json"}, ValueError, r"\.type must be 'structural_tag'"),
+        ({**TAG, "structures": []}, TypeError, r"\.structures must be a non-empty"),
+        ({**TAG, "triggers": [""]}, ValueError, r"\.triggers\[0\] must be"),
+        ({**TAG, "triggers": ["<"] * 129}, ValueError, r"\.triggers: 129 items exceed the cap of"),
+        (_tag(begin="x"), ValueError, r"\.structures\[0\]\.begin 'x' starts with none of"),
+        (_tag(begin=""), ValueError, r"\.structures\[0\]\.begin must be a non-empty str"),
+        (_tag(schema="{}"), TypeError, r"\.structures\[0\]\.schema must be a JSON schema"),
+        (_tag(end=None), TypeError, r"\.structures\[0\]\.end must be a str"),
+        (_tag(stop="x"), ValueError, r"\.structures\[0\]: unknown field\(s\) \['stop'\]"),
+        (_tag(schema={"x": {1, 2}}), TypeError, r": not JSON-serialisable"),
+    ],
+)  # fmt: skip
+def test_structural_tag_refusals_name_the_field(tag, error, match):
+    with pytest.raises(error, match=r"StructuredOutputsParams\.structural_tag" + match):
+        StructuredOutputsParams(structural_tag=tag)
 
 
 @pytest.mark.parametrize(

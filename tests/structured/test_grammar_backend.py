@@ -7,8 +7,10 @@ import json
 import re
 import threading
 
+import jsonschema
 import numpy as np
 import pytest
+from tokenizers import AddedToken
 
 from jaxserve import SamplingParams, StructuredOutputsParams
 from jaxserve.checkpoints_tools.tiny_random import build_tiny_tokenizer
@@ -248,3 +250,81 @@ def test_a_dead_end_after_a_draft_ends_the_request_only_when_its_row_is_reached(
     emitted = [EngineCoreOutput("r", [b])], [EngineCoreOutput("r", [a, EOS])]
     assert dead_ends_reached(emitted[0], dead_ends) == []  # the draft was rejected
     assert dead_ends_reached(emitted[1], dead_ends) == ["r"]
+
+
+GET = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+       "required": ["n"], "additionalProperties": False}  # fmt: skip
+PUT = {"type": "object", "properties": {"k": {"enum": ["a", "bb"]}, "v": {"type": "boolean"}},
+       "required": ["k", "v"], "additionalProperties": False}  # fmt: skip
+TAG = {
+    "structures": [
+        {"begin": "<fn=get>", "schema": GET, "end": "</fn>"},
+        {"begin": "<fn=put>", "schema": PUT, "end": "</fn>"},
+    ],
+    "triggers": ["<fn="],
+}
+
+
+def test_structural_tag_text_is_free_until_a_trigger_then_the_tag_is_forced(structured, tokenizer):
+    spec = structured.check(SamplingParams(structured_outputs={"structural_tag": TAG}))
+    rng = np.random.default_rng(5)
+    free = tokenizer.encode("Let me look: ", add_special_tokens=False).ids
+    text_tokens = {t for t in range(3, 1024) if "\ufffd" not in tokenizer.decode([t])}
+    assert len(text_tokens) > 800
+    for _ in range(6):
+        state = spec.new_state()
+        assert state.accept(free) is None  # text before a trigger is free
+        row = np.full(state.num_words, ALL_ALLOWED, np.uint32)
+        state.fill_mask(row, free)
+        assert text_tokens <= set(_allowed(row).tolist())  # any text (valid UTF-8) may come
+        ids = list(free) + tokenizer.encode("<fn=", add_special_tokens=False).ids
+        assert state.accept(ids[len(free) :]) is None
+        for _ in range(60):  # inside the tag: walk uniformly among the allowed tokens
+            row = np.full(state.num_words, ALL_ALLOWED, np.uint32)
+            state.fill_mask(row, ids)
+            token = int(rng.choice(_allowed(row)))
+            ids.append(token)
+            assert state.accept([token]) is None
+            if tokenizer.decode(ids).endswith("</fn>"):
+                break
+        text = tokenizer.decode(ids)
+        match = re.fullmatch(r"Let me look: <fn=(get|put)>(.*)</fn>", text)
+        assert match, text
+        jsonschema.validate(json.loads(match.group(2)), GET if match.group(1) == "get" else PUT)
+        after = tokenizer.encode(" done", add_special_tokens=False).ids
+        assert state.accept(after) is None  # free text again after the end
+
+
+def test_structural_tag_trigger_that_is_a_special_token_is_matched_as_that_token(
+    structured, tokenizer
+):
+    tag = {"structures": [{"begin": "<s>", "schema": GET, "end": ";"}], "triggers": ["<s>"]}
+    spec = structured.check(SamplingParams(structured_outputs={"structural_tag": tag}))
+    as_text = spec.new_state()  # "<s>" spelled in text tokens is plain text
+    assert as_text.accept(tokenizer.encode("a < s > b", add_special_tokens=False).ids) is None
+    state = spec.new_state()
+    assert state.accept(tokenizer.encode("hi", add_special_tokens=False).ids + [1]) is None
+    assert state.accept(tokenizer.encode("x", add_special_tokens=False).ids) == "error"
+    # An added token that is not "special" (Qwen's <tool_call>) is one to llguidance too.
+    qwen_like = build_tiny_tokenizer()
+    qwen_like.add_tokens([AddedToken("<tool_call>", special=False)])
+    call = qwen_like.token_to_id("<tool_call>")
+    tag = {"structures": [{"begin": "<tool_call>", "schema": GET, "end": "</tool_call>"}],
+           "triggers": ["<tool_call>"]}  # fmt: skip
+    params = SamplingParams(structured_outputs={"structural_tag": tag})
+    state = StructuredOutputs(qwen_like, V, [EOS]).check(params).new_state()
+    ids = [*qwen_like.encode("hi", add_special_tokens=False).ids, call]
+    assert state.accept(ids) is None
+    body = qwen_like.encode('{"n":7}</tool_call>', add_special_tokens=False).ids
+    assert state.accept(body) is None  # the tag, then free text again
+    assert state.accept([call, *qwen_like.encode("x", add_special_tokens=False).ids]) == "error"
+    # Triggers written like tokens that are partly special tokens, partly not: refused.
+    mixed = {"structures": [{"begin": "<s>", "schema": GET, "end": ""},
+                            {"begin": "<fn>", "schema": GET, "end": ""}],
+             "triggers": ["<s>", "<fn>"]}  # fmt: skip
+    with pytest.raises(ValueError, match=r"structured_outputs\.structural_tag: triggers \['<s>'\]"):
+        structured.check(SamplingParams(structured_outputs={"structural_tag": mixed}))
+    bad_schema = {"structures": [{"begin": "<a", "schema": {"type": "array", "uniqueItems": True},
+                                  "end": ""}], "triggers": ["<a"]}  # fmt: skip
+    with pytest.raises(ValueError, match=r"structural_tag: .*Unimplemented keys"):
+        structured.check(SamplingParams(structured_outputs={"structural_tag": bad_schema}))

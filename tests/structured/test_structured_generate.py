@@ -186,6 +186,61 @@ def test_preemption_and_chunking_keep_each_matcher_in_step(llm):
         jsonschema.validate(json.loads(c.text), PERSON)
 
 
+FLAG = {
+    "type": "object",
+    "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}, "ok": {"type": "boolean"}},
+    "required": ["n", "ok"],
+    "additionalProperties": False,
+}
+
+
+def _tagged(text: str, trigger: str, begin: str, end: str) -> tuple[str, list]:
+    """(the text before the first trigger, the JSON value of every tag); only the last tag
+    may be cut short (by max_tokens)."""
+    decoder, values = json.JSONDecoder(), []
+    pos = text.find(trigger)
+    free = text if pos < 0 else text[:pos]
+    while pos >= 0:
+        body = pos + len(begin)
+        if not text.startswith(begin, pos):
+            assert begin.startswith(text[pos:]), text  # cut inside the begin
+            break
+        try:
+            value, stop = decoder.raw_decode(text, body)
+        except json.JSONDecodeError:
+            assert trigger not in text[body:], text  # cut inside the JSON
+            break
+        values.append(value)
+        assert text.startswith(end, stop) or end.startswith(text[stop:]), text
+        pos = text.find(trigger, stop + len(end))
+    return free, values
+
+
+def test_structural_tag_free_text_until_a_trigger_then_json_under_its_schema(llm):
+    (trigger,) = llm.get_tokenizer().encode("all", add_special_tokens=False).ids
+    tag = {"structures": [{"begin": "all=", "schema": FLAG, "end": ";"}], "triggers": ["all"]}
+    # A bias on the trigger's token: the random model writes some text, then the trigger.
+    base = dict(max_tokens=40, ignore_eos=True, logit_bias={trigger: 5.0})
+    constrained = dict(base, structured_outputs={"structural_tag": tag})
+    plain, greedy, sampled = _generate(
+        llm,
+        ["JSON:"] * 3,
+        [
+            SamplingParams(**base, **GREEDY),
+            SamplingParams(**constrained, **GREEDY),
+            SamplingParams(n=2, **constrained, **SAMPLED),
+        ],
+    )
+    for c in [*greedy, *sampled]:
+        free, values = _tagged(c.text, "all", "all=", ";")
+        assert values, c.text
+        for value in values:
+            jsonschema.validate(value, FLAG)
+    # Before the trigger nothing is masked: the same tokens as without the constraint.
+    free, _ = _tagged(greedy[0].text, "all", "all=", ";")
+    assert free and plain[0].text.startswith(free + "all")
+
+
 @pytest.mark.parametrize(
     "params, match",
     [

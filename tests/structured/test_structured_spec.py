@@ -14,7 +14,7 @@ import re
 
 import jsonschema
 import pytest
-from test_structured_generate import CODE, CONFIG, DIGITS, PERSON
+from test_structured_generate import CODE, CONFIG, DIGITS, FLAG, PERSON, _tagged
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.checkpoints_tools.testing import write_tiny_hf_checkpoint
@@ -51,6 +51,17 @@ def _grammar_params(**kw) -> list[SamplingParams]:
             so(choice=CHOICES), so(grammar=GRAMMAR)]  # fmt: skip
 
 
+TAG = {"structures": [{"begin": "all=", "schema": FLAG, "end": ";"}], "triggers": ["all"]}
+
+
+def _tag_params(tokenizer, **kw) -> SamplingParams:
+    """A structural tag, its trigger's token favoured: free text, then tags back to back
+    (repetitive: n-gram drafts run across tags and the free text between them)."""
+    (trigger,) = tokenizer.encode("all", add_special_tokens=False).ids
+    return SamplingParams(max_tokens=40, ignore_eos=True, logit_bias={trigger: 5.0},
+                          structured_outputs={"structural_tag": TAG}, **kw)  # fmt: skip
+
+
 def _token_params(tokenizer, **kw) -> list[SamplingParams]:
     """logit_bias, allowed_token_ids and a two-token bad word (with ignore_eos)."""
     seq = tokenizer.encode("France", add_special_tokens=False).ids
@@ -66,6 +77,11 @@ def _token_params(tokenizer, **kw) -> list[SamplingParams]:
 def _check_valid(params: SamplingParams, outputs) -> None:
     so = params.structured_outputs
     for c in outputs:
+        if so is not None and so.structural_tag is not None:  # cut by max_tokens: parts
+            _, values = _tagged(c.text, "all", "all=", ";")
+            assert values, c.text
+            for value in values:
+                jsonschema.validate(value, FLAG)
         if so is None or c.finish_reason != "stop":
             continue
         if so.json is not None:
@@ -93,6 +109,7 @@ def test_greedy_and_seeded_tokens_are_those_without_speculation(plain, spec, asy
     params = []
     for kw in (dict(temperature=0.0), dict(temperature=1.0, seed=7)):
         params += _grammar_params(**kw) + _token_params(tokenizer, **kw)
+        params.append(_tag_params(tokenizer, **kw))
     params.append(SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=60,
                                  structured_outputs={"json": DIGITS}))  # fmt: skip
     prompts = ["Hi", "Describe a person:", "Pick one"] * 7
@@ -131,8 +148,8 @@ def test_oracle_drafts_through_the_grammar_change_steps_not_tokens(plain, spec, 
     """Right drafts run through a grammar up to its end (the draft that would end it is cut:
     its row is the step's last); wrong ones are cut at the first token it forbids; uncut ones
     run past the end, and the run is trimmed there."""
-    prompts = [[11 + i, 12, 13, 14 + i] for i in range(6)]
-    params = _grammar_params(temperature=0.0)
+    prompts = [[11 + i, 12, 13, 14 + i] for i in range(7)]
+    params = [*_grammar_params(temperature=0.0), _tag_params(plain.get_tokenizer())]
     want = _run(plain, [{"prompt_token_ids": p} for p in prompts], params)
     reference = {tuple(p): w[0] for p, w in zip(prompts, want, strict=True)}
     core = spec.engine.core

@@ -11,7 +11,9 @@ under a fresh transfer id until its lease ends (``lease_s``) or a consumer pulls
 request's blocks are freed as usual when it finishes: what a consumer pulls is the gathered
 copy. The prefill's answer (``producer_params``) names the offer: the producer's transfer
 address, the id, the tokens offered, the KV layout's fingerprint, the last offered block's
-prefix hash and the lease's end.
+prefix hash and the lease's end. A prompt whose copy (its blocks padded to a power of two)
+alone is larger than the offers may hold at once (``max_held_offers_fraction`` of the KV cache,
+``max_offer_blocks``) is not offered: its answer promises nothing, and its decode computes it.
 
 Consumer (kv_consumer, kv_both): a request whose kv_transfer_params name an offer (its prefix
 lookup past the local caches, ``lookup``) takes fresh blocks for the offered blocks it lacks
@@ -28,7 +30,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -70,14 +72,21 @@ class TransferConnector:
     layout: fingerprint of this engine's KV layout (model, block shape, dtype, TP size);
         offers of another layout are not pulled.
     address: (host, port) of this engine's transfer server, named in a producer's answers.
+    max_offer_blocks: the most gathered blocks (padded) the runner's offers may hold at once.
     """
 
     load_async = True  # pulls run in the runner's thread only
 
     def __init__(
-        self, config: KVTransferConfig, block_size: int, layout: str, address: tuple[str, int]
+        self,
+        config: KVTransferConfig,
+        block_size: int,
+        layout: str,
+        address: tuple[str, int],
+        max_offer_blocks: int | None = None,
     ) -> None:
         self.config = config
+        self.max_offer_blocks = max_offer_blocks
         self.block_size = block_size
         self.layout = layout
         self.host, self.port = address
@@ -90,6 +99,9 @@ class TransferConnector:
         self.num_loaded_blocks = 0
         self.num_offered_blocks = 0
         self.num_offers = 0
+        self.num_too_large = 0  # prompts not offered: their copy alone exceeds the cap
+        # The runner half's counters (held offers, guarded pulls), merged into stats().
+        self._runner_stats: Callable[[], dict[str, int]] | None = None
 
     # ---- consumer -------------------------------------------------------------------------
     def lookup(
@@ -188,7 +200,7 @@ class TransferConnector:
             num_blocks = req.num_prompt_tokens // self.block_size
             if computed[rid] >= req.num_prompt_tokens or end < req.num_prompt_tokens:
                 continue  # not the step that completes its prompt
-            if num_blocks == 0:
+            if num_blocks == 0 or self._too_large(rid, num_blocks):
                 continue
             offer = Offer(rid, uuid.uuid4().int >> 65, tuple(kv.get_block_ids(rid)[:num_blocks]),
                           time.time() + self.config.lease_s)  # fmt: skip
@@ -197,6 +209,17 @@ class TransferConnector:
             self.num_offers += 1
             self.num_offered_blocks += num_blocks
         return offers
+
+    def _too_large(self, req_id: str, num_blocks: int) -> bool:
+        """Whether a copy of ``num_blocks`` blocks (padded) alone exceeds the offers' cap."""
+        padded = 1 << (num_blocks - 1).bit_length()  # as kv_transfer_copies pads it
+        if self.max_offer_blocks is None or padded <= self.max_offer_blocks:
+            return False
+        self.num_too_large += 1
+        logger.warning("KV transfer: %s's prompt is not offered: its copy of %d blocks is more "
+                       "than max_held_offers_fraction allows (%d)", req_id, padded,
+                       self.max_offer_blocks)  # fmt: skip
+        return True
 
     def _params(self, offer: Offer, req: Request) -> dict[str, Any]:
         num_blocks = len(offer.block_ids)
@@ -216,10 +239,19 @@ class TransferConnector:
         """Where the KV goes (the start-up log)."""
         return f"transfer server on {self.host}:{self.port}"
 
+    def report_runner_stats(self, stats: Callable[[], dict[str, int]]) -> None:
+        """Merge ``stats()`` (the runner half's counters: kv_transfer_worker.py) into
+        ``stats``, so they reach get_stats and /metrics the way this half's do."""
+        self._runner_stats = stats
+
     def stats(self) -> dict[str, int]:
-        return {
+        out = {
             "kv_connector_loaded_blocks": self.num_loaded_blocks,
             # A producer's blocks offered to consumers (the saves of a store's connector).
             "kv_connector_saved_blocks": self.num_offered_blocks,
             "kv_transfer_offers": self.num_offers,
+            "kv_transfer_offers_too_large": self.num_too_large,
         }
+        if self._runner_stats is not None:
+            out.update(self._runner_stats())
+        return out

@@ -1,7 +1,13 @@
 """The request fields that constrain what is sampled: OpenAI's ``response_format`` and
 ``logit_bias``, and vLLM's extra body fields ``structured_outputs``, ``allowed_token_ids`` and
 ``bad_words``, turned into SamplingParams fields (each honoured, or refused with a 400 naming
-it). Tool calls add their own constraint (tools.py) through ``structured_outputs``."""
+it). Tool calls add their own constraint (tools.py) through ``structured_outputs``.
+
+``json_schema.strict``: OpenAI promises schema adherence only with ``strict: true``; jaxserve
+(as vLLM) enforces the schema through the grammar whatever ``strict`` says: ``false`` or absent
+gets the same guarantee, which no client relying on ``false`` can be hurt by (a strict-mode
+schema rule OpenAI would refuse, e.g. a missing ``additionalProperties: false``, is not refused
+here either). ``strict`` must still be a boolean or null."""
 
 from __future__ import annotations
 
@@ -69,9 +75,12 @@ def response_format_constraint(value: Any) -> dict[str, Any] | None:
         return {"json_object": True}
     if kind == "json_schema":
         return {"json": _json_schema(value)}
+    if kind == "structural_tag":  # vLLM's; checked by StructuredOutputsParams, by name
+        return {"structural_tag": value}
     raise OpenAIError(
-        'response_format must be {"type": "text"}, {"type": "json_object"} or {"type": '
-        '"json_schema", "json_schema": {"name": ..., "schema": {...}}}, got '
+        'response_format must be {"type": "text"}, {"type": "json_object"}, {"type": '
+        '"json_schema", "json_schema": {"name": ..., "schema": {...}}} or {"type": '
+        '"structural_tag", "structures": [...], "triggers": [...]}, got '
         f"{short_repr(value)}",
         param="response_format",
     )
@@ -98,7 +107,13 @@ def _json_schema(value: dict[str, Any]) -> dict[str, Any]:
             "response_format.json_schema.name is required (a string)",
             param="response_format.json_schema.name",
         )
-    schema = spec.get("schema")
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise OpenAIError(
+            f"response_format.json_schema.strict must be a boolean, got {short_repr(strict)}",
+            param="response_format.json_schema.strict",
+        )
+    schema = spec.get("schema")  # enforced whatever strict says (module docstring)
     if not isinstance(schema, dict):
         raise OpenAIError(
             "response_format.json_schema.schema must be a JSON schema object, got "

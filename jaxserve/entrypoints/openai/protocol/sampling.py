@@ -102,7 +102,11 @@ def translate_params_errors(
     except (TypeError, ValueError) as e:
         message = str(e)
         match = re.match(r"SamplingParams\.(\w+)", message)
-        if match is None:
-            raise OpenAIError(message) from None
-        param = names.get(match.group(1), match.group(1))
+        if match is None:  # StructuredOutputsParams' own checks: the constraint's field
+            match = re.match(r"StructuredOutputsParams(?=[.:])", message)
+            if match is None:
+                raise OpenAIError(message) from None
+            param = names["structured_outputs"]
+        else:
+            param = names.get(match.group(1), match.group(1))
         raise OpenAIError(param + message[match.end() :], param=param) from None

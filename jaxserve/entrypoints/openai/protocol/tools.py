@@ -8,6 +8,10 @@ into what generation needs (vLLM's behaviour):
   ``{"name": <a tool>, "parameters": <valid under its schema>}`` (one item at most when
   parallel_tool_calls is false).
 - a named function: the output is forced to that function's arguments, valid under its schema.
+
+A function's ``strict`` (a boolean or null) changes nothing: forced calls always follow the
+schema through the grammar, "auto" calls never do (constraints.py says the same of
+``json_schema.strict``).
 """
 
 from __future__ import annotations
@@ -149,6 +153,12 @@ def _check_tools(tools: Any) -> tuple[dict[str, Any], ...]:
                 param=f"{where}.function.name",
             )
         seen.add(name)
+        strict = function.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise OpenAIError(
+                f"{where}.function.strict must be a boolean, got {short_repr(strict)}",
+                param=f"{where}.function.strict",
+            )
         parameters = function.get("parameters")
         if parameters is not None and not isinstance(parameters, dict):
             raise OpenAIError(
