@@ -100,6 +100,11 @@ def compile_devices(target: AcceleratorTarget, num_devices: int) -> list:
     # Off a Cloud TPU VM, libtpu would otherwise ask the GCE metadata server which TPU this
     # host is (and wait for it); a compile-only topology is named, not discovered.
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    # libtpu takes a lockfile so that two processes never drive one host's chips; a compile-only
+    # topology drives none, so another process holding libtpu (a second compile, a test worker
+    # beside this one) must not stop it ("Internal error when accessing libtpu multi-process
+    # lockfile").
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     topology = topologies.get_topology_desc(
         platform="tpu",
         topology_name=target.topology_name,
