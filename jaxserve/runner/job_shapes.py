@@ -72,6 +72,19 @@ class WarmupSet:
         rows = sorted({r for _, r, _ in self.shapes})
         return tuple((r, w) for r in rows for w in self.variants)
 
+    @property
+    def steps(self) -> tuple[tuple[Shape, tuple[int, int]], ...]:
+        """(shape, sampler widths) of the fused step (fused_step.py): every shape in every
+        variant."""
+        return tuple((shape, w) for shape in self.shapes for w in self.variants)
+
+    def num_step_compilations(self, fused: bool) -> int:
+        """The step's compilations this set causes from nothing (block copies included): one
+        fused program per shape and variant, or a forward per shape and a sample per row
+        bucket and variant."""
+        step = len(self.steps) if fused else len(self.shapes) + len(self.samples)
+        return step + len(self.copy_sizes)
+
 
 def needs_sampling_lists(params: SamplingParams, has_step_mask: bool) -> bool:
     """Whether a request's rows can take the sampler's list variant: a penalty, a ban

@@ -28,6 +28,7 @@ import jax
 import numpy as np
 
 from jaxserve.runner.draft_model import PROPOSE_ARGS, DraftModel
+from jaxserve.runner.fused_step import FUSED_ARGS
 from jaxserve.runner.input_batch import PreparedBatch
 from jaxserve.runner.job_shapes import Shape, WarmupSet
 from jaxserve.runner.sampling_metadata import SamplingMetadata
@@ -81,9 +82,10 @@ def warm_up(runner: ModelRunner, what: WarmupSet, workers: int) -> int:
     finally:
         for compiles in runner.all_compiles():
             compiles.finish_warmup()
-    run_once(runner, *_not_run(runner.warmed, what))
-    # Only the step's halves and the block copy have run (run_once): only they are serialized.
-    ran = (runner.forward_compiles, runner.sample_compiles, runner.copy_compiles)
+    not_run = _not_run_fused if runner.fused_compiles is not None else _not_run
+    run_once(runner, *not_run(runner.warmed, what))
+    # Only the step's programs and the block copy have run (run_once): only they are serialized.
+    ran = runner.step_compiles()
     for compiles in runner.all_compiles():
         compiles.save_ran(any(compiles is c for c in ran))
     return runner.num_compilations + runner.num_compilation_cache_hits - before
@@ -123,29 +125,23 @@ def _not_run(warmed: set, what: WarmupSet) -> tuple[list[Step], list[int]]:
     return steps, [n for _, n in copies]
 
 
+def _not_run_fused(warmed: set, what: WarmupSet) -> tuple[list[Step], list[int]]:
+    """_not_run for the fused step: every (shape, sampler widths) is an executable of its
+    own, each run once."""
+    steps = [s for s in what.steps if ("fused", *s) not in warmed]
+    copies = [n for n in what.copy_sizes if ("copy", n) not in warmed]
+    warmed.update([("fused", *s) for s in steps] + [("copy", n) for n in copies])
+    return steps, copies
+
+
 def compilations(runner: ModelRunner, what: WarmupSet) -> list[Compilation]:
     """The compilations warm-up runs: the forward half for each shape of ``what`` (in its
     order: the smallest T first), the sample half for each of its (R, sampler variant), the
     block copy for each of its sizes, the host KV tier's copies and a draft model's
-    functions."""
-    jobs = [
-        Compilation(
-            runner.forward_compiles,
-            runner.jitted_forward,
-            (runner.params, runner.kv_caches, *padding_forward_inputs(runner, t, r, b)),
-            FORWARD_ARGS,
-        )
-        for t, r, b in what.shapes
-    ]
-    jobs += [
-        Compilation(
-            runner.sample_compiles,
-            runner.jitted_sample,
-            padding_sample_inputs(runner, r, widths),
-            SAMPLE_ARGS,
-        )
-        for r, widths in what.samples
-    ]
+    functions. With the plan's fused step, the fused program for each shape and sampler
+    variant instead of the two halves."""
+    fused = runner.fused_compiles is not None
+    jobs = (_fused_compilations if fused else _split_compilations)(runner, what)
     jobs += _copy_compilations(runner.copy_compiles, runner.jitted_copy, runner.kv_caches,
                                what.copy_sizes)  # fmt: skip
     if runner.kv_offload is not None:
@@ -154,6 +150,42 @@ def compilations(runner: ModelRunner, what: WarmupSet) -> list[Compilation]:
         jobs += runner.kv_connector.staging.compilations(runner.kv_caches)
     if runner.draft is not None:
         jobs += _draft_compilations(runner)
+    return jobs
+
+
+def _split_compilations(runner: ModelRunner, what: WarmupSet) -> list[Compilation]:
+    """The forward half at each shape of ``what``, the sample half at each (R, widths)."""
+    forwards = [
+        Compilation(
+            runner.forward_compiles,
+            runner.jitted_forward,
+            (runner.params, runner.kv_caches, *padding_forward_inputs(runner, t, r, b)),
+            FORWARD_ARGS,
+        )
+        for t, r, b in what.shapes
+    ]
+    return forwards + [
+        Compilation(
+            runner.sample_compiles,
+            runner.jitted_sample,
+            padding_sample_inputs(runner, r, widths),
+            SAMPLE_ARGS,
+        )
+        for r, widths in what.samples
+    ]
+
+
+def _fused_compilations(runner: ModelRunner, what: WarmupSet) -> list[Compilation]:
+    """The fused step at each (shape, sampler widths) of ``what`` (the smallest T first)."""
+    jobs = []
+    for (t, r, b), widths in what.steps:
+        forward = padding_forward_inputs(runner, t, r, b)
+        *_, draft_ids, sampling_md, last_sampled, sample_slot, draft_q = padding_sample_inputs(
+            runner, r, widths
+        )
+        args = (runner.params, runner.kv_caches, *forward, draft_ids, sampling_md, last_sampled,
+                sample_slot, draft_q)  # fmt: skip
+        jobs.append(Compilation(runner.fused_compiles, runner.jitted_fused, args, FUSED_ARGS))
     return jobs
 
 
