@@ -57,6 +57,10 @@ logger = logging.getLogger("jaxserve")
 # host's per-step work (scheduling, inputs, outputs) otherwise leaves the device idle between
 # steps; on the CPU the "device" is the same cores the host work runs on (docs/benchmarks.md).
 ASYNC_SCHEDULING = {"cpu": True, "gpu": True, "tpu": True}
+# When async scheduling runs a step ahead, where the config leaves it to the plan: always, or as
+# measured (engine/run_ahead.py: on the CPU the overlap competes with the step for the cores;
+# the 57M model at 256 decodes lost 2-3% running ahead, the demo model gained 1.1-1.5x).
+RUN_AHEAD = {"cpu": "measured", "gpu": "always", "tpu": "always"}
 
 # The step's two halves fused into one jitted program, by platform (fused_step.py): on the CPU a
 # second launch and the logits' round trip through memory cost 8-43% of a small model's step;
@@ -94,6 +98,8 @@ class ExecutionPlan:
     # Schedule the next step while the device runs this one (the config's, or by platform:
     # ASYNC_SCHEDULING).
     async_scheduling: bool = False
+    # With async scheduling: run ahead "always", or when "measured" faster (RUN_AHEAD).
+    run_ahead: str = "always"
     # The step as one jitted program per (T, R, B, sampler variant) instead of a forward per
     # (T, R, B) and a sample per (R, sampler variant) (FUSED_STEP).
     fused_step: bool = False
@@ -113,7 +119,8 @@ class ExecutionPlan:
             f"platform={self.platform} ({chip}), attention={self.attention.name}{mode}, "
             f"sampler_draw={self.sampler_draw}, dtype={self.dtype}, "
             f"kv_cache_dtype={self.kv_cache_dtype}, tensor_parallel_size="
-            f"{self.tensor_parallel_size}, async_scheduling={self.async_scheduling}, "
+            f"{self.tensor_parallel_size}, async_scheduling={self.async_scheduling} (run ahead: "
+            f"{self.run_ahead}), "
             f"fused_step={self.fused_step}"
         )
 
@@ -197,6 +204,7 @@ def make_plan(
         attention_checked=machine.attached,
         max_executables=map_budget.max_executables() if on_cpu else None,
         async_scheduling=_async_scheduling(config.scheduler.async_scheduling, platform),
+        run_ahead=_run_ahead(config.scheduler.async_scheduling, platform),
         fused_step=fused_step(platform),
     )
 
@@ -204,6 +212,12 @@ def make_plan(
 def _async_scheduling(requested: bool | None, platform: str) -> bool:
     """The config's choice, else the platform's (ASYNC_SCHEDULING)."""
     return ASYNC_SCHEDULING[platform] if requested is None else requested
+
+
+def _run_ahead(requested: bool | None, platform: str) -> str:
+    """ "always" when the config chose async scheduling itself, else the platform's
+    (RUN_AHEAD)."""
+    return RUN_AHEAD[platform] if requested is None else "always"
 
 
 def fused_step(platform: str) -> bool:
