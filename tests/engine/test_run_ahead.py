@@ -64,3 +64,10 @@ def test_probe_interval_spends_the_budget():
     assert probe_interval(1.0) == MIN_PROBE_INTERVAL
     assert probe_interval(1.6, budget=0.01) == RUN_STEPS * 60
     assert probe_interval(100.0) == MAX_PROBE_INTERVAL
+
+
+def test_sync_must_be_faster_by_the_margin():
+    policy = RunAheadPolicy()
+    decisions = _drive(policy, 1000, {"ahead": 0.0100, "sync": 0.00995})  # 0.5%: < the margin
+    assert policy.stats()["async_policy_best_arm"] == {16: "ahead"}
+    assert sum(decisions[200:]) / 800 > 0.85
