@@ -18,6 +18,7 @@ import numpy as np
 from jaxserve.runner.draft_model import DraftModel
 from jaxserve.runner.fused_step import StagedForward
 from jaxserve.runner.input_batch import PreparedBatch
+from jaxserve.runner.job_shapes import fused_shape
 from jaxserve.runner.sampling_metadata import SamplingMetadata
 from jaxserve.runner.step import attention_metadata
 from jaxserve.runner.step_trace import StepTrace
@@ -50,10 +51,12 @@ class StepCalls:
     ) -> tuple[Any, Any, Any, Any] | StagedForward:
         """The forward half on a prepared batch: (logits, prompt logprobs, pending outputs,
         the draft model's DraftQ or None), on device; the KV pages are the forward's now.
-        With the plan's fused step, nothing runs yet: a StagedForward for run_sample."""
+        With the plan's fused step and a shape it fuses (job_shapes.fused_shape), nothing runs
+        yet: a StagedForward for run_sample."""
         if prompt_targets is None:
             prompt_targets = np.full(batch.input_ids.shape, -1, np.int32)
-        if self.fused_compiles is not None:
+        shape = (len(batch.input_ids), *batch.block_tables.shape)  # (T, R, B)
+        if self.fused_compiles is not None and fused_shape(shape):
             return StagedForward(prompt_targets)
         args, draft_q = self._forward_args(batch, prompt_targets)
         start = time.perf_counter()

@@ -126,22 +126,27 @@ def _not_run(warmed: set, what: WarmupSet) -> tuple[list[Step], list[int]]:
 
 
 def _not_run_fused(warmed: set, what: WarmupSet) -> tuple[list[Step], list[int]]:
-    """_not_run for the fused step: every (shape, sampler widths) is an executable of its
-    own, each run once."""
-    steps = [s for s in what.steps if ("fused", *s) not in warmed]
-    copies = [n for n in what.copy_sizes if ("copy", n) not in warmed]
-    warmed.update([("fused", *s) for s in steps] + [("copy", n) for n in copies])
-    return steps, copies
+    """_not_run with the plan's fused step: each (shape, sampler widths) of the fused shapes
+    (job_shapes.fused_shape) is an executable of its own, run once; the other shapes as
+    _not_run runs them."""
+    together, apart = what.parts()
+    steps = [s for s in together.steps if ("fused", *s) not in warmed]
+    warmed.update(("fused", *s) for s in steps)
+    split, copies = _not_run(warmed, apart)
+    return steps + split, copies
 
 
 def compilations(runner: ModelRunner, what: WarmupSet) -> list[Compilation]:
     """The compilations warm-up runs: the forward half for each shape of ``what`` (in its
     order: the smallest T first), the sample half for each of its (R, sampler variant), the
     block copy for each of its sizes, the host KV tier's copies and a draft model's
-    functions. With the plan's fused step, the fused program for each shape and sampler
-    variant instead of the two halves."""
-    fused = runner.fused_compiles is not None
-    jobs = (_fused_compilations if fused else _split_compilations)(runner, what)
+    functions. With the plan's fused step, the fused program for each sampler variant of
+    each shape job_shapes.fused_shape takes, instead of its two halves."""
+    if runner.fused_compiles is not None:  # the fused shapes' programs, the others' halves
+        together, apart = what.parts()
+        jobs = _fused_compilations(runner, together) + _split_compilations(runner, apart)
+    else:
+        jobs = _split_compilations(runner, what)
     jobs += _copy_compilations(runner.copy_compiles, runner.jitted_copy, runner.kv_caches,
                                what.copy_sizes)  # fmt: skip
     if runner.kv_offload is not None:

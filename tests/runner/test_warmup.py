@@ -80,10 +80,15 @@ def test_warmup_runs_each_step_once_writing_only_the_null_block(monkeypatch):
     assert {(len(b.input_ids), *b.block_tables.shape) for b in ran} == set(shapes)
     assert set(widths) == {(r, *w) for r, w in samples}
     copies = {("copy", n) for n in runner.copy_sizes}
-    if runner.plan.fused_step:
-        steps = runner.warmup_set().steps
-        assert len(ran) == len(steps)
-        assert runner.warmed == {("fused", *s) for s in steps} | copies
+    if runner.plan.fused_step:  # the fused shapes' programs, the others' halves
+        together, apart = runner.warmup_set().parts()
+        assert together.shapes and apart.shapes
+        assert runner.warmed == (
+            {("fused", *s) for s in together.steps}
+            | {("forward", s) for s in apart.shapes}
+            | {("sample", r, w) for r, w in apart.samples}
+            | copies
+        )
     else:
         assert len(ran) <= len(shapes) + len(samples) - len({r for _, r, _ in shapes})
         assert runner.warmed == (
