@@ -1,22 +1,26 @@
 """The engine step as one jitted program, forward and sample fused: the CPU's step
 (ExecutionPlan.fused_step).
 
-    fused(FUSED_ARGS)   per (T, R, B, sampler variant): step.py's forward half, then its
-                        sample half, in one executable; KV pages donated
+    fused(FUSED_ARGS)   per (T, R, B, sampler variant) of the shapes job_shapes.fused_shape
+                        takes (T == R <= 64: the decode buckets): step.py's forward half, then
+                        its sample half, in one executable; KV pages donated
 
 On an accelerator the step's two halves (step.py) cost nothing extra: each launch is
 asynchronous and hides behind the device's work, the logits stay in device memory between
 them, and the split lets the host build the sample half's token masks while the forward runs.
 On the CPU the "device" is the host's own cores: a second executable launch, with its argument
 handling, and the logits written out and read back cost 0.15-0.45 ms a step, 8-43% of the
-small models' 1-3 ms steps (docs/benchmarks.md). So the CPU's plan fuses the halves: the
-runner's forward half only stages the step (ModelRunner.run_forward returns a StagedForward)
+small models' 1-3 ms steps (docs/benchmarks.md). So the CPU's plan fuses the halves of its
+short steps: the runner's forward half only stages the step (ModelRunner.run_forward returns a StagedForward)
 and its sample half runs this program, token masks included (built before the call: there is
 no forward to overlap them with). EngineCore does not know the difference.
 
 The fused program is the composition of step.py's ``forward_fn`` and ``sample_fn``, so its
 tokens are the split step's (tests/runner/test_fused_step.py); it compiles once per sampler
-variant of each (T, R, B) where the split step compiles the model once per (T, R, B).
+variant of each (T, R, B) where the split step compiles the model once per (T, R, B). Only the
+decode-shaped buckets fuse: their row bucket is theirs alone, so a job's warm-up compiles the
+sampler as often as split; fusing every shape compiled the sampler once per shape, and made
+README's first command 1.4x slower to start (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@
                             RoPE rows; accelerators compute RoPE on device
     tensor parallelism      the mesh; attention runs per device inside shard_map
     step programs           the step's forward and sample halves as two jitted programs
-                            (accelerators), or fused into one (the CPU: fused_step.py);
+                            (accelerators), or fused into one for the decode buckets (the
+                            CPU: fused_step.py);
                             JAXSERVE_FUSED_STEP=0 / 1 overrides (tests, benchmarks)
     warm-up threads         compilations at once: 1 on the CPU (XLA's CPU compiler already
                             spreads one compilation over the cores: two at once measured no
@@ -62,9 +63,10 @@ ASYNC_SCHEDULING = {"cpu": True, "gpu": True, "tpu": True}
 # the 57M model at 256 decodes lost 2-3% running ahead, the demo model gained 1.1-1.5x).
 RUN_AHEAD = {"cpu": "measured", "gpu": "always", "tpu": "always"}
 
-# The step's two halves fused into one jitted program, by platform (fused_step.py): on the CPU a
-# second launch and the logits' round trip through memory cost 8-43% of a small model's step;
-# an accelerator launches asynchronously, and the split lets the token masks overlap the forward.
+# The step's two halves fused into one jitted program for its decode-shaped buckets
+# (fused_step.py, job_shapes.fused_shape), by platform: on the CPU a second launch and the
+# logits' round trip through memory cost 8-43% of a small model's step; an accelerator
+# launches asynchronously, and the split lets the token masks overlap the forward.
 FUSED_STEP = {"cpu": True, "gpu": False, "tpu": False}
 FUSED_STEP_ENV = "JAXSERVE_FUSED_STEP"  # "1" / "0": fused / split whatever the platform
 
