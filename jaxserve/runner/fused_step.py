@@ -11,9 +11,9 @@ them, and the split lets the host build the sample half's token masks while the 
 On the CPU the "device" is the host's own cores: a second executable launch, with its argument
 handling, and the logits written out and read back cost 0.15-0.45 ms a step, 8-43% of the
 small models' 1-3 ms steps (docs/benchmarks.md). So the CPU's plan fuses the halves of its
-short steps: the runner's forward half only stages the step (ModelRunner.run_forward returns a StagedForward)
-and its sample half runs this program, token masks included (built before the call: there is
-no forward to overlap them with). EngineCore does not know the difference.
+short steps: the runner's forward half only stages the step (ModelRunner.run_forward returns
+a StagedForward) and its sample half runs this program, token masks included (built before
+the call: there is no forward to overlap them with). EngineCore does not know the difference.
 
 The fused program is the composition of step.py's ``forward_fn`` and ``sample_fn``, so its
 tokens are the split step's (tests/runner/test_fused_step.py); it compiles once per sampler
