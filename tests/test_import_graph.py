@@ -42,6 +42,7 @@ HOST_MODULES = [
     "jaxserve.kv_transfer_config",
     "jaxserve.speculative_config",
     "jaxserve.spec_decode",
+    "jaxserve.engine.run_ahead",
     "jaxserve.sampling_constraints",
     "jaxserve.structural_tag",
     "jaxserve.structured.manager",

@@ -16,6 +16,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.host_block_pool import HostTier
 from jaxserve.core.sched.output import SchedulerOutput
 from jaxserve.core.sched.scheduler import Scheduler
+from jaxserve.engine.run_ahead import RunAheadPolicy
 from jaxserve.engine.runner_protocol import Runner
 from jaxserve.outputs import EngineCoreOutput, ModelRunnerOutput
 from jaxserve.request import Request, RequestStatus
@@ -55,6 +56,8 @@ class EngineCore:
         runner: executes SchedulerOutputs (a ModelRunner).
         num_kv_blocks: pages in the runner's pool, null block included.
         host_tier: the runner's host KV tier, or None.
+        run_ahead: with async scheduling, the policy that decides step by step whether to
+            run ahead (run_ahead.py: the CPU's plan); None: always.
     """
 
     def __init__(
@@ -63,6 +66,7 @@ class EngineCore:
         runner: Runner,
         num_kv_blocks: int,
         host_tier: HostTier | None = None,
+        run_ahead: RunAheadPolicy | None = None,
     ) -> None:
         self.config = config
         self.runner = runner
@@ -81,6 +85,8 @@ class EngineCore:
         # was learned.
         self._in_flight: _Dispatched | None = None
         self._learned_at = 0.0
+        self.run_ahead_policy = run_ahead
+        self._learned_decodes = False  # the last step learned was all one-token decodes
         # Ids of the requests with constraints queued so far, less those gone (pruned each
         # step): an engine without any pays nothing per step for structured outputs.
         self._constrained: set[str] = set()
@@ -112,8 +118,19 @@ class EngineCore:
         and runs while the caller processes the outputs. A step ahead whose constrained
         requests need the learned tokens for their masks runs its forward half meanwhile; its
         sample half follows the learning (the masks built while the forward runs)."""
-        if not self.async_scheduling:
-            return self._finish(self._dispatch())
+        policy = self.run_ahead_policy
+        if not self.async_scheduling or policy is None:
+            return self._step(self.async_scheduling)
+        outputs = self._step(policy.run_ahead(len(self.scheduler.running)))
+        policy.observe(sum(len(o.new_token_ids) for o in outputs), self._learned_decodes)
+        return outputs
+
+    def _step(self, run_ahead: bool) -> list[EngineCoreOutput]:
+        """step's work: with ``run_ahead``, async scheduling's; else a synchronous step (or,
+        when the policy just turned run-ahead off, only the step in flight learned)."""
+        if not run_ahead:
+            prev, self._in_flight = self._in_flight, None
+            return self._finish(prev if prev is not None else self._dispatch())
         prev, self._in_flight = self._in_flight, None
         if prev is None:
             prev = self._dispatch()
@@ -184,6 +201,8 @@ class EngineCore:
         seconds = t1 - max(step.dispatched_at, self._learned_at)
         self._learned_at = t1
         self.scheduler.observe_step(step.so.total_num_scheduled_tokens, seconds)
+        num_scheduled = step.so.num_scheduled_tokens
+        self._learned_decodes = step.so.total_num_scheduled_tokens == len(num_scheduled) > 0
         outputs = self._update(step.so, runner_output, step.dead_ends)
         if self.spec is not None:
             self._speculate(outputs, step.scheduled_at, step.so)
@@ -309,8 +328,8 @@ class EngineCore:
         self, *, enable_prefix_caching: bool | None = None, async_scheduling: bool | None = None
     ) -> None:
         """A fresh scheduler (empty pool and prefix cache, zeroed counters), optionally with
-        prefix caching or async scheduling switched; benchmarks run several workloads on one
-        compiled engine.
+        prefix caching or async scheduling switched (then without a run-ahead policy: always
+        ahead when on); benchmarks run several workloads on one compiled engine.
 
         Raises:
             RuntimeError: requests are unfinished, or the runner still holds rows.
@@ -325,8 +344,9 @@ class EngineCore:
         if enable_prefix_caching is not None:
             cache = dataclasses.replace(cache, enable_prefix_caching=enable_prefix_caching)
         scheduler = self.config.scheduler
-        if async_scheduling is not None:
+        if async_scheduling is not None:  # chosen, as in the config: no policy (always)
             scheduler = dataclasses.replace(scheduler, async_scheduling=async_scheduling)
+            self.run_ahead_policy = None
         self.config = dataclasses.replace(self.config, cache=cache, scheduler=scheduler)
         self.scheduler = self._new_scheduler(self.config)
 
@@ -360,4 +380,6 @@ class EngineCore:
         stats["recompilations"] = self.runner.recompilations
         if self.spec is not None:
             stats.update(self.spec.stats())
+        if self.run_ahead_policy is not None:
+            stats.update(self.run_ahead_policy.stats())
         return stats

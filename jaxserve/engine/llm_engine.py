@@ -39,6 +39,7 @@ from jaxserve.engine.core import EngineCore
 from jaxserve.engine.interrupts import defer_sigint
 from jaxserve.engine.prompts import PromptProcessor, PromptType
 from jaxserve.engine.request_state import RequestState
+from jaxserve.engine.run_ahead import RunAheadPolicy
 from jaxserve.kv_transfer_config import check_params_for
 from jaxserve.outputs import RequestOutput
 from jaxserve.request import Request, RequestStatus
@@ -87,7 +88,8 @@ class LLMEngine:
             self.config.model.max_model_len,
             self.config.model.model,
         )
-        self.core = EngineCore(self.config, runner, info.num_kv_blocks, info.host_tier)
+        policy = RunAheadPolicy() if info.plan.run_ahead == "measured" else None
+        self.core = EngineCore(self.config, runner, info.num_kv_blocks, info.host_tier, policy)
         self.structured = StructuredOutputs(self.tokenizer, info.vocab_size, info.eos_token_ids)
         self._states: dict[str, RequestState] = {}  # user request id -> state
         self._child_of: dict[str, tuple[str, int]] = {}  # scheduler id -> (user id, index)

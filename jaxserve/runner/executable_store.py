@@ -307,7 +307,7 @@ def use_executable_store(
     if store is not None:
         if runner.sharding is not None:
             store.place_on(runner.sharding.mesh.devices.flat)
-        for compiles in (runner.forward_compiles, runner.sample_compiles, runner.copy_compiles):
+        for compiles in runner.step_compiles():
             compiles.use_store(store)
 
 

@@ -42,10 +42,11 @@ class ForwardStep:
     sampling_md: Any = None  # SamplingMetadata of numpy arrays
     mask_rows: dict[str, int] = dataclasses.field(default_factory=dict)  # req_id -> its row
     # ModelRunner.run_forward's: (logits f32[R, V], prompt logprobs, pending outputs i32[R],
-    # the draft model's DraftQ or None), on device
-    forward: tuple = ()
+    # the draft model's DraftQ or None), on device; with the fused step a StagedForward
+    forward: Any = ()
     trace: Any = None  # StepTrace, when traced
     kv_loads: dict = dataclasses.field(default_factory=dict)  # InFlightStep.kv_loads
+    save_kv: Any = None  # the KV connector's blocks to save once the step is dispatched
 
     def write_masks(self, token_masks: dict[str, np.ndarray]) -> None:
         """Each mask (req_id -> u32[M]) into its request's sampling row; a request of

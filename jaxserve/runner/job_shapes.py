@@ -72,6 +72,42 @@ class WarmupSet:
         rows = sorted({r for _, r, _ in self.shapes})
         return tuple((r, w) for r in rows for w in self.variants)
 
+    @property
+    def steps(self) -> tuple[tuple[Shape, tuple[int, int]], ...]:
+        """(shape, sampler widths) of the fused step (fused_step.py): every shape in every
+        variant."""
+        return tuple((shape, w) for shape in self.shapes for w in self.variants)
+
+    def parts(self) -> tuple[WarmupSet, WarmupSet]:
+        """(the shapes the CPU's plan runs fused, fused_shape; the others, split), each with
+        the variants, the block copies with the second."""
+        fused = tuple(s for s in self.shapes if fused_shape(s))
+        split = tuple(s for s in self.shapes if not fused_shape(s))
+        return WarmupSet(fused, self.variants, ()), WarmupSet(split, self.variants, self.copy_sizes)
+
+    def num_step_compilations(self, fused: bool) -> int:
+        """The step's compilations this set causes from nothing (block copies included): a
+        forward per shape and a sample per row bucket and variant; with the plan's fused step,
+        one fused program per variant of each fused_shape instead."""
+        if not fused:
+            return len(self.shapes) + len(self.samples) + len(self.copy_sizes)
+        together, apart = self.parts()
+        return len(together.steps) + apart.num_step_compilations(False)
+
+
+# The largest token bucket the plan's fused step runs fused (fused_shape).
+FUSED_MAX_TOKENS = 64
+
+
+def fused_shape(shape: Shape) -> bool:
+    """Whether the plan's fused step (fused_step.py) runs a (T, R, B) shape as one program:
+    the shapes of at most FUSED_MAX_TOKENS tokens with a logits row per token (T == R: the
+    decode buckets and the smallest prefills), whose steps are short enough for a second
+    launch to weigh (0.2-0.6 ms on the CPU) and whose row bucket is theirs alone, so a job's
+    warm-up compiles the sampler as often as split. The others run split: the sampler
+    compiles once per row bucket there, not once per shape."""
+    return shape[0] == shape[1] <= FUSED_MAX_TOKENS
+
 
 def needs_sampling_lists(params: SamplingParams, has_step_mask: bool) -> bool:
     """Whether a request's rows can take the sampler's list variant: a penalty, a ban

@@ -8,7 +8,9 @@
     collect(in_flight_step)
         -> ModelRunnerOutput              only the sampled ids (and logprobs) come back
 
-``dispatch`` is both halves (the SchedulerOutput's masks). The next step may be dispatched
+``dispatch`` is both halves (the SchedulerOutput's masks). Where the plan fuses the halves (the
+CPU: fused_step.py), ``dispatch_forward`` only stages the step and ``dispatch_sample`` runs
+the one fused program; the calls and their order are the same. The next step may be dispatched
 before this one is collected (async scheduling: its placeholder inputs read this step's samples
 on device, token_feed.py), and the step before may be collected between a step's two halves
 (its tokens advance the grammar matchers whose masks the sample half takes: EngineCore).
@@ -36,8 +38,9 @@ from jaxserve.models import CausalLM
 from jaxserve.outputs import ModelRunnerOutput
 from jaxserve.runner.buckets import BucketSpec
 from jaxserve.runner.draft_model import DraftModel, DraftSpec
+from jaxserve.runner.fused_step import FUSED_ARGS, jit_fused
 from jaxserve.runner.in_flight import ForwardStep, InFlightStep, collect
-from jaxserve.runner.input_batch import InputBatch, PreparedBatch
+from jaxserve.runner.input_batch import InputBatch
 from jaxserve.runner.job_shapes import WarmupSet
 from jaxserve.runner.kv_cache import KVAllocator, allocate_kv_caches, pages_usable
 from jaxserve.runner.kv_connector_worker import KVConnectorWorker
@@ -45,26 +48,26 @@ from jaxserve.runner.kv_offload import KVOffloader
 from jaxserve.runner.map_budget import max_step_shapes
 from jaxserve.runner.plan import ExecutionPlan
 from jaxserve.runner.prompt_logprobs import PromptLogprobs
-from jaxserve.runner.sampling_metadata import SamplingInputs, SamplingMetadata
+from jaxserve.runner.sampling_metadata import SamplingInputs
 from jaxserve.runner.sharding import ShardingPlan
 from jaxserve.runner.step import (
     COPY_ARGS,
     FORWARD_ARGS,
     SAMPLE_ARGS,
-    attention_metadata,
     jit_copy,
     jit_forward,
     jit_sample,
     padded_copies,
 )
+from jaxserve.runner.step_calls import StepCalls
 from jaxserve.runner.step_compiles import StepCompiles
 from jaxserve.runner.step_inputs import prepare_step, update_states
 from jaxserve.runner.step_trace import StepTrace
-from jaxserve.runner.token_feed import TokenFeed, initial_last_sampled
+from jaxserve.runner.token_feed import initial_last_sampled
 from jaxserve.runner.warmup import warm_up
 
 
-class ModelRunner:
+class ModelRunner(StepCalls):
     """Owns the device state (params, KV pages) and the host mirrors of the batch.
 
     Args:
@@ -148,14 +151,21 @@ class ModelRunner:
         StepCompiles. They hold the model, never the runner: nothing of the runner is in a
         reference cycle, so dropping the last LLM frees its device memory at once."""
         draft = self.draft
+        drafting = () if draft is None else (draft.model, draft.sharding)
         self.forward_compiles = fwd = StepCompiles("the engine step's forward", fixed_args=2)
-        self.jitted_forward = forward = jit_forward(
-            self.model, self.sharding, *(() if draft is None else (draft.model, draft.sharding))
-        )
+        self.jitted_forward = forward = jit_forward(self.model, self.sharding, *drafting)
         self._forward = lambda *args: fwd(forward, args, FORWARD_ARGS)
         self.sample_compiles = smp = StepCompiles("the engine step's sample")
         self.jitted_sample = sample = jit_sample(self.plan.sampler_draw, self.sharding)
         self._sample = lambda *args: smp(sample, args, SAMPLE_ARGS)
+        # The plan's fused step (fused_step.py): one program instead of the two halves.
+        self.fused_compiles = None
+        if self.plan.fused_step:
+            self.fused_compiles = fused = StepCompiles("the engine step", fixed_args=2)
+            self.jitted_fused = step = jit_fused(
+                self.model, self.sharding, self.plan.sampler_draw, *drafting
+            )
+            self._fused = lambda *args: fused(step, args, FUSED_ARGS)
         self.copy_compiles = copies = StepCompiles("the copy-on-write block copy", fixed_args=1)
         self.jitted_copy = copy = jit_copy(self.sharding, self.model.arch.num_layers)
         self._copy = lambda *args: copies(copy, args, COPY_ARGS)
@@ -213,7 +223,15 @@ class ModelRunner:
         copies = (self.kv_offload, self.kv_connector and self.kv_connector.staging)
         offload = [c.compiles for c in copies if c is not None]
         draft = [self.draft.compiles, self.draft.copy_compiles] if self.draft is not None else []
-        return [self.forward_compiles, self.sample_compiles, self.copy_compiles, *offload, *draft]
+        return [*self.step_compiles(), *offload, *draft]
+
+    def step_compiles(self) -> list[StepCompiles]:
+        """The counters of the step's programs (its halves, or the fused step) and the block
+        copy: what warm-up runs, and what the executable store serves."""
+        steps = [self.forward_compiles, self.sample_compiles]
+        if self.fused_compiles is not None:
+            steps.append(self.fused_compiles)
+        return [*steps, self.copy_compiles]
 
     def reset(self) -> bool:
         """Forget every request: the recovery of an engine step that raised part-way. The host
@@ -306,11 +324,8 @@ class ModelRunner:
         if trace is not None:
             trace.record_batch(batch, sampling_md.temperature, time.perf_counter() - start)
         forward = self.run_forward(batch, targets, trace)
-        if connector is not None and connector.after_forward:
-            # The blocks this forward completes (the gather waits for it: a producer's step
-            # that saves does not overlap the next one's scheduling).
-            self.kv_caches = self.kv_connector.save(self.kv_caches, connector)
-        return ForwardStep(batch, sampling_md, mask_rows, forward, trace, kv_loads)
+        save = connector if connector is not None and connector.after_forward else None
+        return ForwardStep(batch, sampling_md, mask_rows, forward, trace, kv_loads, save)
 
     def dispatch_sample(
         self, fwd: ForwardStep, token_masks: dict[str, np.ndarray] | None = None
@@ -321,73 +336,16 @@ class ModelRunner:
         if batch is None:
             return InFlightStep(kv_loads=fwd.kv_loads)
         fwd.write_masks(token_masks or {})
-        out, num_emitted = self.run_sample(batch, fwd.forward, fwd.sampling_md, fwd.trace)
+        out, num_emitted, plp = self.run_sample(batch, fwd.forward, fwd.sampling_md, fwd.trace)
+        if fwd.save_kv is not None:
+            # The blocks this step completes (the gather waits for it: a producer's step that
+            # saves does not overlap the next one's scheduling).
+            self.kv_caches = self.kv_connector.save(self.kv_caches, fwd.save_kv)
         self.input_batch.num_pending[batch.slots[batch.sampling_rows]] += 1
-        return InFlightStep(batch, out, fwd.forward[1], num_emitted, fwd.kv_loads)
+        return InFlightStep(batch, out, plp, num_emitted, fwd.kv_loads)
 
     def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Copy-on-write: KV pages src[i] -> dst[i], in place (a padded count: copy_sizes)."""
         self.kv_caches = self._copy(self.kv_caches, src, dst)
         if self.draft is not None:
             self.draft.copy_blocks(src, dst)
-
-    def run_prepared(
-        self,
-        batch: PreparedBatch,
-        sampling_md: SamplingMetadata,
-        prompt_targets: np.ndarray | None = None,  # i32[T]; None: no prompt logprobs
-        trace: StepTrace | None = None,
-    ) -> tuple[Any, Any, Any]:
-        """Run both jitted halves on a prepared batch (its KV writes land in the pages);
-        warm-up and benchmarks call it with synthetic batches of a bucket's shape. Returns
-        the sampler's output, the prompt logprobs and the tokens each request's logits rows
-        emit (rejection_sampler.py), on device."""
-        forward = self.run_forward(batch, prompt_targets, trace)
-        out, num_emitted = self.run_sample(batch, forward, sampling_md, trace)
-        return out, forward[1], num_emitted
-
-    def run_forward(
-        self,
-        batch: PreparedBatch,
-        prompt_targets: np.ndarray | None = None,  # i32[T]; None: no prompt logprobs
-        trace: StepTrace | None = None,
-    ) -> tuple[Any, Any, Any, Any]:
-        """The forward half on a prepared batch: (logits, prompt logprobs, pending outputs,
-        the draft model's DraftQ or None), on device; the KV pages are the forward's now."""
-        if prompt_targets is None:
-            prompt_targets = np.full(batch.input_ids.shape, -1, np.int32)
-        draft, rows = self.draft, len(batch.draft_ids)
-        q_rows = None if draft is None else draft.q_rows_of(batch.req_ids, batch.num_drafts, rows)
-        draft_params, draft_kv, draft_q = DraftModel.step_args(draft, q_rows)
-        start = time.perf_counter()
-        self.kv_caches, logits, plp, pending, draft_kv = self._forward(
-            self.params,
-            self.kv_caches,
-            batch.input_ids,
-            attention_metadata(batch, self.rope_tables, self.kv_scales),
-            batch.logits_indices,
-            prompt_targets,
-            TokenFeed(self.last_sampled, batch.from_slot),
-            draft_params,
-            draft_kv,
-        )
-        if draft is not None:
-            draft.took_step(draft_kv)
-        if trace is not None:
-            trace.record_dispatch(start, time.perf_counter() - start)
-        return logits, plp, pending, draft_q
-
-    def run_sample(
-        self, batch: PreparedBatch, forward: tuple, sampling_md: SamplingMetadata, trace=None
-    ) -> tuple[Any, Any]:
-        """The sample half after ``forward`` (run_forward's result): (sampler output, tokens
-        emitted per segment), on device; its samples are recorded for the next step."""
-        logits, _, pending, draft_q = forward
-        start = time.perf_counter()
-        out, num_emitted, self.last_sampled = self._sample(
-            logits, pending, batch.draft_ids, sampling_md, self.last_sampled,
-            batch.sample_slot, draft_q,
-        )  # fmt: skip
-        if trace is not None:
-            trace.add_dispatch(time.perf_counter() - start)
-        return out, num_emitted

@@ -12,6 +12,10 @@
     buckets, RoPE rows      the CPU's extra token buckets (1 and 3 * 2^k) and host-gathered
                             RoPE rows; accelerators compute RoPE on device
     tensor parallelism      the mesh; attention runs per device inside shard_map
+    step programs           the step's forward and sample halves as two jitted programs
+                            (accelerators), or fused into one for the decode buckets (the
+                            CPU: fused_step.py);
+                            JAXSERVE_FUSED_STEP=0 / 1 overrides (tests, benchmarks)
     warm-up threads         compilations at once: 1 on the CPU (XLA's CPU compiler already
                             spreads one compilation over the cores: two at once measured no
                             faster on 2 cores), up to 4 on accelerators (host-side compiles)
@@ -50,12 +54,23 @@ from jaxserve.runner.machine import Machine
 
 logger = logging.getLogger("jaxserve")
 
-# Largest |kernel - reference| accepted by the self-check, per dtype (outputs are O(1)).
 # Async scheduling by platform, when the config leaves it to the plan. On an accelerator the
 # host's per-step work (scheduling, inputs, outputs) otherwise leaves the device idle between
 # steps; on the CPU the "device" is the same cores the host work runs on (docs/benchmarks.md).
 ASYNC_SCHEDULING = {"cpu": True, "gpu": True, "tpu": True}
+# When async scheduling runs a step ahead, where the config leaves it to the plan: always, or as
+# measured (engine/run_ahead.py: on the CPU the overlap competes with the step for the cores;
+# the 57M model at 256 decodes lost 2-3% running ahead, the demo model gained 1.1-1.5x).
+RUN_AHEAD = {"cpu": "measured", "gpu": "always", "tpu": "always"}
 
+# The step's two halves fused into one jitted program for its decode-shaped buckets
+# (fused_step.py, job_shapes.fused_shape), by platform: on the CPU a second launch and the
+# logits' round trip through memory cost 8-43% of a small model's step; an accelerator
+# launches asynchronously, and the split lets the token masks overlap the forward.
+FUSED_STEP = {"cpu": True, "gpu": False, "tpu": False}
+FUSED_STEP_ENV = "JAXSERVE_FUSED_STEP"  # "1" / "0": fused / split whatever the platform
+
+# Largest |kernel - reference| accepted by the self-check, per dtype (outputs are O(1)).
 _SELF_CHECK_TOLERANCE = {"float32": 2e-3, "bfloat16": 6e-2, "float16": 1e-2}
 
 
@@ -85,6 +100,11 @@ class ExecutionPlan:
     # Schedule the next step while the device runs this one (the config's, or by platform:
     # ASYNC_SCHEDULING).
     async_scheduling: bool = False
+    # With async scheduling: run ahead "always", or when "measured" faster (RUN_AHEAD).
+    run_ahead: str = "always"
+    # The step as one jitted program per (T, R, B, sampler variant) instead of a forward per
+    # (T, R, B) and a sample per (R, sampler variant) (FUSED_STEP).
+    fused_step: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         """The plan as plain values (get_stats()["plan"])."""
@@ -101,7 +121,9 @@ class ExecutionPlan:
             f"platform={self.platform} ({chip}), attention={self.attention.name}{mode}, "
             f"sampler_draw={self.sampler_draw}, dtype={self.dtype}, "
             f"kv_cache_dtype={self.kv_cache_dtype}, tensor_parallel_size="
-            f"{self.tensor_parallel_size}, async_scheduling={self.async_scheduling}"
+            f"{self.tensor_parallel_size}, async_scheduling={self.async_scheduling} (run ahead: "
+            f"{self.run_ahead}), "
+            f"fused_step={self.fused_step}"
         )
 
 
@@ -188,12 +210,33 @@ def make_plan(
         attention_checked=machine.attached and check_kernels,
         max_executables=map_budget.max_executables() if on_cpu else None,
         async_scheduling=_async_scheduling(config.scheduler.async_scheduling, platform),
+        run_ahead=_run_ahead(config.scheduler.async_scheduling, platform),
+        fused_step=fused_step(platform),
     )
 
 
 def _async_scheduling(requested: bool | None, platform: str) -> bool:
     """The config's choice, else the platform's (ASYNC_SCHEDULING)."""
     return ASYNC_SCHEDULING[platform] if requested is None else requested
+
+
+def _run_ahead(requested: bool | None, platform: str) -> str:
+    """ "always" when the config chose async scheduling itself, else the platform's
+    (RUN_AHEAD)."""
+    return RUN_AHEAD[platform] if requested is None else "always"
+
+
+def fused_step(platform: str) -> bool:
+    """Whether the step runs as one fused program on ``platform`` (FUSED_STEP), unless
+    JAXSERVE_FUSED_STEP says "1" or "0".
+
+    Raises:
+        ValueError: JAXSERVE_FUSED_STEP set to anything else.
+    """
+    value = os.environ.get(FUSED_STEP_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{FUSED_STEP_ENV} must be 0 or 1 (or unset), got {value!r}")
+    return FUSED_STEP[platform] if not value else value == "1"
 
 
 def _sampler_draw(platform: str) -> str:

@@ -14,8 +14,8 @@ sampler variant.
 Nothing here holds state: ``jit_forward``, ``jit_sample`` and ``jit_copy`` return jitted
 functions that close over the model (never the runner), and the runner (model_runner.py) calls
 them with its params, KV pages and host arrays. A new per-step input of the forward (a
-speculative-decoding draft model's) is one more of FORWARD_ARGS, ``_forward_fn`` and
-``_forward_shardings``; per-row sampling inputs (the structured-output token mask) ride in
+speculative-decoding draft model's) is one more of FORWARD_ARGS, ``forward_fn`` and
+``forward_shardings``; per-row sampling inputs (the structured-output token mask) ride in
 SamplingMetadata instead, whose widths the sampler's variants fix.
 """
 
@@ -74,12 +74,12 @@ def jit_forward(
     placed by ``draft_sharding`` on the same mesh), it also runs the draft over the same batch,
     writing its KV pages (draft_model.py); without one, draft_params and draft_kv_caches are
     None."""
-    draft_traces = None if draft is None else _SharedTraces(draft)
+    draft_traces = None if draft is None else SharedTraces(draft)
     draft_layers = 0 if draft is None else draft.arch.num_layers
     return jax.jit(
-        functools.partial(_forward_fn, _SharedTraces(model), draft_traces),
+        functools.partial(forward_fn, SharedTraces(model), draft_traces),
         donate_argnames=("kv_caches", "draft_kv_caches"),
-        **_forward_shardings(sharding, model.arch.num_layers, draft_sharding, draft_layers),
+        **forward_shardings(sharding, model.arch.num_layers, draft_sharding, draft_layers),
     )
 
 
@@ -96,7 +96,7 @@ def jit_sample(draw: str, sharding: ShardingPlan | None) -> Any:
             out_shardings=(sharding.replicated,) * 3,
         )
     )
-    return jax.jit(functools.partial(_sample_fn, draw), **rep)
+    return jax.jit(functools.partial(sample_fn, draw), **rep)
 
 
 def jit_copy(sharding: ShardingPlan | None, num_layers: int) -> Any:
@@ -114,7 +114,7 @@ def padded_copies(block_copies: list[tuple[int, int]]) -> tuple[np.ndarray, np.n
     return pairs[:, 0], pairs[:, 1]
 
 
-class _SharedTraces:
+class SharedTraces:
     """The model's forward and logits as jax.jit(..., inline=True) functions, made once per
     runner: jax keeps each one's traced jaxpr by argument shapes, so the step's two sampler
     variants of a bucket (SamplingInputs.variant_widths), and the logits of the R rows and of
@@ -128,9 +128,9 @@ class _SharedTraces:
         self.compute_logits = jax.jit(model.compute_logits, inline=True)
 
 
-def _forward_fn(
-    model: CausalLM | _SharedTraces,
-    draft: CausalLM | _SharedTraces | None,
+def forward_fn(
+    model: CausalLM | SharedTraces,
+    draft: CausalLM | SharedTraces | None,
     params: Any,
     kv_caches: list[tuple[jax.Array, jax.Array]],
     input_ids: jax.Array,  # i32[T]
@@ -165,7 +165,7 @@ def _forward_fn(
     return kv_caches, logits, plp, pending, draft_kv_caches
 
 
-def _sample_fn(
+def sample_fn(
     draw: str,
     logits: jax.Array,  # f32[R, V] the forward half's
     pending: jax.Array,  # i32[R] the forward half's pending outputs
@@ -217,7 +217,7 @@ def attention_metadata(
     )
 
 
-def _forward_shardings(
+def forward_shardings(
     plan: ShardingPlan | None,
     num_layers: int,
     draft_plan: ShardingPlan | None = None,

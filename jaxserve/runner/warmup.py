@@ -29,6 +29,7 @@ import jax
 import numpy as np
 
 from jaxserve.runner.draft_model import PROPOSE_ARGS, DraftModel
+from jaxserve.runner.fused_step import FUSED_ARGS
 from jaxserve.runner.input_batch import PreparedBatch
 from jaxserve.runner.job_shapes import Shape, WarmupSet
 from jaxserve.runner.sampling_metadata import SamplingMetadata
@@ -124,9 +125,10 @@ def compile_set(
 def run_set(runner: ModelRunner, what: WarmupSet) -> None:
     """Warm-up's second half, on the loaded weights: run each step shape and block copy of
     ``what`` not run before once, then save the executables that ran to the store."""
-    run_once(runner, *_not_run(runner.warmed, what))
-    # Only the step's halves and the block copy have run (run_once): only they are serialized.
-    ran = (runner.forward_compiles, runner.sample_compiles, runner.copy_compiles)
+    not_run = _not_run_fused if runner.fused_compiles is not None else _not_run
+    run_once(runner, *not_run(runner.warmed, what))
+    # Only the step's programs and the block copy have run (run_once): only they are serialized.
+    ran = runner.step_compiles()
     for compiles in runner.all_compiles():
         compiles.save_ran(any(compiles is c for c in ran))
 
@@ -165,23 +167,32 @@ def _not_run(warmed: set, what: WarmupSet) -> tuple[list[Step], list[int]]:
     return steps, [n for _, n in copies]
 
 
+def _not_run_fused(warmed: set, what: WarmupSet) -> tuple[list[Step], list[int]]:
+    """_not_run with the plan's fused step: each (shape, sampler widths) of the fused shapes
+    (job_shapes.fused_shape) is an executable of its own, run once; the other shapes as
+    _not_run runs them."""
+    together, apart = what.parts()
+    steps = [s for s in together.steps if ("fused", *s) not in warmed]
+    warmed.update(("fused", *s) for s in steps)
+    split, copies = _not_run(warmed, apart)
+    return steps + split, copies
+
+
 def compilations(runner: ModelRunner, what: WarmupSet) -> list[Compilation]:
-    """The compilations warm-up runs, smallest step first: the block copies, then the forward
-    half for each shape of ``what`` (in its order: the smallest T first), each followed by the
-    sample half of its row bucket R in every sampler variant of ``what`` not listed yet (so
-    each prefix of the list runs every step up to its largest T); then the host KV tier's
-    copies and a draft model's functions."""
+    """The compilations warm-up runs, smallest first: the block copies; with the plan's fused
+    step, the fused program for each sampler variant of each shape job_shapes.fused_shape takes
+    (the decode buckets, T = R <= 64, smallest first) instead of its two halves; then the
+    forward half for each other shape of ``what`` (in its order: the smallest T first), each
+    followed by the sample half of its row bucket R in every sampler variant of ``what`` not
+    listed yet (so each prefix of the split list runs every step up to its largest T); then the
+    host KV tier's copies and a draft model's functions."""
     jobs = _copy_compilations(runner.copy_compiles, runner.jitted_copy, runner.kv_caches,
                               what.copy_sizes)  # fmt: skip
-    samples = list(what.samples)
-    for t, r, b in what.shapes:
-        forward = (runner.params, runner.kv_caches, *padding_forward_inputs(runner, t, r, b))
-        jobs.append(Compilation(runner.forward_compiles, runner.jitted_forward, forward,
-                                FORWARD_ARGS))  # fmt: skip
-        jobs += [_sample_compilation(runner, rows, widths) for rows, widths in samples
-                 if rows == r]  # fmt: skip
-        samples = [s for s in samples if s[0] != r]
-    jobs += [_sample_compilation(runner, rows, widths) for rows, widths in samples]
+    if runner.fused_compiles is not None:  # the fused shapes' programs, the others' halves
+        together, apart = what.parts()
+        jobs += _fused_compilations(runner, together) + _split_compilations(runner, apart)
+    else:
+        jobs += _split_compilations(runner, what)
     if runner.kv_offload is not None:
         jobs += runner.kv_offload.compilations(runner.kv_caches)
     if runner.kv_connector is not None:  # its staging copies (kv_connector_worker.py)
@@ -191,10 +202,39 @@ def compilations(runner: ModelRunner, what: WarmupSet) -> list[Compilation]:
     return jobs
 
 
+def _split_compilations(runner: ModelRunner, what: WarmupSet) -> list[Compilation]:
+    """The forward half at each shape of ``what`` (its order), each followed by the sample half
+    of its row bucket R in every sampler variant of ``what`` not listed yet."""
+    jobs = []
+    samples = list(what.samples)
+    for t, r, b in what.shapes:
+        forward = (runner.params, runner.kv_caches, *padding_forward_inputs(runner, t, r, b))
+        jobs.append(Compilation(runner.forward_compiles, runner.jitted_forward, forward,
+                                FORWARD_ARGS))  # fmt: skip
+        jobs += [_sample_compilation(runner, rows, widths) for rows, widths in samples
+                 if rows == r]  # fmt: skip
+        samples = [s for s in samples if s[0] != r]
+    return jobs + [_sample_compilation(runner, rows, widths) for rows, widths in samples]
+
+
 def _sample_compilation(runner: ModelRunner, rows: int, widths: tuple[int, int]) -> Compilation:
     """The sample half for ``rows`` padding rows with sampling lists of ``widths``."""
     return Compilation(runner.sample_compiles, runner.jitted_sample,
                        padding_sample_inputs(runner, rows, widths), SAMPLE_ARGS)  # fmt: skip
+
+
+def _fused_compilations(runner: ModelRunner, what: WarmupSet) -> list[Compilation]:
+    """The fused step at each (shape, sampler widths) of ``what`` (the smallest T first)."""
+    jobs = []
+    for (t, r, b), widths in what.steps:
+        forward = padding_forward_inputs(runner, t, r, b)
+        *_, draft_ids, sampling_md, last_sampled, sample_slot, draft_q = padding_sample_inputs(
+            runner, r, widths
+        )
+        args = (runner.params, runner.kv_caches, *forward, draft_ids, sampling_md, last_sampled,
+                sample_slot, draft_q)  # fmt: skip
+        jobs.append(Compilation(runner.fused_compiles, runner.jitted_fused, args, FUSED_ARGS))
+    return jobs
 
 
 def _draft_compilations(runner: ModelRunner) -> list[Compilation]:

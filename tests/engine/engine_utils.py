@@ -23,3 +23,10 @@ def assert_nothing_held(engine: LLMEngine) -> None:
     assert not engine.scheduler.has_unfinished_requests()
     assert stats["num_free_kv_blocks"] == stats["num_usable_kv_blocks"]
     assert all(b.ref_cnt == 0 for b in engine.scheduler.kv_cache_manager.block_pool.blocks[1:])
+
+
+def step_program(runner, half: str) -> str:
+    """The runner's attribute that runs the step's ``half`` ("_forward" or "_sample"): the
+    fused program's ("_fused") where the plan fuses the step (runner/fused_step.py, the CPU),
+    else the half's own. Fault injection and watchers patch it."""
+    return "_fused" if getattr(runner, "fused_compiles", None) is not None else half

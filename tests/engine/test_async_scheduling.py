@@ -247,3 +247,42 @@ def test_a_fault_between_the_two_halves_aborts_and_the_engine_serves_on(llm, mon
     assert llm.engine.runner.is_idle
     again = llm.generate(prompts, params, use_tqdm=False)
     assert [[c.token_ids for c in o.outputs] for o in again] == reference
+
+
+class _Flipping:
+    """A run-ahead policy (engine/run_ahead.py's interface) that switches at random, so that
+    the engine goes from running ahead to synchronous steps (a step in flight only learned)
+    and back over and over."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.decisions: list[bool] = []
+
+    def run_ahead(self, num_running: int) -> bool:
+        self.decisions.append(bool(self.rng.random() < 0.5))
+        return self.decisions[-1]
+
+    def observe(self, num_tokens: int, decode_only: bool, now=None) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {}
+
+
+def test_a_policy_switching_run_ahead_on_and_off_changes_no_token(llm):
+    prompts, params = _mixed_workload()
+    sync, sync_lp = _run(llm, False, prompts, params)
+    llm.engine.core.reset_scheduler(async_scheduling=True)
+    llm.engine.core.run_ahead_policy = policy = _Flipping(seed=0)
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.engine.core.run_ahead_policy = None
+    assert_nothing_held(llm.engine)
+    flips = sum(a != b for a, b in zip(policy.decisions, policy.decisions[1:], strict=False))
+    assert flips > 10
+    exact = [[(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in o.outputs]
+             for o in outs]  # fmt: skip
+    assert exact == sync
+    logprobs = [[_lp(c.logprobs) for c in o.outputs] + [_lp(o.prompt_logprobs)] for o in outs]
+    _assert_close(logprobs, sync_lp)

@@ -43,8 +43,18 @@ def _watch(llm: LLM) -> tuple[list, list]:
         steps.append(("copy", len(args[1])))
         return copy(*args)
 
+    def watched_fused(*args):  # the CPU's fused step (fused_step.FUSED_ARGS): both halves
+        smd = args[10]
+        widths = (smd.penalty_token_ids.shape[1], smd.banned_token_ids.shape[1])
+        steps.append(("forward", (len(args[2]), *args[3].block_tables.shape)))
+        steps.append(("sample", len(args[4]), widths))
+        return fused(*args)
+
     runner.warmup, runner._forward, runner._sample = watched_warmup, watched_forward, watched_sample
     runner._copy = watched_copy
+    fused = getattr(runner, "_fused", None)
+    if fused is not None:
+        runner._fused = watched_fused
     return sets, steps
 
 
@@ -73,14 +83,18 @@ def test_a_small_job_compiles_a_fraction_of_the_full_set(llm):
     prompts = [[5, 6, 7], [8, 9]]
     llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)
     # Two prompts of 3 + 2 tokens whose KV fits the pool (no preemption): T up to 6, one
-    # sampler variant, no block copy.
-    assert runner.warmed == {("forward", (t, t, 8)) for t in (1, 4, 6)} | {
-        ("sample", t, (0, 0)) for t in (1, 4, 6)
-    }
-    assert _compiled(llm) == 6
+    # sampler variant, no block copy (the fused step: one program per shape).
+    fused = runner.plan.fused_step
+    shapes = [(t, t, 8) for t in (1, 4, 6)]
+    if fused:
+        assert runner.warmed == {("fused", s, (0, 0)) for s in shapes}
+    else:
+        split = {("sample", s[1], (0, 0)) for s in shapes}
+        assert runner.warmed == {("forward", s) for s in shapes} | split
+    assert _compiled(llm) == (3 if fused else 6)
     assert llm.get_stats()["recompilations"] == []
     llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)
-    assert _compiled(llm) == 6  # the same job again: nothing new
+    assert _compiled(llm) == (3 if fused else 6)  # the same job again: nothing new
 
 
 def _compiled(llm: LLM) -> int:

@@ -132,15 +132,19 @@ def test_nothing_compiles_after_warmup():
     compiled = stats["num_compilations"] + stats["num_compilation_cache_hits"]
     plan = stats["plan"]
     buckets = engine.runner.buckets
-    # The step's forward half at every batch shape, its sample half at every row bucket in the
-    # sampler's two variants (no penalty and no ban, or some), and the copy-on-write block
-    # copy (n > 1) at every padded size.
+    # The step's forward half at every batch shape and its sample half at every row bucket
+    # in the sampler's two variants (no penalty and no ban, or some), and the copy-on-write
+    # block copy (n > 1) at every padded size; the CPU's fused step instead runs the
+    # decode-shaped buckets as one program per variant (job_shapes.fused_shape).
     copy_sizes = engine.runner.copy_sizes
     assert copy_sizes == (1, 2, 4)  # up to max_num_seqs copies a step
     shapes = buckets.all_shapes()
     num_rows = len({r for _, r, _ in shapes})
     num_variants = len(engine.runner.sampling.variant_widths)
-    assert compiled == len(shapes) + num_rows * num_variants + len(copy_sizes)
+    if plan["fused_step"]:
+        assert compiled == engine.runner.warmup_set().num_step_compilations(fused=True)
+    else:
+        assert compiled == len(shapes) + num_rows * num_variants + len(copy_sizes)
     tokens = buckets.token_buckets
     assert (tokens[0] == 1) == plan["single_token_bucket"]
     assert (6 in tokens) == plan["mid_token_buckets"]  # 3 * 2^k between the powers of two

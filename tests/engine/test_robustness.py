@@ -12,7 +12,7 @@ import threading
 import weakref
 
 import pytest
-from engine_utils import SMALL, assert_nothing_held, random_prompts
+from engine_utils import SMALL, assert_nothing_held, random_prompts, step_program
 
 from jaxserve import LLM, LLMEngine, SamplingParams
 from jaxserve.core.kv_cache_manager import KVCacheManager
@@ -63,6 +63,7 @@ def assert_runner_empty(llm: LLM) -> None:
 def _inject(monkeypatch, owner, name: str, at_call: int, exc: BaseException, after: bool):
     """Make ``owner.name`` raise ``exc`` on its ``at_call``-th call, before or after the real
     call ran (after: its effects happened, its result is lost)."""
+    name = step_program(owner, name) if name in ("_forward", "_sample") else name
     real = getattr(owner, name)
     calls = 0
 
@@ -81,7 +82,8 @@ def _inject(monkeypatch, owner, name: str, at_call: int, exc: BaseException, aft
 
 
 # (stage, where the fault is injected, after the real call?). Class attributes are patched
-# where the engine rebuilds the instance on recovery (the runner's host buffers).
+# where the engine rebuilds the instance on recovery (the runner's host buffers). With the
+# CPU's fused step both halves' faults land in the fused program (engine_utils.step_program).
 STAGES = {
     "after schedule": (lambda llm: Scheduler, "schedule", True),
     "preparing inputs": (lambda llm: InputBatch, "prepare", False),

@@ -6,7 +6,7 @@ and shared prefixes; nothing compiles after warm-up; bad drafts refused before l
 from __future__ import annotations
 
 import pytest
-from engine_utils import assert_nothing_held, random_prompts
+from engine_utils import assert_nothing_held, random_prompts, step_program
 
 from jaxserve import LLM, LLMEngine, SamplingParams
 from jaxserve.checkpoints_tools.testing import write_tiny_hf_checkpoint
@@ -176,6 +176,7 @@ def test_a_fault_mid_speculation_aborts_and_the_engine_serves_on(roomy, referenc
     owners = {"runner": engine.runner, "draft": engine.runner.draft, "scheduler": engine.scheduler}
     owner_name, attr, after = _FAULTS[where]
     owner = owners[owner_name]
+    attr = step_program(owner, attr) if owner_name == "runner" else attr
     real, calls = getattr(owner, attr), []
 
     def faulty(*args, **kwargs):

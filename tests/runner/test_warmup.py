@@ -22,13 +22,10 @@ ENGINE = dict(
 
 
 def _expected_compilations(engine: LLMEngine) -> int:
-    """The forward half per (T, R, B), the sample half per (R, sampler variant), the block
-    copy per size."""
+    """The forward half per (T, R, B) and the sample half per (R, sampler variant), or the
+    fused step per (T, R, B, sampler variant) (the CPU's plan), and the block copy per size."""
     runner = engine.runner
-    shapes = runner.buckets.all_shapes()
-    num_rows = len({r for _, r, _ in shapes})
-    num_variants = len(runner.sampling.variant_widths)
-    return len(shapes) + num_rows * num_variants + len(runner.copy_sizes)
+    return runner.warmup_set().num_step_compilations(runner.plan.fused_step)
 
 
 @pytest.mark.slow
@@ -37,7 +34,7 @@ def test_warmup_is_on_by_default():
     stats = engine.get_stats()
     compiled = stats["num_compilations"] + stats["num_compilation_cache_hits"]
     assert compiled == _expected_compilations(engine)
-    assert engine.runner.forward_compiles.warmed_up and engine.runner.sample_compiles.warmed_up
+    assert all(c.warmed_up for c in engine.runner.step_compiles())
     cold = LLMEngine("tiny-random-llama", warmup=False, **ENGINE)
     assert cold.get_stats()["num_compilations"] == 0
     assert not cold.runner.forward_compiles.warmed_up
@@ -77,16 +74,26 @@ def test_warmup_runs_each_step_once_writing_only_the_null_block(monkeypatch):
     monkeypatch.setattr(runner, "run_prepared", run)
     runner.warmup()
     shapes = runner.buckets.all_shapes()
-    # Every forward shape and every (R, sampler variant) ran, each step running a new one.
+    # Every forward shape and every (R, sampler variant) ran, each step running a new one
+    # (fused: every (shape, sampler variant), each once).
     samples = runner.warmup_set().samples
     assert {(len(b.input_ids), *b.block_tables.shape) for b in ran} == set(shapes)
     assert set(widths) == {(r, *w) for r, w in samples}
-    assert len(ran) <= len(shapes) + len(samples) - len({r for _, r, _ in shapes})
-    assert runner.warmed == (
-        {("forward", s) for s in shapes}
-        | {("sample", r, w) for r, w in samples}
-        | {("copy", n) for n in runner.copy_sizes}
-    )
+    copies = {("copy", n) for n in runner.copy_sizes}
+    if runner.plan.fused_step:  # the fused shapes' programs, the others' halves
+        together, apart = runner.warmup_set().parts()
+        assert together.shapes and apart.shapes
+        assert runner.warmed == (
+            {("fused", *s) for s in together.steps}
+            | {("forward", s) for s in apart.shapes}
+            | {("sample", r, w) for r, w in apart.samples}
+            | copies
+        )
+    else:
+        assert len(ran) <= len(shapes) + len(samples) - len({r for _, r, _ in shapes})
+        assert runner.warmed == (
+            {("forward", s) for s in shapes} | {("sample", r, w) for r, w in samples} | copies
+        )
     # Rows that attend (num_seqs of them), over the null block only.
     assert all(b.num_seqs[0] >= 1 and not b.block_tables.any() for b in ran)
     assert engine.get_stats()["recompilations"] == []  # the runs compiled nothing more
@@ -208,10 +215,12 @@ def test_a_bucket_traces_the_model_once_for_both_sampler_variants(monkeypatch):
     engine = LLMEngine("tiny-random-llama", warmup=False, **ENGINE)
     engine.runner.forward_compiles.store = None  # trace, whatever an earlier engine stored
     shape = engine.runner.buckets.all_shapes()[0]
-    # One forward, the sample half in both variants, the block copies.
-    assert engine.runner.warmup(shapes=[shape]) == 1 + len(
-        engine.runner.sampling.variant_widths
-    ) + len(engine.runner.copy_sizes)
+    # One forward and the sample half in both variants (or the fused step in both), the
+    # block copies.
+    what = engine.runner.warmup_set([shape])
+    assert engine.runner.warmup(shapes=[shape]) == what.num_step_compilations(
+        engine.runner.plan.fused_step
+    )
     assert calls == [(shape[0],)]
 
 
