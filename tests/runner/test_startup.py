@@ -16,6 +16,7 @@ import pytest
 from jaxserve import LLMEngine, SamplingParams
 from jaxserve.runner import factory, warmup
 from jaxserve.runner.abstract_weights import mismatch
+from jaxserve.runner.plan import FUSED_STEP_ENV
 from jaxserve.runner.startup import BackgroundCall, StartupPipeline
 from jaxserve.runner.step_compiles import StepCompiles
 
@@ -210,7 +211,8 @@ def test_weights_other_than_their_shapes_rebuild_the_runner(monkeypatch, caplog)
     assert engine.runner.eos_token_ids == sorted(engine.info.eos_token_ids)
 
 
-def test_warmup_lists_the_smallest_steps_first_each_prefix_runnable():
+def test_warmup_lists_the_smallest_steps_first_each_prefix_runnable(monkeypatch):
+    monkeypatch.setenv(FUSED_STEP_ENV, "0")  # the two halves, as on an accelerator
     engine = LLMEngine("tiny-random-llama", warmup=False, **ENGINE | {"max_num_batched_tokens": 16})
     runner = engine.runner
     what = runner.warmup_set()
