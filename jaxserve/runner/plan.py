@@ -12,10 +12,9 @@
     buckets, RoPE rows      the CPU's extra token buckets (1 and 3 * 2^k) and host-gathered
                             RoPE rows; accelerators compute RoPE on device
     tensor parallelism      the mesh; attention runs per device inside shard_map
-    step programs           the step's forward and sample halves as two jitted programs
-                            (accelerators), or fused into one for the decode buckets (the
-                            CPU: fused_step.py);
-                            JAXSERVE_FUSED_STEP=0 / 1 overrides (tests, benchmarks)
+    step programs           the step's forward and sample halves as two jitted programs;
+                            JAXSERVE_FUSED_STEP=1 fuses them into one for the decode buckets
+                            (fused_step.py; off by default everywhere)
     warm-up threads         compilations at once: 1 on the CPU (XLA's CPU compiler already
                             spreads one compilation over the cores: two at once measured no
                             faster on 2 cores), up to 4 on accelerators (host-side compiles)
@@ -64,10 +63,13 @@ ASYNC_SCHEDULING = {"cpu": True, "gpu": True, "tpu": True}
 RUN_AHEAD = {"cpu": "measured", "gpu": "always", "tpu": "always"}
 
 # The step's two halves fused into one jitted program for its decode-shaped buckets
-# (fused_step.py, job_shapes.fused_shape), by platform: on the CPU a second launch and the
-# logits' round trip through memory cost 8-43% of a small model's step; an accelerator
-# launches asynchronously, and the split lets the token masks overlap the forward.
-FUSED_STEP = {"cpu": True, "gpu": False, "tpu": False}
+# (fused_step.py, job_shapes.fused_shape), by platform. Off everywhere: on the CPU a fused
+# decode step ran 1.14-1.19x faster on the demo model (a second launch and the logits' round
+# trip cost the split), but each fused program compiles the sampler again, and warm-up-heavy
+# work took 1.35x as long (test_generate_parity + test_warmup: 96.7 s against 71.4 s split),
+# against a 57M throughput within noise (docs/benchmarks.md, "The step: fused or split"); an
+# accelerator launches asynchronously, and the split lets the token masks overlap the forward.
+FUSED_STEP = {"cpu": False, "gpu": False, "tpu": False}
 FUSED_STEP_ENV = "JAXSERVE_FUSED_STEP"  # "1" / "0": fused / split whatever the platform
 
 # Largest |kernel - reference| accepted by the self-check, per dtype (outputs are O(1)).

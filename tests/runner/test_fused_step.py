@@ -1,5 +1,5 @@
-"""The step fused into one jitted program (runner/fused_step.py, the CPU's plan) against its two
-halves (accelerators' plan, forced here with JAXSERVE_FUSED_STEP=0): the same tokens and
+"""The step fused into one jitted program (runner/fused_step.py, JAXSERVE_FUSED_STEP=1) against
+its two halves (every platform's default, forced here with JAXSERVE_FUSED_STEP=0): the same tokens and
 logprobs, warm-up compiling one program per (shape, sampler variant), nothing after it."""
 
 from __future__ import annotations
@@ -15,9 +15,11 @@ ENGINE = dict(
 )
 
 
-def test_the_plan_fuses_the_step_on_the_cpu_only_unless_told(monkeypatch):
+def test_the_plan_fuses_the_step_only_when_told(monkeypatch):
     monkeypatch.delenv(FUSED_STEP_ENV, raising=False)
-    assert [fused_step(p) for p in ("cpu", "gpu", "tpu")] == [True, False, False]
+    assert [fused_step(p) for p in ("cpu", "gpu", "tpu")] == [False, False, False]
+    monkeypatch.setenv(FUSED_STEP_ENV, "1")
+    assert fused_step("cpu")
     monkeypatch.setenv(FUSED_STEP_ENV, "0")
     assert not fused_step("cpu")
     monkeypatch.setenv(FUSED_STEP_ENV, "1")
