@@ -1,6 +1,7 @@
 """The step fused into one jitted program (runner/fused_step.py, JAXSERVE_FUSED_STEP=1) against
-its two halves (every platform's default, forced here with JAXSERVE_FUSED_STEP=0): the same tokens and
-logprobs, warm-up compiling one program per (shape, sampler variant), nothing after it."""
+its two halves (every platform's default, forced here with JAXSERVE_FUSED_STEP=0): the same
+tokens and logprobs, warm-up compiling one program per (shape, sampler variant), nothing after
+it."""
 
 from __future__ import annotations
 
