@@ -3,6 +3,7 @@ beside every result (the machines are shared and noisy)."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
@@ -37,3 +38,12 @@ def machine(load) -> dict:
         "python": platform.python_version(),
         "loadavg": load,
     }
+
+
+def write_results(output: str | Path, results: list, args, load) -> None:
+    """Write a side-by-side benchmark's JSON: its result rows, its arguments (an argparse
+    namespace), the machine and the checkout's git state; print where it went."""
+    report = dict(results=results, args=vars(args), machine=machine(load), git=git_state())
+    Path(output).parent.mkdir(parents=True, exist_ok=True)
+    Path(output).write_text(json.dumps(report, indent=1))
+    print(f"\nwrote {output}")

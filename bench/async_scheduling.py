@@ -27,7 +27,6 @@ Writes bench/results/async_scheduling.json.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -37,7 +36,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _machine import git_state, loadavg, machine  # noqa: E402
+from _machine import loadavg, write_results  # noqa: E402
 from throughput import PRESETS, enable_compile_cache, ensure_checkpoint  # noqa: E402
 
 from jaxserve.runner.xla_flags import apply_cpu_workarounds  # noqa: E402
@@ -192,10 +191,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         del engine
     print()
     print_table(results)
-    report = dict(results=results, args=vars(args), machine=machine(load), git=git_state())
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(report, indent=1))
-    print(f"\nwrote {args.output}")
+    write_results(args.output, results, args, load)
     return results
 
 

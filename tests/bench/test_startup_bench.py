@@ -30,7 +30,8 @@ SMOKE_EXPERIMENTS = "demo,construct,features,phases"
 @pytest.mark.slow
 def test_tiny_preset_end_to_end(tmp_path):
     out = tmp_path / "startup.json"
-    argv = ["--preset", "tiny", "--output", str(out), "--experiments", SMOKE_EXPERIMENTS]
+    argv = ["--preset", "tiny", "--output", str(out), "--experiments", SMOKE_EXPERIMENTS,
+            "--restart-repeats", "1"]  # one restarted pair: weights first, overlapped  # fmt: skip
     report = startup.main(argv)
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
 
