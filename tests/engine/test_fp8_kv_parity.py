@@ -1,5 +1,5 @@
 """An FP8 KV cache end to end: greedy tokens and their logprobs against transformers (float32,
-full-precision KV) on every model family the repo has.
+full-precision KV) on the families whose attention differs (FP8_FAMILIES).
 
 The reference is teacher-forced on jaxserve's own output (prompt + generated tokens, one
 forward), so every generated token is checked, divergences included: at each step jaxserve's
@@ -88,8 +88,17 @@ def _follow_transformers(llm: LLM, folder, name: str) -> tuple[float, int]:
     return worst, flips
 
 
+# Only K and V change, so the families whose attention (what is written to the pages and read
+# from them) differs: plain GQA, softcapping with alternating sliding windows, local and global
+# layers with their own rope, and q/k norms. The others differ where the cache never looks
+# (MoE FFNs, fused projections, biases, tied embeddings); their greedy parity is in
+# test_generate_parity.py, and their fp8 errors, when measured, were of the same size (above).
+FP8_FAMILIES = ("llama", "gemma2", "gemma3", "qwen3")
+assert set(FP8_FAMILIES) <= set(FAMILIES)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", FP8_FAMILIES)
 def test_fp8_kv_cache_greedy_follows_transformers(tmp_path, family: str) -> None:
     folder = write_tiny_hf_checkpoint(tmp_path, family)
     llm = _fp8_engine(folder)

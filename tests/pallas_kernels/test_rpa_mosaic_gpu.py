@@ -478,11 +478,10 @@ def wgmma_in_interpreter(monkeypatch):
 
 
 _GRID_BY_ID = {c[0]: c for c in _GRID}
-WGMMA_CASES = [
-    c
-    for c in STRESS
-    if c[0] in ("ring2", "splits3-window-softcap", "odd-group", "mqa-g64", "block-kv-128-P32")
-]
+# The tile shapes the MMA path handles differently (15 query rows stored as 16, one token per
+# tile) and the split with a window and softcap; the pipelines' ring depths and page sizes are
+# the same on both paths (test_interpret_stress_matches_reference).
+WGMMA_CASES = [c for c in STRESS if c[0] in ("splits3-window-softcap", "odd-group", "mqa-g64")]
 
 
 @needs_interpreter

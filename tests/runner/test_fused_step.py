@@ -12,7 +12,7 @@ from jaxserve.runner.job_shapes import WarmupSet
 from jaxserve.runner.plan import FUSED_STEP_ENV, fused_step
 
 ENGINE = dict(
-    num_kv_blocks=40, block_size=8, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=48
+    num_kv_blocks=40, block_size=8, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=48
 )
 
 
