@@ -107,8 +107,16 @@ class TransferWorker(KVConnectorWorker):
         return kv_caches
 
     def close(self) -> None:
-        """Release every held offer (the engine shuts down)."""
+        """The engine shuts down: every held offer released (the lease thread stopped), the
+        pulls under way abandoned, the reader threads stopped, and the transfer server
+        dropped. jax's server has no close of its own: it stops listening, and its port is
+        free again, once its last reference is gone, so nothing here keeps one. Idempotent."""
+        if self.server is None:
+            return
         self.offers.close()
+        self.pulls.close()  # before the readers are waited for: their pulls end now
+        super().close()
+        self.server = self.offers.server = None
 
     # ---- consumer -------------------------------------------------------------------------
     def _read(self, job: LoadJob) -> jax.Array | None:
