@@ -270,6 +270,9 @@ def test_the_cap_releases_the_oldest_offer_and_its_consumer_recomputes(producer,
     offers.release_expired(now=float("inf"))  # the earlier tests' offers (pulled) released
     assert offers.num_held == 0 and offers.held_blocks == 0
     evicted, cap = offers.num_evicted, offers.max_blocks
+    # The cap is the one the memory plan reserved room for (max_held_offers_fraction 0.5).
+    assert producer.info.memory.held_offers.blocks(96) == cap == 48
+    assert consumer.info.memory.held_offers is None
     offers.max_blocks = 4
     try:
         params = _prefill(producer, prompts, "kp")
