@@ -343,10 +343,10 @@ class LLMEngine:
             return self.core.reset_prefix_cache()
 
     def shutdown(self) -> None:
-        """Stop everything the engine owns that runs on its own (vLLM's shutdown): unfinished
-        requests are aborted, then the runner's KV connector (transfer server, lease and pull
-        threads), the step tracer's thread and the grammar compilers stop. Idempotent; a
-        request added afterwards raises RuntimeError."""
+        """Stop everything the engine owns that runs on its own (vLLM's AsyncLLM.shutdown is
+        the name): unfinished requests are aborted, then the runner's KV connector (transfer
+        server, lease and pull threads), the step tracer's thread and the grammar compilers
+        stop. Idempotent; a request added afterwards raises RuntimeError."""
         with self._lock:
             if self._shut_down:
                 return
