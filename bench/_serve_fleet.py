@@ -305,7 +305,11 @@ def _disagg_connector(connector: str, model, engine: dict, args, decodes, burst)
     servers = []
     for role in ("kv_producer", "kv_consumer"):
         if connector == "jax_transfer":
-            kv = {"kv_connector": "JaxTransferConnector", "kv_role": role}
+            # The burst's 4 copies (16 padded blocks each) against a 48-block pool: the
+            # default cap (0.5: 24 blocks) holds one at a time, so offers not yet pulled would
+            # be released and recomputed; 1.0 holds three.
+            kv = {"kv_connector": "JaxTransferConnector", "kv_role": role,
+                  "kv_connector_extra_config": {"max_held_offers_fraction": 1.0}}  # fmt: skip
         else:
             kv = {"kv_role": role, "kv_connector_extra_config": {"shared_storage_path": str(store)}}
         servers.append(_server(f"{role}-{connector}", model, engine, args,

@@ -103,7 +103,9 @@ class KVTransferConfig:
         before the load counts as failed (a producer that hangs).
     max_held_offers_fraction: "JaxTransferConnector" only: the most device memory a
         producer's offers (their gathered copies, padded) may hold at once, as a fraction of
-        its KV cache's pages (0 < value <= 1; outside the memory plan). An offer past it
+        its KV cache's pages (0 < value <= 1; max_held_blocks). The memory plan reserves it
+        beside the pool (runner/offer_reserve.py): a producer's pool is smaller by about
+        1 / (1 + value) than a consumer's. An offer past it
         releases the oldest ones first (their consumers recompute or fail, as
         kv_load_failure_policy says); a prompt whose copy alone is larger is not offered (its
         decode computes it).
@@ -227,6 +229,15 @@ class KVTransferConfig:
                 f"{top.get('kv_connector', cls.kv_connector)!r}; known: {list(known)}"
             )
         return cls(**top, **extra)
+
+
+def max_held_blocks(fraction: float, num_kv_blocks: int, copy_ratio: int) -> int:
+    """The most gathered blocks (padded) a producer's offers may hold: ``fraction`` of the
+    device memory of its pool of ``num_kv_blocks`` pages, a gathered block costing
+    ``copy_ratio`` pool blocks a device (tp when the pages are sharded over tp devices: the
+    copies are replicated); at least 1. The transfer worker's cap and the memory plan's
+    reserve both."""
+    return max(1, int(fraction * num_kv_blocks / copy_ratio))
 
 
 def check_kv_transfer_params(value: Any) -> dict[str, Any] | None:

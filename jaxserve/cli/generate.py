@@ -104,11 +104,13 @@ def run(args: argparse.Namespace) -> int:
         if results is not None:
             results.close()
         return fail("generate", str(e))
-    llm.warm_up(checked)  # the job's shapes (LLM's warmup="job"), counted in the load time
-    load_s = time.perf_counter() - start
     try:
+        llm.warm_up(checked)  # the job's shapes (LLM's warmup="job"), counted in the load time
+        load_s = time.perf_counter() - start
         outputs, elapsed_s = job.generate(llm, requests, results, progress=not args.no_progress)
+        stats = llm.get_stats()
     finally:
+        llm.shutdown()
         if results is not None:
             results.close()
     if results is None:
@@ -117,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
                 print(job.format_completion(record))
     else:
         print(f"already done:       {len(results.done)} requests (in {args.output})")
-    print(job.format_summary(outputs, llm.get_stats(), elapsed_s, load_s))
+    print(job.format_summary(outputs, stats, elapsed_s, load_s))
     return 0
 
 

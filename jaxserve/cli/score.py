@@ -72,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
             return fail("score", str(e))
         finally:
             bar.close()
+            llm.shutdown()
     print(
         f"pairs: {len(lines)} ({done_before} done before this run, {len(lines) - done_before} "
         f"scored in {time.perf_counter() - start:.2f} s)"

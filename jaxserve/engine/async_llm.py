@@ -73,7 +73,7 @@ class AsyncLLM:
         **kwargs: Any,
     ) -> None:
         gate = RequestGate(max_waiting_requests)
-        self._start(LLMEngine(model=model, **kwargs), gate, served_model_name)
+        self._start(LLMEngine(model=model, **kwargs), gate, served_model_name, owned=True)
 
     @classmethod
     def from_engine(
@@ -84,16 +84,20 @@ class AsyncLLM:
         served_model_name: str | None = None,
     ) -> AsyncLLM:
         """Drive an LLMEngine already built (it must have no unfinished request, and nothing
-        else may step it while this runs)."""
+        else may step it while this runs). The caller owns it: shutdown() stops this
+        client's thread and leaves the engine open (the caller shuts it down)."""
         gate = RequestGate(max_waiting_requests)
         if engine.has_unfinished_requests():
             raise ValueError("AsyncLLM.from_engine needs an engine with no unfinished request")
         self = cls.__new__(cls)
-        self._start(engine, gate, served_model_name)
+        self._start(engine, gate, served_model_name, owned=False)
         return self
 
-    def _start(self, engine: LLMEngine, gate: RequestGate, served_model_name: str | None) -> None:
+    def _start(
+        self, engine: LLMEngine, gate: RequestGate, served_model_name: str | None, owned: bool
+    ) -> None:
         self.engine = engine
+        self._owns_engine = owned  # the engine thread shuts it down as it ends
         self.metrics = EngineMetrics(served_model_name or engine.config.model.model)
         self._gate = gate
         self._inbox = gate.inbox
@@ -252,7 +256,10 @@ class AsyncLLM:
         self._inbox.put(("abort", request_id))
 
     def shutdown(self) -> None:
-        """Stop the engine thread (idempotent); unfinished requests fail with EngineError."""
+        """Stop the engine thread (idempotent); unfinished requests fail with EngineError. An
+        engine this client built is shut down with it (LLMEngine.shutdown: its KV connector's
+        server and threads, ...) before this returns (called from the engine thread itself:
+        as that thread ends)."""
         self._gate.stop()
         if threading.current_thread() is not self._thread:
             self._thread.join()
@@ -279,6 +286,11 @@ class AsyncLLM:
             if command is not None and command[0] == "add":
                 self._track(command[1], command[4])
         self._fail_all(error)
+        if self._owns_engine:
+            try:
+                engine.shutdown()
+            except Exception:  # logged: nothing is left to fail
+                logger.exception("the engine's shutdown failed")
 
     def _drain(self, block: bool) -> bool:
         """Apply the inbox's commands (waiting for one when ``block``); False on shutdown."""

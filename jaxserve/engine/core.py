@@ -367,6 +367,13 @@ class EngineCore:
             kv_connector=getattr(getattr(self.runner, "kv_connector", None), "connector", None),
         )
 
+    def close(self) -> None:
+        """Stop the threads the core and its runner own (the step tracer's ready watch, the
+        KV connector's): the engine shuts down. A step in flight is not learned. Idempotent."""
+        self._in_flight = None
+        self.set_step_tracer(None)
+        self.runner.close()
+
     # ---- introspection ----------------------------------------------------------------------
     def get_stats(self) -> dict[str, Any]:
         """The scheduler's counters, the request counts and the runner's compilations."""

@@ -60,6 +60,11 @@ class LLM:
         with self.engine.exclusive():
             return warm_up_for(self.engine, requests)
 
+    def shutdown(self) -> None:
+        """Stop the engine's threads and servers (LLMEngine.shutdown); idempotent. The LLM
+        takes no request afterwards."""
+        self.engine.shutdown()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

@@ -96,6 +96,7 @@ class LLMEngine:
         self._seed_rng = np.random.default_rng(self.config.model.seed)
         self._num_added = itertools.count()  # makes scheduler ids unique (_engine_ids)
         self._lock = threading.RLock()
+        self._shut_down = False
         # No gc.freeze() here: frozen objects are never collected, and a notebook that builds
         # a second LLM must get the first one's memory back. A process that owns its engine
         # for good (the CLI) may freeze after building it.
@@ -191,6 +192,8 @@ class LLMEngine:
         if isinstance(prompt, CheckedRequest) and params is not None:
             raise TypeError("params must be None with a CheckedRequest, which carries its own")
         with self._lock:
+            if self._shut_down:
+                raise RuntimeError(f"request {request_id!r}: the engine was shut down")
             if request_id in self._states:
                 raise ValueError(
                     f"request_id {request_id!r} is already in use by an unfinished request"
@@ -338,6 +341,19 @@ class LLMEngine:
         computed again. Returns False, changing nothing, while requests are unfinished."""
         with self._lock:
             return self.core.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Stop everything the engine owns that runs on its own (vLLM's AsyncLLM.shutdown is
+        the name): unfinished requests are aborted, then the runner's KV connector (transfer
+        server, lease and pull threads), the step tracer's thread and the grammar compilers
+        stop. Idempotent; a request added afterwards raises RuntimeError."""
+        with self._lock:
+            if self._shut_down:
+                return
+            self._shut_down = True
+            self.abort_request(list(self._states))
+            self.core.close()
+            self.structured.shutdown()
 
     def set_step_tracer(self, tracer: Callable[[StepTrace], None] | None) -> None:
         """Hand every later step's StepTrace (phase times, batch shape) to ``tracer``; None

@@ -1,6 +1,6 @@
 """Runner: the runner as EngineCore sees it (model_runner.ModelRunner is the one there is; the
 tests' fakes implement it too): dispatch a step whole, or its forward half and then its sample
-half, collect its results, reset after a failure.
+half, collect its results, reset after a failure, close at shutdown.
 """
 
 from __future__ import annotations
@@ -36,6 +36,10 @@ class Runner(Protocol):
         ...
 
     def reset(self) -> bool: ...
+
+    def close(self) -> None:
+        """Stop the runner's own threads and servers (the engine shuts down); idempotent."""
+        ...
 
     @property
     def max_num_sampling_rows(self) -> int:

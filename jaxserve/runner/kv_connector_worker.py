@@ -96,6 +96,14 @@ class KVConnectorWorker:
             future.cancel()
         self._jobs.clear()
 
+    def close(self) -> None:
+        """Drop every load and stop the reader threads (the engine shuts down: a read under
+        way is waited for); idempotent."""
+        self.reset()
+        if self._reader is not None:
+            self._reader.shutdown(wait=True, cancel_futures=True)
+            self._reader = None
+
     def _read(self, job: LoadJob) -> Any:
         """The job's leading blocks the store gives (in the reader thread)."""
         try:

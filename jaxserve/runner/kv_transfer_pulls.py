@@ -6,10 +6,18 @@ nobody answers on, or of an id its producer no longer offers (its lease ended an
 waits forever, whatever ``timeout`` it is given. So each pull runs in a thread of its own that
 the caller (a reader thread of the worker) waits for up to ``timeout_s``; past it the pull is
 abandoned (the load fails, and the request's kv_load_failure_policy applies) and its connection
-poisoned (``_poison_connection``: the blocked pull then raises and its thread ends). A thread
-that still does not end (a transport that ignores the poison) is kept in a bounded set: while
+poisoned (the blocked pull then raises and its thread ends). A thread that still does not end
+(a transport that ignores the poison, or one without it) is kept in a bounded set: while
 ``max_stuck`` are blocked, new pulls are refused at once, so repeated failures never grow the
 threads without bound, and the engine, which never waits for a pull, keeps stepping.
+``close`` (the engine shuts down) poisons every pull still running and refuses new ones.
+
+The poison is ``TransferConnection._poison_connection``, a private method: jax 0.10 (and
+jax's main branch as of this writing: jax/experimental/transfer.py) has no public way to
+abandon a pull, and its ``timeout`` does not end one that waits. So it is looked up, not
+assumed (``_poison``): a jax without it degrades to pulls that are abandoned but not woken
+(their threads counted in ``num_stuck``, bounded by ``max_stuck``), logged once, never an
+error.
 """
 
 from __future__ import annotations
@@ -36,6 +44,8 @@ class PullGuard:
         self.grace_s = grace_s
         self._lock = threading.Lock()
         self._stuck: set[threading.Thread] = set()
+        self._running: dict[threading.Thread, Any] = {}  # pull thread -> its connection
+        self._closed = False
         self.num_abandoned = 0  # pulls past timeout_s; monotonic
         self.num_refused = 0  # pulls not started: max_stuck threads blocked; monotonic
 
@@ -48,12 +58,13 @@ class PullGuard:
 
     def pull(self, connection: Any, fetch: Callable[[Any], Any], what: str) -> Any | None:
         """``fetch(connection)``'s result, or None: it failed (logged), it did not end in
-        ``timeout_s`` (abandoned: ``connection`` poisoned), or too many pulls are blocked."""
-        if self.num_stuck >= self.max_stuck:
+        ``timeout_s`` (abandoned: ``connection`` poisoned), too many pulls are blocked, or the
+        guard is closed."""
+        if self._closed or self.num_stuck >= self.max_stuck:
             with self._lock:
                 self.num_refused += 1
-            logger.warning("KV transfer: %s not started: %d abandoned pulls still blocked",
-                           what, self.max_stuck)  # fmt: skip
+            why = "the guard is closed" if self._closed else f"{self.max_stuck} pulls blocked"
+            logger.warning("KV transfer: %s not started: %s", what, why)
             return None
         result: list[Any] = []
 
@@ -62,9 +73,14 @@ class PullGuard:
                 result.append(fetch(connection))
             except Exception as e:  # the producer died mid-pull, or the pull was poisoned
                 logger.warning("KV transfer: %s failed (%s)", what, e)
+            finally:
+                with self._lock:
+                    self._running.pop(threading.current_thread(), None)
 
         thread = threading.Thread(target=run, name="jaxserve-kv-pull", daemon=True)
-        thread.start()
+        with self._lock:  # registered as it starts: run's finally unregisters it after
+            thread.start()
+            self._running[thread] = connection
         thread.join(self.timeout_s)
         if not thread.is_alive():
             return result[0] if result else None
@@ -72,14 +88,45 @@ class PullGuard:
             self.num_abandoned += 1
         logger.warning("KV transfer: %s still running after %.3g s; abandoned", what,
                        self.timeout_s)  # fmt: skip
-        poison = getattr(connection, "_poison_connection", None)
-        if poison is not None:
-            try:
-                poison()
-            except Exception as e:
-                logger.warning("KV transfer: could not close the connection of %s (%s)", what, e)
+        self._abandon(thread, connection, what)
+        return None
+
+    def close(self) -> None:
+        """Refuse new pulls and abandon the running ones (their connections poisoned, their
+        threads waited for ``grace_s`` each); idempotent."""
+        with self._lock:
+            self._closed = True
+            running = list(self._running.items())
+        for thread, connection in running:
+            self._abandon(thread, connection, "a pull running at shutdown")
+
+    def _abandon(self, thread: threading.Thread, connection: Any, what: str) -> None:
+        """Poison ``connection`` so its blocked pull raises, wait ``grace_s`` for ``thread``;
+        a thread still blocked is counted as stuck."""
+        _poison(connection, what)
         thread.join(self.grace_s)
         if thread.is_alive():
             with self._lock:
                 self._stuck.add(thread)
-        return None
+
+
+_warned_no_poison = False
+
+
+def _poison(connection: Any, what: str) -> None:
+    """Make ``connection``'s blocked pull raise, where this jax can (module docstring)."""
+    global _warned_no_poison
+    poison = getattr(connection, "_poison_connection", None)
+    if poison is None:
+        if not _warned_no_poison:
+            _warned_no_poison = True
+            logger.warning(
+                "KV transfer: this jax cannot abandon a pull (no "
+                "TransferConnection._poison_connection): %s stays blocked",
+                what,
+            )
+        return
+    try:
+        poison()
+    except Exception as e:
+        logger.warning("KV transfer: could not close the connection of %s (%s)", what, e)

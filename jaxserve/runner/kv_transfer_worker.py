@@ -9,7 +9,8 @@ is what travels) and offered with ``await_pull`` under the offer's id, with the 
 the server's timeout. The server drops the array after the pull; HeldOffers
 (kv_transfer_offers.py) releases it when its lease ends (the server alone would only when the
 next offer is made) or, oldest first, when the offers would hold more than
-``max_held_offers_fraction`` of the KV cache.
+``max_held_offers_fraction`` of the KV cache's device memory (which the memory plan reserves:
+offer_reserve.py).
 
 Consumer: each LoadJob (its ``source`` a PullSource) is pulled in one of the worker's reader
 threads (KVConnectorWorker's asynchronous loads): a fresh connection to the producer's server,
@@ -36,7 +37,7 @@ import numpy as np
 
 from jaxserve.core.kv_connector.base import KVConnectorMeta, LoadJob
 from jaxserve.core.kv_connector.transfer import PullSource, TransferConnector
-from jaxserve.kv_transfer_config import KVTransferConfig
+from jaxserve.kv_transfer_config import KVTransferConfig, max_held_blocks
 from jaxserve.runner.kv_connector_worker import KVCaches, KVConnectorWorker
 from jaxserve.runner.kv_transfer_copies import TransferCopies
 from jaxserve.runner.kv_transfer_offers import HeldOffers
@@ -107,8 +108,16 @@ class TransferWorker(KVConnectorWorker):
         return kv_caches
 
     def close(self) -> None:
-        """Release every held offer (the engine shuts down)."""
+        """The engine shuts down: every held offer released (the lease thread stopped), the
+        pulls under way abandoned, the reader threads stopped, and the transfer server
+        dropped. jax's server has no close of its own: it stops listening, and its port is
+        free again, once its last reference is gone, so nothing here keeps one. Idempotent."""
+        if self.server is None:
+            return
         self.offers.close()
+        self.pulls.close()  # before the readers are waited for: their pulls end now
+        super().close()
+        self.server = self.offers.server = None
 
     # ---- consumer -------------------------------------------------------------------------
     def _read(self, job: LoadJob) -> jax.Array | None:
@@ -176,8 +185,8 @@ def make_transfer_connector(
             f"devices ({e})"
         ) from e
     port = int(server.address().rsplit(":", 1)[1])
-    num_kv_blocks = page_shape[1]
-    max_held = max(1, int(config.max_held_offers_fraction * num_kv_blocks))
+    copy_ratio = tp_size if sharding is not None and sharding.kv_is_sharded else 1
+    max_held = max_held_blocks(config.max_held_offers_fraction, page_shape[1], copy_ratio)
     connector = TransferConnector(config, page_shape[2], fingerprint, (host, port),
                                   max_offer_blocks=max_held)  # fmt: skip
     return TransferWorker(connector, copies, server, config.pull_timeout_s, max_held)

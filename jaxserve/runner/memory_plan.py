@@ -25,6 +25,9 @@ figure is per device: under tensor parallelism each of the N devices holds the s
     KV blocks        (budget - weights - workspace) // bytes per block, block 0 (the engine's
                      reserved null block) among them; max_kv_tokens = the others x block_size
                      (the tokens requests can use: get_stats()["num_usable_kv_blocks"] x block_size)
+    held offers      a JaxTransferConnector producer's gathered copies awaiting their pulls,
+                     capped at max_held_offers_fraction of the pool (offer_reserve.py): the
+                     pool is the most blocks that fit in the KV budget with that cap beside
 
 It fits when the weights and the workspace leave room for at least one sequence of
 max_model_len tokens (ceil(max_model_len / block_size) blocks besides the null block), or,
@@ -38,18 +41,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import numpy as np
-
 from jaxserve.config import EngineConfig
 from jaxserve.models import TP_AXIS, CausalLM, ModelArchConfig, get_model
+from jaxserve.runner.memory_plan_checks import check_arguments
 from jaxserve.runner.memory_sizes import (
-    DTYPE_SIZES,
-    KV_DTYPE_SIZES,
     kv_bytes_per_token,
     kv_scales_bytes,
     weights_bytes,
     workspace_bytes,
 )
+from jaxserve.runner.offer_reserve import OfferReserve, held_offers_fraction_of, offer_reserve
 
 GIB = 1 << 30
 
@@ -83,6 +84,7 @@ class MemoryPlan:
     budget_bytes: int  # what weights + workspace + KV may take
     num_kv_blocks_requested: int | None  # an explicit pool size (CacheConfig.num_kv_blocks)
     quantization: str | None = None  # 8-bit linear weights ("int8" / "fp8"), or None
+    held_offers: OfferReserve | None = None  # a KV producer's held offers; None: not one
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -124,12 +126,19 @@ class MemoryPlan:
             return self.num_kv_blocks_requested
         return self._blocks(max_useful_blocks=self.max_num_seqs * self.blocks_per_seq + 1)
 
+    @property
+    def held_offers_bytes(self) -> int:
+        """The most a producer's held offers take beside the engine's pool (0: not one)."""
+        reserve = self.held_offers
+        return 0 if reserve is None else reserve.bytes(self.num_kv_blocks)
+
     def _blocks(self, max_useful_blocks: int | None) -> int:
         return blocks_for_budget(
             budget_bytes=self.budget_bytes,
             used_bytes=self._fixed_bytes,
             bytes_per_block=self.kv_bytes_per_block,
             max_useful_blocks=max_useful_blocks,
+            reserve=self.held_offers,
         )
 
     @property
@@ -147,12 +156,13 @@ class MemoryPlan:
         if self.kv_scales_bytes:
             used += f" + {self.kv_scales_bytes} bytes of KV scales"
         if self.num_kv_blocks_requested is not None:
-            pool = self.num_kv_blocks_requested * self.kv_bytes_per_block
+            pool = self.num_kv_blocks_requested * self.kv_bytes_per_block + self.held_offers_bytes
             if self._fixed_bytes + pool <= self.budget_bytes:
                 return None
+            held = f" + {self.held_offers_bytes} of held KV offers" if self.held_offers else ""
             return (
                 f"{used} + num_kv_blocks={self.num_kv_blocks_requested} x "
-                f"{self.kv_bytes_per_block} bytes = "
+                f"{self.kv_bytes_per_block} bytes{held} = "
                 f"{self._fixed_bytes + pool} bytes exceed the device's "
                 f"{self.budget_bytes} bytes"
             )
@@ -187,6 +197,8 @@ class MemoryPlan:
             else "lower max_model_len, max_num_batched_tokens or max_num_seqs, raise "
             "memory_utilization"
         )
+        if self.held_offers is not None:
+            remedy += " or lower max_held_offers_fraction"
         raise DoesNotFit(
             f"model {model!r} does not fit in device memory (per device, dtype {self.dtype}, "
             f"quantization={self.quantization!r}, tensor_parallel_size="
@@ -205,6 +217,7 @@ class MemoryPlan:
             "max_kv_tokens",
             "max_num_seqs_at_max_model_len",
             "num_kv_blocks",
+            "held_offers_bytes",
             "fits",
         ):
             out[name] = getattr(self, name)
@@ -228,8 +241,9 @@ def resolve_max_model_len(requested: int | None, arch: ModelArchConfig) -> int:
     return requested
 
 
-# plan_memory's arguments that its caller has resolved already; _check_arguments checks the rest.
-_RESOLVED_ARGUMENTS = ("arch", "quantization", "draft_arch")
+# plan_memory's arguments that its caller has resolved already, or that offer_reserve checks;
+# check_arguments (memory_plan_checks.py) checks the rest.
+_RESOLVED_ARGUMENTS = ("arch", "quantization", "draft_arch", "held_offers_fraction")
 
 
 def plan_memory(
@@ -248,6 +262,7 @@ def plan_memory(
     quantization: str | None = None,
     draft_arch: ModelArchConfig | None = None,
     platform: str | None = None,
+    held_offers_fraction: float | None = None,
 ) -> MemoryPlan:
     """The MemoryPlan of `arch` in `dtype` (already resolved: not "auto") on devices of
     `device_memory_bytes` each. Reads no weights and allocates nothing; a bad argument raises
@@ -261,8 +276,10 @@ def plan_memory(
         platform: "cpu", "gpu" or "tpu" (the ExecutionPlan's), whose compiler's sampler
             temporaries the workspace reserves (memory_sizes.sample_workspace_bytes); None:
             the largest measured.
+        held_offers_fraction: a JaxTransferConnector producer's max_held_offers_fraction,
+            whose cap of held offers the pool leaves room for; None: not a producer.
     """
-    _check_arguments(**{k: v for k, v in locals().items() if k not in _RESOLVED_ARGUMENTS})
+    check_arguments(**{k: v for k, v in locals().items() if k not in _RESOLVED_ARGUMENTS})
     model = get_model(arch, dtype=dtype, quantization=quantization)
     per_device, total, kv_per_token = _footprint(
         model, draft_arch, dtype, kv_cache_dtype, tensor_parallel_size
@@ -292,6 +309,13 @@ def plan_memory(
         budget_bytes=int(device_memory_bytes * utilization),
         num_kv_blocks_requested=num_kv_blocks,
         quantization=quantization,
+        held_offers=offer_reserve(
+            model,
+            held_offers_fraction,
+            kv_cache_dtype=kv_cache_dtype,
+            tensor_parallel_size=tensor_parallel_size,
+            block_size=block_size,
+        ),  # fmt: skip
     )
 
 
@@ -345,52 +369,27 @@ def memory_plan_for(
         quantization=quantization,
         draft_arch=draft_arch,
         platform=platform,
+        held_offers_fraction=held_offers_fraction_of(config),
     )
 
 
 def blocks_for_budget(
-    *, budget_bytes: int, used_bytes: int, bytes_per_block: int, max_useful_blocks: int | None
-) -> int:
-    """Blocks of `bytes_per_block` that fit in budget - used (0 when none), capped at
-    max_useful_blocks (None: no cap): the pool-sizing rule, on plain numbers."""
-    free = budget_bytes - used_bytes
-    blocks = free // bytes_per_block if free > 0 else 0
-    return blocks if max_useful_blocks is None else min(blocks, max_useful_blocks)
-
-
-def _check_arguments(
     *,
-    dtype: str,
-    kv_cache_dtype: str,
-    memory_utilization: float,
-    num_kv_blocks: int | None,
-    platform: str | None,
-    **positive_ints: int,
-) -> None:
-    """plan_memory's argument checks (TypeError / ValueError, each named with its value)."""
-    if platform not in (None, "cpu", "gpu", "tpu"):
-        raise ValueError(f"platform must be 'cpu', 'gpu', 'tpu' or None, got {platform!r}")
-    for name, value, sizes in (
-        ("dtype", dtype, DTYPE_SIZES),
-        ("kv_cache_dtype", kv_cache_dtype, KV_DTYPE_SIZES),
-    ):
-        if value not in sizes:
-            raise ValueError(f"{name} must be one of {sorted(sizes)}, got {value!r}")
-    for name, value in positive_ints.items():
-        _check_positive_int(name, value)
-    if num_kv_blocks is not None:
-        _check_positive_int("num_kv_blocks", num_kv_blocks)
-    if isinstance(memory_utilization, bool) or not (
-        isinstance(memory_utilization, (int, float)) and 0.0 < memory_utilization <= 1.0
-    ):
-        raise ValueError(f"memory_utilization must be in (0, 1], got {memory_utilization!r}")
-
-
-def _check_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
+    budget_bytes: int,
+    used_bytes: int,
+    bytes_per_block: int,
+    max_useful_blocks: int | None,
+    reserve: OfferReserve | None = None,
+) -> int:
+    """Blocks of `bytes_per_block` that fit in budget - used (0 when none), with a producer's
+    ``reserve`` of held offers beside them, capped at max_useful_blocks (None: no cap): the
+    pool-sizing rule, on plain numbers."""
+    free = budget_bytes - used_bytes
+    if reserve is not None:
+        blocks = reserve.pool_blocks(free, bytes_per_block)
+    else:
+        blocks = free // bytes_per_block if free > 0 else 0
+    return blocks if max_useful_blocks is None else min(blocks, max_useful_blocks)
 
 
 def gib(num_bytes: int) -> float:

@@ -233,6 +233,13 @@ class ModelRunner(StepCalls):
             steps.append(self.fused_compiles)
         return [*steps, self.copy_compiles]
 
+    def close(self) -> None:
+        """Stop what the runner owns that runs on its own: the KV connector's threads and
+        transfer server (the engine shuts down). The host KV tier holds host arrays only,
+        freed with the runner. Idempotent."""
+        if self.kv_connector is not None:
+            self.kv_connector.close()
+
     def reset(self) -> bool:
         """Forget every request: the recovery of an engine step that raised part-way. The host
         buffers are rebuilt empty. The KV pages survive unless the failed step left them

@@ -209,6 +209,9 @@ def test_max_waiting_requests_refuses_with_queue_full(expected):
             AsyncLLM.from_engine(engine.engine, max_waiting_requests=0)
     finally:
         engine.shutdown()
+    # It built its engine: shut down with it (LLMEngine.shutdown), which takes nothing more.
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.engine.add_request("late", prompts[0], DELTA)
 
 
 @pytest.mark.slow

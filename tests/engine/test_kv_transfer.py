@@ -6,11 +6,13 @@ a lease ended, another layout or prompt) is computed instead or fails the reques
 kv_load_failure_policy says, and so is an offer the producer's cap released for a newer one or a
 pull that hangs (abandoned after pull_timeout_s while the engine serves others); nothing is held
 afterwards on either side, and after a warm-up the connector's gathers and scatters compile
-nothing."""
+nothing. Shutting both engines down (the module's last test) stops every thread they started
+and frees the producer's transfer port."""
 
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 import numpy as np
@@ -22,6 +24,7 @@ from jaxserve.core.kv_cache_utils import extend_block_hashes
 from jaxserve.kv_transfer_config import KVTransferConfig
 from jaxserve.request import Request
 from jaxserve.runner.job_shapes import job_request, job_warmup_set
+from jaxserve.runner.kv_transfer_worker import make_transfer_connector
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PREFILL = SamplingParams(
@@ -35,13 +38,23 @@ def _kv(role: str, **extra) -> dict:
 
 
 @pytest.fixture(scope="module")
-def producer() -> LLMEngine:
-    return LLMEngine("tiny-random-llama", kv_transfer_config=_kv("kv_producer"), **CONFIG)
+def threads_before() -> set[threading.Thread]:
+    """The threads alive before the module's engines were built."""
+    return set(threading.enumerate())
 
 
 @pytest.fixture(scope="module")
-def consumer() -> LLMEngine:
-    return LLMEngine("tiny-random-llama", kv_transfer_config=_kv("kv_consumer"), **CONFIG)
+def producer(threads_before):
+    engine = LLMEngine("tiny-random-llama", kv_transfer_config=_kv("kv_producer"), **CONFIG)
+    yield engine
+    engine.shutdown()  # the last test shut it down already: harmless
+
+
+@pytest.fixture(scope="module")
+def consumer(threads_before):
+    engine = LLMEngine("tiny-random-llama", kv_transfer_config=_kv("kv_consumer"), **CONFIG)
+    yield engine
+    engine.shutdown()
 
 
 def _run(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams], tag: str):
@@ -257,6 +270,9 @@ def test_the_cap_releases_the_oldest_offer_and_its_consumer_recomputes(producer,
     offers.release_expired(now=float("inf"))  # the earlier tests' offers (pulled) released
     assert offers.num_held == 0 and offers.held_blocks == 0
     evicted, cap = offers.num_evicted, offers.max_blocks
+    # The cap is the one the memory plan reserved room for (max_held_offers_fraction 0.5).
+    assert producer.info.memory.held_offers.blocks(96) == cap == 48
+    assert consumer.info.memory.held_offers is None
     offers.max_blocks = 4
     try:
         params = _prefill(producer, prompts, "kp")
@@ -310,3 +326,43 @@ def test_a_hung_pull_never_blocks_the_engine(producer, consumer):
     assert stats["kv_transfer_pulls_abandoned"] == pulls.num_abandoned
     assert stats["kv_transfer_pulls_stuck"] == 0
     assert_nothing_held(consumer)
+
+
+def _ours(before: set[threading.Thread]) -> list[str]:
+    return sorted(t.name for t in threading.enumerate()
+                  if t.name.startswith("jaxserve") and t not in before)  # fmt: skip
+
+
+def test_shutdown_stops_every_thread_and_frees_the_transfer_port(
+    producer, consumer, threads_before
+):
+    """(The module's last test: it shuts the module's engines down.) The producer's lease
+    thread and the consumer's reader threads run; after shutdown none of the engines' threads
+    is alive, nobody listens on the producer's port, which anyone may bind again (a plain
+    socket, another transfer server); a second shutdown changes nothing, a new request is
+    refused."""
+    prompts = random_prompts(1, seed=60, lo=20, hi=30)
+    _decode(consumer, prompts, _prefill(producer, prompts, "sp"), "sc")
+    running = _ours(threads_before)
+    assert "jaxserve-kv-leases" in running and any(
+        n.startswith("jaxserve-kv-load") for n in running
+    )
+    port = producer.scheduler.kv_connector.port
+    socket.create_connection(("127.0.0.1", port), 2.0).close()  # it listens
+    for engine in (producer, consumer, producer, consumer):  # twice each: harmless
+        engine.shutdown()
+    assert _ours(threads_before) == []
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), 2.0)
+    with socket.socket() as s:  # the probe's TIME_WAIT allowed, a listener would not be
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+        s.listen()
+    config = KVTransferConfig.from_value(
+        _kv("kv_producer", kv_connector_extra_config={"transfer_port": port})
+    )
+    worker = make_transfer_connector(config, "m", 1, (1, 4, 8, 8), np.float32, None)
+    assert worker.connector.port == port
+    worker.close()
+    with pytest.raises(RuntimeError, match="shut down"):
+        producer.add_request("late", {"prompt_token_ids": prompts[0]}, GREEDY)

@@ -22,7 +22,8 @@ from jaxserve.pallas_kernels.ragged_paged_attention import AttentionImpl, Target
 from jaxserve.pallas_kernels.ragged_paged_attention.kv_quant import FP8_DTYPES, quantize
 from jaxserve.pallas_kernels.ragged_paged_attention.target import FP8_KV_DTYPES
 from jaxserve.runner.kv_scales import kv_scales_for, read_kv_scales
-from jaxserve.runner.memory_plan import KV_DTYPE_SIZES, plan_memory
+from jaxserve.runner.memory_plan import plan_memory
+from jaxserve.runner.memory_sizes import KV_DTYPE_SIZES
 from jaxserve.runner.plan import make_plan, self_check
 from jaxserve.runner.sharding import make_mesh
 

@@ -4,7 +4,8 @@ servers on 127.0.0.1: an offer's gathered copy is freed (the process's resident 
 by its size) when its lease ends with no step, when the cap releases it for a newer one, and
 after its pull; a released offer answers its late consumer with an error at once. A pull that
 never ends is abandoned and its connection poisoned, so its thread ends; threads a transport
-leaves blocked are bounded, and pulls past that bound are refused without a thread."""
+leaves blocked (or a jax without the poison) are bounded, and pulls past that bound are
+refused without a thread; closing the guard ends the pulls under way."""
 
 from __future__ import annotations
 
@@ -103,6 +104,43 @@ def test_abandoned_pulls_end_and_blocked_threads_stay_bounded():
         time.sleep(0.02)
     assert guard.num_stuck == 0
     assert guard.pull(_Blocking(), lambda c: "data", "a pull once unblocked") == "data"
+
+
+class _NoPoison:
+    """A connection of a jax without ``_poison_connection``: its pull blocks until released."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def pull(self, transfer_id: int, specs: list) -> list:
+        self.release.wait(60)
+        raise RuntimeError("connection closed")
+
+
+def test_close_ends_running_pulls_and_a_jax_without_the_poison_degrades():
+    """close() (the engine shuts down) poisons the pulls under way, which end, and refuses new
+    ones; where the connection cannot be poisoned, an abandoned pull's thread is counted as
+    stuck (bounded by max_stuck), never an error."""
+    guard = PullGuard(timeout_s=30.0, grace_s=1.0)
+    results = []
+    caller = threading.Thread(target=lambda: results.append(guard.pull(_Blocking(), _fetch, "p")))
+    caller.start()
+    for _ in range(100):  # until the pull runs
+        if guard._running:
+            break
+        time.sleep(0.01)
+    guard.close()
+    caller.join(5.0)
+    assert not caller.is_alive() and results == [None] and not guard._running
+    assert guard.pull(_Blocking(), lambda c: "data", "after close") is None
+    assert guard.num_refused == 1
+    guard.close()  # idempotent
+    old = PullGuard(timeout_s=0.05, max_stuck=1, grace_s=0.01)
+    conn = _NoPoison()
+    assert old.pull(conn, _fetch, "unpoisonable") is None
+    assert old.num_abandoned == 1 and old.num_stuck == 1
+    assert old.pull(_NoPoison(), _fetch, "refused") is None and old.num_refused == 1
+    conn.release.set()
 
 
 def test_a_real_pull_of_an_id_never_offered_is_poisoned_and_ends(servers):

@@ -182,6 +182,57 @@ def test_pool_is_capped_at_what_the_engine_can_use(llama3_8b: ModelArchConfig) -
     assert memory.max_kv_tokens == (memory.num_kv_blocks_fit - 1) * 16
 
 
+def test_a_producers_pool_leaves_room_for_its_held_offers(llama3_8b: ModelArchConfig) -> None:
+    """A JaxTransferConnector producer's offers may hold max_held_offers_fraction of its pool's
+    memory (gathered copies, replicated over the mesh): the plan sizes pool + cap together."""
+    block = 131_072 * 16
+    free = 136_257_837_465 - 16_060_522_496 - 2_232_680_448  # the H200 plan's KV budget
+    assert (
+        plan(llama3_8b).num_kv_blocks == free // block == 56_249 and not plan(llama3_8b).held_offers
+    )
+    producer = plan(llama3_8b, held_offers_fraction=0.5)
+    n = producer.num_kv_blocks
+    assert n == 37_499 and producer.held_offers.blocks(n) == 18_749  # n + n / 2 blocks fit
+    assert producer.held_offers_bytes == 18_749 * block
+    assert (n + 18_749) * block <= free < (n + 1 + 18_750) * block  # the most that fit
+    assert producer.max_kv_tokens == (n - 1) * 16 and producer.fits
+    # tp 8: pages sharded on the KV heads, each gathered block whole on every device (8 pool
+    # blocks' bytes there): the cap, a fraction of the pool's bytes, is 1/16 of its blocks.
+    tp8 = plan(llama3_8b, tensor_parallel_size=8, held_offers_fraction=0.5)
+    reserve = tp8.held_offers
+    assert reserve.copy_ratio == 8 and reserve.bytes_per_copy_block == block
+    assert reserve.blocks(tp8.num_kv_blocks) == tp8.num_kv_blocks // 16
+    assert tp8.held_offers_bytes <= 0.5 * tp8.num_kv_blocks * tp8.kv_bytes_per_block
+    # An explicit pool is checked with its cap beside it: 513 blocks fit 19 GiB, twice not.
+    fits = plan(llama3_8b, device_memory_bytes=19 * GIB, num_kv_blocks=513)
+    assert fits.fits and plan(llama3_8b, device_memory_bytes=19 * GIB, num_kv_blocks=513,
+                              held_offers_fraction=0.5).fits  # fmt: skip
+    full = plan(llama3_8b, device_memory_bytes=19 * GIB, num_kv_blocks=513, held_offers_fraction=1)
+    assert full.held_offers_bytes == 513 * block and not full.fits
+    assert f"{513 * block} of held KV offers" in full.shortfall()
+    with pytest.raises(ValueError, match="max_held_offers_fraction"):
+        full.check("llama")
+    with pytest.raises(ValueError, match=r"held_offers_fraction must be a number in \(0, 1\]"):
+        plan(llama3_8b, held_offers_fraction=0)
+
+
+def test_only_a_transfer_producer_reserves_held_offers() -> None:
+    def reserve(kv_connector: str, kv_role: str):
+        extra = {"max_held_offers_fraction": 0.25} if kv_connector == "JaxTransferConnector" else {}
+        config = EngineConfig.from_kwargs(
+            kv_transfer_config={"kv_connector": kv_connector, "kv_role": kv_role,
+                                "kv_connector_extra_config": extra},
+        )  # fmt: skip
+        return memory_plan_for(config, tiny_random_llama_arch(), dtype="float32",
+                               kv_cache_dtype="float32", max_model_len=256,
+                               device_memory_bytes=1 << 30).held_offers  # fmt: skip
+
+    assert reserve("JaxTransferConnector", "kv_producer").fraction == 0.25
+    assert reserve("JaxTransferConnector", "kv_both").fraction == 0.25
+    assert reserve("JaxTransferConnector", "kv_consumer") is None
+    assert reserve("SharedStorageConnector", "kv_both") is None
+
+
 @pytest.mark.parametrize(
     ("overrides", "error", "match"),
     [

@@ -319,3 +319,14 @@ def test_kernels_under_shard_map_match_transformers(results, family, backend):
             if a != b:  # only at a near-tie of transformers' own logits
                 assert hf["margins"][i] < 1e-3, (family, backend, i, a, b, hf["margins"][i])
                 break
+
+
+def test_kv_blocks_travel_between_two_tensor_parallel_engines(results):
+    """tp_transfer_case.py: a tp-2 producer's gathered blocks, pulled by a tp-2 consumer on
+    other devices, land bit for bit in its pages, which stay sharded on its own devices."""
+    transfer = results["transfer"]
+    assert transfer["written"] == 2 and transfer["same_bits"]
+    assert transfer["pulled_on"] == transfer["pages_on"] == [2, 3]
+    assert transfer["pages_sharded"]
+    producer, consumer = transfer["layouts"]
+    assert producer == consumer  # same model, block shape, dtype and tp: its offers are pulled

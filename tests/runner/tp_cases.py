@@ -21,6 +21,8 @@ separate process; test_tensor_parallel.py runs it once and checks the JSON it wr
                             the same with llama as its own draft model, sharded at tp 2
     maps                    memory maps and executables of llama warmed up at tp 8 with table
                             widths bucketed (runner/map_budget.py), and its greedy tokens
+    transfer                a JaxTransferConnector producer and consumer at tp 2 each, on
+                            disjoint devices (tp_transfer_case.py): the pulled blocks' bits
     kernels[family][backend]  at tp 2 under shard_map, each per-device attention for llama (xla,
                             cpu, pallas in interpret mode), the Pallas kernel for qwen3;
                             kernels[family]["hf"]: transformers' greedy tokens and top-2 margins
@@ -35,6 +37,7 @@ import sys
 from typing import Any
 
 import jax
+from tp_transfer_case import run_transfer
 
 from jaxserve import LLM, LLMEngine, SamplingParams
 from jaxserve.checkpoints_tools.convert import convert_hf_to_orbax
@@ -400,6 +403,7 @@ def main() -> None:
         "orbax": run_orbax(work),
         "fp8_calibration": run_fp8_calibration(work),
         "maps": run_maps(work),
+        "transfer": run_transfer(),
     }
     results_file.write_text(json.dumps(results))
 
