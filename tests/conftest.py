@@ -78,6 +78,41 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+_COLLECTION_BUILDS = pytest.StashKey[list[str]]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection(session: pytest.Session):
+    """Records what collecting the tests built in this process, XLA compilations and C++ CPU
+    kernels (the ``collection_builds`` fixture; tests/test_import_graph.py asserts nothing):
+    both are built on first use, when a test that needs one runs."""
+    from jaxserve.pallas_kernels import cpu_ffi
+    from jaxserve.runner.compile_cache import CompileEvents
+
+    built: list[str] = []
+    session.config.stash[_COLLECTION_BUILDS] = built
+    build = cpu_ffi.build
+
+    def recorded_build(source):
+        built.append(f"the C++ kernel {source.name}")
+        return build(source)
+
+    before = CompileEvents.in_thread()
+    cpu_ffi.build = recorded_build
+    try:
+        return (yield)
+    finally:
+        cpu_ffi.build = build
+        if compiled := CompileEvents.in_thread().since(before).compilations:
+            built.append(f"{compiled} XLA compilations")
+
+
+@pytest.fixture
+def collection_builds(request: pytest.FixtureRequest) -> list[str]:
+    """What collecting the tests built in this process (pytest_collection)."""
+    return request.config.stash[_COLLECTION_BUILDS]
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     _group_module_fixture_users(items)

@@ -31,7 +31,7 @@ SMOKE_EXPERIMENTS = "demo,construct,features,phases"
 def test_tiny_preset_end_to_end(tmp_path):
     out = tmp_path / "startup.json"
     argv = ["--preset", "tiny", "--output", str(out), "--experiments", SMOKE_EXPERIMENTS,
-            "--restart-repeats", "1"]  # one restarted pair: weights first, overlapped  # fmt: skip
+            "--restart-repeats", "0"]  # the restarted pairs: stood in for below  # fmt: skip
     report = startup.main(argv)
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
 
@@ -110,3 +110,25 @@ def test_workers_experiment_alternates_and_compares(monkeypatch):
     assert all(r["warmup_process"]["fresh_names"] == names for r in out["runs"]["2"])
     goal = startup.goals({"workers": out, "machine": {"jax_backend": "cpu"}})
     assert goal["concurrent_warmup_speedup"]["value"] == pytest.approx(2.0)
+
+
+def test_construct_restarts_alternate_on_the_first_processes_cache(monkeypatch):
+    """Experiment 2's restarted pairs without their processes: weights first and overlapped
+    alternate (a drift hits both alike), on the folder the first two processes filled, and
+    the overlap ratio is the ratio of their mean construction times."""
+    caches, specs = [], []
+
+    def child(spec, cache_dir, timeout=1800):
+        caches.append(cache_dir)
+        specs.append(spec)
+        construct_s = 4.0 if spec.get("weights_first") else 3.0
+        return {"wall_s": 9.0, "import_s": 1.0, "construct_s": construct_s, "weights_s": 0.5,
+                "engine": {"fresh": 0, "cache_hits": 3}, "warmup": {"warmup_s": 1.0},
+                "process": {"fresh": 0, "fresh_names": []}}  # fmt: skip
+
+    monkeypatch.setattr(startup, "run_child", child)
+    out = startup.construct(startup.PRESETS["tiny"], "tiny-random-llama", repeats=2)
+    assert len(set(caches)) == 1 and len(specs) == 6
+    assert [s.get("weights_first", False) for s in specs[2:]] == [True, False, False, True]
+    assert out["restart"]["order"] == ["weights_first", "overlapped", "overlapped", "weights_first"]
+    assert out["overlap_ratio"] == pytest.approx(0.75)
