@@ -142,6 +142,13 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
         help="compile each batch shape when it first runs instead of all at start-up",
     ),
     _flag(
+        "--enable-background-warmup",
+        action=argparse.BooleanOptionalAction,
+        help="serve once the smallest batch shapes are compiled, the rest compiling in the "
+        "background, each step capped at the largest ready meanwhile (default: on for "
+        "`jaxserve serve`; refused offline)",
+    ),
+    _flag(
         "--speculative-config",
         type=json_object,
         metavar="JSON",

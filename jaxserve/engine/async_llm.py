@@ -62,6 +62,10 @@ class AsyncLLM:
         max_waiting_requests: refuse a new request (QueueFullError) while this many wait to
             start (queued, not yet running); None: no bound.
         served_model_name: the ``model_name`` label of the metrics (default: the model).
+
+    ``enable_background_warmup`` defaults to True with a full warm-up (``warmup=True``, the
+    default): the engine answers requests once its smallest buckets are ready while the rest
+    compile in the background (engine/background_warmup.py); False warms everything up first.
     """
 
     def __init__(
@@ -72,8 +76,11 @@ class AsyncLLM:
         served_model_name: str | None = None,
         **kwargs: Any,
     ) -> None:
+        if kwargs.get("warmup", True) is True:
+            kwargs.setdefault("enable_background_warmup", True)
         gate = RequestGate(max_waiting_requests)
         self._start(LLMEngine(model=model, **kwargs), gate, served_model_name)
+        self._owns_engine = True
 
     @classmethod
     def from_engine(
@@ -90,6 +97,7 @@ class AsyncLLM:
             raise ValueError("AsyncLLM.from_engine needs an engine with no unfinished request")
         self = cls.__new__(cls)
         self._start(engine, gate, served_model_name)
+        self._owns_engine = False
         return self
 
     def _start(self, engine: LLMEngine, gate: RequestGate, served_model_name: str | None) -> None:
@@ -252,10 +260,14 @@ class AsyncLLM:
         self._inbox.put(("abort", request_id))
 
     def shutdown(self) -> None:
-        """Stop the engine thread (idempotent); unfinished requests fail with EngineError."""
+        """Stop the engine thread (idempotent); unfinished requests fail with EngineError.
+        An engine this AsyncLLM built (not from_engine's) stops its background warm-up too:
+        no thread of it outlives the call."""
         self._gate.stop()
         if threading.current_thread() is not self._thread:
             self._thread.join()
+        if self._owns_engine:
+            self.engine.shutdown()
 
     # ---- the engine thread ------------------------------------------------------------------
     def _run(self) -> None:

@@ -16,6 +16,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.host_block_pool import HostTier
 from jaxserve.core.sched.output import SchedulerOutput
 from jaxserve.core.sched.scheduler import Scheduler
+from jaxserve.core.sched.step_cap import StepTokenCap
 from jaxserve.engine.run_ahead import RunAheadPolicy
 from jaxserve.engine.runner_protocol import Runner
 from jaxserve.outputs import EngineCoreOutput, ModelRunnerOutput
@@ -58,6 +59,8 @@ class EngineCore:
         host_tier: the runner's host KV tier, or None.
         run_ahead: with async scheduling, the policy that decides step by step whether to
             run ahead (run_ahead.py: the CPU's plan); None: always.
+        token_cap: caps each step's tokens at what a server's warm-up has compiled so far
+            (core/sched/step_cap.py, raised by engine/background_warmup.py); None: no cap.
     """
 
     def __init__(
@@ -67,11 +70,13 @@ class EngineCore:
         num_kv_blocks: int,
         host_tier: HostTier | None = None,
         run_ahead: RunAheadPolicy | None = None,
+        token_cap: StepTokenCap | None = None,
     ) -> None:
         self.config = config
         self.runner = runner
         self.num_kv_blocks = num_kv_blocks
         self.host_tier = host_tier
+        self.token_cap = token_cap
         self.scheduler = self._new_scheduler(config)
         # Speculative decoding: proposes each step's drafts (None: off).
         self.spec = None
@@ -365,6 +370,7 @@ class EngineCore:
             max_num_sampling_rows=self.runner.max_num_sampling_rows,
             # the KV connector's scheduler half (runner/kv_connector_worker.py), if any
             kv_connector=getattr(getattr(self.runner, "kv_connector", None), "connector", None),
+            token_cap=self.token_cap,
         )
 
     # ---- introspection ----------------------------------------------------------------------

@@ -35,6 +35,7 @@ import numpy as np
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.sched.scheduler import Scheduler
+from jaxserve.engine.background_warmup import BackgroundWarmup
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.interrupts import defer_sigint
 from jaxserve.engine.prompts import PromptProcessor, PromptType
@@ -89,16 +90,34 @@ class LLMEngine:
             self.config.model.model,
         )
         policy = RunAheadPolicy() if info.plan.run_ahead == "measured" else None
-        self.core = EngineCore(self.config, runner, info.num_kv_blocks, info.host_tier, policy)
+        self._lock = threading.RLock()
+        # The rest of a server's warm-up, compiled while it serves (background_warmup.py);
+        # None: warm-up ended at construction (or comes per job).
+        self.background_warmup = None
+        if self.config.runner.enable_background_warmup:
+            self.background_warmup = BackgroundWarmup(
+                runner, self.exclusive, info.plan.compile_workers
+            )
+        cap = None if self.background_warmup is None else self.background_warmup.cap
+        self.core = EngineCore(
+            self.config, runner, info.num_kv_blocks, info.host_tier, policy, token_cap=cap
+        )
         self.structured = StructuredOutputs(self.tokenizer, info.vocab_size, info.eos_token_ids)
         self._states: dict[str, RequestState] = {}  # user request id -> state
         self._child_of: dict[str, tuple[str, int]] = {}  # scheduler id -> (user id, index)
         self._seed_rng = np.random.default_rng(self.config.model.seed)
         self._num_added = itertools.count()  # makes scheduler ids unique (_engine_ids)
-        self._lock = threading.RLock()
+        if self.background_warmup is not None:
+            self.background_warmup.start()
         # No gc.freeze() here: frozen objects are never collected, and a notebook that builds
         # a second LLM must get the first one's memory back. A process that owns its engine
         # for good (the CLI) may freeze after building it.
+
+    def shutdown(self) -> None:
+        """Stop the background warm-up, if one runs, and wait for its thread (idempotent;
+        the engine still steps afterwards, its steps capped where warm-up left them)."""
+        if self.background_warmup is not None:
+            self.background_warmup.stop()
 
     @property
     def scheduler(self) -> Scheduler:
@@ -356,6 +375,8 @@ class LLMEngine:
         counters alone, cheap enough to read after every step (AsyncLLM's metrics)."""
         with self._lock:
             stats = self.core.get_stats()
+        if self.background_warmup is not None:  # None once lifted
+            stats["step_token_cap"] = self.background_warmup.cap.tokens
         if include_plan:
             stats["plan"] = self.info.plan.as_dict()
         return stats
