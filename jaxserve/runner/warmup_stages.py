@@ -2,13 +2,13 @@
 
 The server's warm-up set (ModelRunner.warmup_set: every bucket) is cut by token bucket T into
 stages, in increasing T: the first stage holds every shape of at most FIRST_STAGE_TOKENS tokens
-(and, through warmup.compilations, every block copy, the host tier's and the KV connector's
-copies and a draft model's functions: each compiles once, whichever stage lists it first); each
-later stage one larger T, at every block-table width, with the sample half of its row bucket in
-every sampler variant. Once a stage has compiled and run, every step of at most its T tokens
-runs a compiled executable: rows are at most tokens (buckets.py), and every width and variant
-of a bucket is in its stage. So a step whose tokens are capped at the largest ready T
-(core/sched/step_cap.py) compiles nothing.
+(and, through warmup.compilations, the host tier's and the KV connector's copies and a draft
+model's functions: each compiles once, whichever stage lists it first); each later stage one
+larger T, at every block-table width, with the sample half of its row bucket in every sampler
+variant; each stage the block copies a step of its T can need. Once a stage has compiled and
+run, every step of at most its T tokens runs a compiled executable: rows are at most tokens
+(buckets.py), and every width and variant of a bucket is in its stage. So a step whose tokens
+are capped at the largest ready T (core/sched/step_cap.py) compiles nothing.
 
 The first stage compiles at construction, as the whole set did (startup.py); the others
 compile in engine/background_warmup.py's thread while the engine serves, through
@@ -50,15 +50,20 @@ class Stage:
 
 def warmup_stages(what: WarmupSet, first_tokens: int = FIRST_STAGE_TOKENS) -> list[Stage]:
     """``what`` cut into stages by token bucket (module docstring), in increasing T; the first
-    holds the shapes of at most ``first_tokens`` tokens (at least the smallest bucket's) and
-    the block copies, each later one a single larger T."""
+    holds the shapes of at most ``first_tokens`` tokens (at least the smallest bucket's), each
+    later one a single larger T. A step copies at most one block per request and has at most
+    T requests, so a stage's block copies are the sizes up to T rounded up to a power of two
+    that no earlier stage holds (the largest stage takes any left)."""
     buckets = sorted({t for t, _, _ in what.shapes})
     first = max([t for t in buckets if t <= first_tokens] or buckets[:1])
     groups = [[t for t in buckets if t <= first]] + [[t] for t in buckets if t > first]
-    stages = []
+    stages, copies_left = [], sorted(what.copy_sizes)
     for i, ts in enumerate(groups):
         shapes = tuple(s for s in what.shapes if s[0] in ts)
-        copies = what.copy_sizes if i == 0 else ()
+        last = i == len(groups) - 1
+        reach = 1 << (max(ts) - 1).bit_length()  # T rounded up to a power of two
+        copies = tuple(n for n in copies_left if n <= reach or last)
+        copies_left = [n for n in copies_left if n not in copies]
         stages.append(Stage(max(ts), WarmupSet(shapes, what.variants, copies)))
     return stages
 
