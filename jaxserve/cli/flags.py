@@ -222,6 +222,10 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
     argv: list[str] = []
     for flag in ENGINE_FLAGS:
         value = getattr(args, flag.dest, None)
+        negatable = flag.kwargs.get("action") is argparse.BooleanOptionalAction
+        if value is False and negatable:  # --no-async-scheduling, ... given
+            argv.append("--no-" + flag.options[0][2:])
+            continue
         if value is None or value is False:
             continue
         if value is True:
