@@ -95,13 +95,11 @@ class LLMEngine:
         # None: warm-up ended at construction (or comes per job).
         self.background_warmup = None
         if self.config.runner.enable_background_warmup:
-            self.background_warmup = BackgroundWarmup(
-                runner, self.exclusive, info.plan.compile_workers
-            )
-        cap = None if self.background_warmup is None else self.background_warmup.cap
+            self.background_warmup = BackgroundWarmup(runner, self._lock, info.plan.compile_workers)
         self.core = EngineCore(
-            self.config, runner, info.num_kv_blocks, info.host_tier, policy, token_cap=cap
-        )
+            self.config, runner, info.num_kv_blocks, info.host_tier, policy,
+            warmup=self.background_warmup,
+        )  # fmt: skip
         self.structured = StructuredOutputs(self.tokenizer, info.vocab_size, info.eos_token_ids)
         self._states: dict[str, RequestState] = {}  # user request id -> state
         self._child_of: dict[str, tuple[str, int]] = {}  # scheduler id -> (user id, index)

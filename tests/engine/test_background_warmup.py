@@ -42,11 +42,11 @@ def gated():
     release = threading.Event()
     warm_up = BackgroundWarmup._warm_up
 
-    def held(self, stage):
+    def held(self, stage, jobs):
         if stage.tokens == ENGINE["max_num_batched_tokens"]:
             while not release.wait(0.02):
                 self._checks()  # stop() still ends the thread
-        warm_up(self, stage)
+        warm_up(self, stage, jobs)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(BackgroundWarmup, "_warm_up", held)
