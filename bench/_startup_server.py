@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import tempfile
 
-SHORT_PROMPT = "Hello, my name is"
-LONG_PROMPT = " ".join(["The quick brown fox jumps over the lazy dog."] * 12)
+# Token ids (the 57M checkpoint has no tokenizer), in every model's vocabulary.
+SHORT_PROMPT = {"prompt_token_ids": [15, 87, 301, 42, 9]}
+LONG_PROMPT = {"prompt_token_ids": [(37 * i + 11) % 900 + 3 for i in range(120)]}
 MAX_TOKENS = 16
 MODES = {"off": False, "on": True}
 
