@@ -79,8 +79,8 @@ class AsyncLLM:
         if kwargs.get("warmup", True) is True:
             kwargs.setdefault("enable_background_warmup", True)
         gate = RequestGate(max_waiting_requests)
+        self._owns_engine = True  # its shutdown stops the engine's background warm-up
         self._start(LLMEngine(model=model, **kwargs), gate, served_model_name)
-        self._owns_engine = True
 
     @classmethod
     def from_engine(
@@ -96,8 +96,8 @@ class AsyncLLM:
         if engine.has_unfinished_requests():
             raise ValueError("AsyncLLM.from_engine needs an engine with no unfinished request")
         self = cls.__new__(cls)
-        self._start(engine, gate, served_model_name)
         self._owns_engine = False
+        self._start(engine, gate, served_model_name)
         return self
 
     def _start(self, engine: LLMEngine, gate: RequestGate, served_model_name: str | None) -> None:
