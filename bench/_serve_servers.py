@@ -184,8 +184,11 @@ def jaxserve_command(
     seed: int,
     async_scheduling: bool | None = None,
 ) -> list[str]:
-    """`jaxserve serve`'s command line; ``async_scheduling`` None leaves it to the plan."""
+    """`jaxserve serve`'s command line; ``async_scheduling`` None leaves it to the plan. The
+    server warms every shape up before it serves (no background warm-up): the load measures
+    a warmed server, as vLLM's captures its graphs first."""
     cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--model", model.path]
+    cmd.append("--no-enable-background-warmup")
     if async_scheduling is not None:
         cmd.append("--async-scheduling" if async_scheduling else "--no-async-scheduling")
     if model.tokenizer:

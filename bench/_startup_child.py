@@ -163,6 +163,35 @@ elif mode == "features":
             "output_tokens": sum(len(c.token_ids) for o in outputs for c in o.outputs),
         }
     out["features"] = rows
+elif mode == "server":  # a server's start: AsyncLLM(...) to a first request's first token
+    import asyncio
+    from jaxserve import AsyncLLM
+    start = time.perf_counter()
+    server = AsyncLLM(**spec["engine"], warmup=True, enable_background_warmup=spec["gate"])
+    out["construct_s"] = time.perf_counter() - start
+    warmup = server.engine.background_warmup
+    async def ask(prompt, request_id):
+        t0, first, tokens = time.perf_counter(), None, []
+        params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
+        async for o in server.generate(prompt, params, request_id):
+            first = first or time.perf_counter()
+            tokens = list(o.outputs[0].token_ids)
+        return {"ttft_s": first - t0, "latency_s": time.perf_counter() - t0, "tokens": tokens,
+                "at_s": t0 - start}
+    async def requests():
+        return [await ask(p, f"r{i}") for i, p in enumerate(spec["prompts"])]
+    out["requests"] = asyncio.run(requests())
+    out["first_token_s"] = out["requests"][0]["at_s"] + out["requests"][0]["ttft_s"]
+    T["first_token"] = time.time() - (time.perf_counter() - start - out["first_token_s"])
+    out["cap_after_requests"] = server.get_stats().get("step_token_cap")
+    if warmup is not None:
+        warmup.done.wait()  # the whole set compiled (and cached) before the process ends
+        out["warmup_done_s"] = time.perf_counter() - start
+    stats = server.get_stats()
+    out["engine"] = {"fresh": stats["num_compilations"],
+                     "cache_hits": stats["num_compilation_cache_hits"],
+                     "recompilations": stats["recompilations"]}
+    server.shutdown()
 else:
     raise SystemExit(f"unknown mode {mode}")
 out["cache_dir"] = jax.config.jax_compilation_cache_dir

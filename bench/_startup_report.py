@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from _startup_phases import print_phases
+from _startup_server import print_server
 
 
 def _r(v: float | None, width: int = 9, digits: int = 2) -> str:
@@ -21,7 +22,8 @@ def print_report(r: dict) -> None:
     print(head)
     print("-" * len(head))
     sections = {"demo": _print_demo, "construct": _print_construct, "workers": _print_workers,
-                "features": _print_features, "phases": print_phases}  # fmt: skip
+                "features": _print_features, "phases": print_phases,
+                "server": _print_servers}  # fmt: skip
     for name, section in sections.items():
         if name in r:
             section(r[name])
@@ -112,3 +114,10 @@ def _print_features(f: dict) -> None:
             f"{x['output_tokens']:6d}"
         )
     print("  (proc: fresh XLA compilations of anything in the process)")
+
+
+def _print_servers(servers: dict) -> None:
+    """Section 6, per model."""
+    for name, s in servers.items():
+        print(f"[{name}]")
+        print_server(s)

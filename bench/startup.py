@@ -27,6 +27,9 @@ Ratios, not absolute times, are the result: the machine is shared and noisy.
                  process, and a notebook's rebuild in the same process (_startup_phases.py).
                  vLLM's CPU backend where installed, else the issue's figure. Goal: 57M second
                  process <= 0.35x vLLM-CPU's LLM(...).
+    6 server     a server (AsyncLLM) from spawn to a short request's first token, then a long
+                 request, with enable_background_warmup off and on, cold and restarted
+                 (_startup_server.py). Goal: restarted, on <= 0.5x off; the same tokens.
 
 Compilations are counted two ways: the engine's (get_stats: the step and the block copy, fresh
 or loaded from the cache) and process-wide (jax's monitoring events: every XLA compilation in
@@ -63,9 +66,10 @@ from _startup_child import CHILD  # noqa: E402
 from _startup_phases import VLLM_CPU_ISSUE_S, phases  # noqa: E402
 from _startup_presets import FEATURE_PROMPTS, FEATURES, MIXED, PRESETS, Preset  # noqa: E402
 from _startup_report import print_report  # noqa: E402
+from _startup_server import server_start  # noqa: E402
 
 RESULTS = HERE / "results" / "startup.json"
-EXPERIMENTS = ("demo", "construct", "workers", "features", "phases")
+EXPERIMENTS = ("demo", "construct", "workers", "features", "phases", "server")
 CACHE_ENV = "JAXSERVE_COMPILATION_CACHE_DIR"  # jaxserve/runner/compile_cache.py ENV_VAR
 DEMO_INPUT = HERE.parent / "examples" / "prompts.jsonl"  # README's first command reads it
 
@@ -104,6 +108,7 @@ def run_child(spec: dict, cache_dir: str, timeout: float = 1800) -> dict:
     if out["cache_dir"] != cache_dir:
         raise RuntimeError(f"the child used cache {out['cache_dir']!r}, not {cache_dir!r}")
     out["wall_s"] = wall
+    out["spawn"] = spawn
     out["import_s"] = out["times"]["imported"] - spawn
     out["stdout"] = [x for x in lines if not x.startswith("RESULT ")]
     return out
@@ -307,6 +312,16 @@ def goals(report: dict) -> dict:
             "every SamplingParams feature: 0 compilations (fresh or cached) after warm-up",
             report["features"]["total_after_warmup"], 0, "==",
         )  # fmt: skip
+    if "server" in report:
+        for name, srv in report["server"].items():
+            out[f"server_{name}_restart_ratio"] = _goal(
+                f"{name}: restarted server's first token, background warm-up on <= 0.5x off",
+                srv["summary"]["restart_ratio"], 0.5, "<=",
+            )  # fmt: skip
+            out[f"server_{name}_same_tokens"] = _goal(
+                f"{name}: the same greedy tokens with and without background warm-up",
+                int(srv["same_tokens"]), 1, "==",
+            )  # fmt: skip
     big = report.get("phases", {}).get("models", {}).get("57m")
     if big is not None:
         second = big["runs"][1]["spawn_to_first_token_s"]
@@ -343,6 +358,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--restart-repeats", type=int, default=2,
         help="experiment 2's pairs of second processes (weights first vs overlapped)",
+    )  # fmt: skip
+    p.add_argument(
+        "--server-models", default="demo",
+        help="experiment 6's models, comma-separated: demo, 57m (default: demo)",
     )  # fmt: skip
     p.add_argument("--output", type=Path, default=RESULTS)
     return p.parse_args(argv)
@@ -382,6 +401,11 @@ def main(argv: list[str] | None = None) -> dict:
         "workers": lambda: workers(preset, model, args.workers, args.repeats or preset.repeats),
         "features": lambda: features(preset),
         "phases": lambda: phases(_phase_models(preset, model), child_env),
+        "server": lambda: {
+            name: server_start(engine, run_child, args.restart_repeats)
+            for name, engine in _phase_models(preset, model).items()
+            if name in args.server_models.split(",")
+        },
     }
     for i, name in enumerate(EXPERIMENTS):
         if name in chosen:

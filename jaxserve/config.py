@@ -240,6 +240,12 @@ class RunnerConfig:
     # (LLM.generate / stream), the shapes its requests can reach (runner/job_shapes.py),
     # LLM's default; False: on first use.
     warmup: bool | str = True
+    # With warmup=True: compile only the smallest token buckets at construction and the rest
+    # in a background thread while the engine serves, each step's tokens capped at the
+    # largest bucket ready meanwhile (engine/background_warmup.py). AsyncLLM and `jaxserve
+    # serve` turn it on unless told otherwise; an offline LLM refuses it (its jobs warm up
+    # before they start).
+    enable_background_warmup: bool = False
     # The plan checks its attention kernel once per process against the reference; on a
     # mismatch it takes the next implementation with a warning, or, when strict, raises.
     strict_kernels: bool = False
@@ -260,6 +266,16 @@ class RunnerConfig:
         if not isinstance(self.warmup, bool) and self.warmup != "job":
             raise TypeError(
                 f"RunnerConfig.warmup must be True, False or 'job', got {self.warmup!r}"
+            )
+        if not isinstance(self.enable_background_warmup, bool):
+            raise TypeError(
+                "RunnerConfig.enable_background_warmup must be a bool, got "
+                f"{self.enable_background_warmup!r}"
+            )
+        if self.enable_background_warmup and self.warmup is not True:
+            raise ValueError(
+                "RunnerConfig.enable_background_warmup=True needs warmup=True (the warm-up it "
+                f"finishes in the background), got warmup={self.warmup!r}"
             )
         if self.precompiled is not None and not isinstance(self.precompiled, str):
             raise TypeError(

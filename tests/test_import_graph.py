@@ -34,6 +34,7 @@ HOST_MODULES = [
     "jaxserve.core.sched.output_processor",
     "jaxserve.core.sched.spec_tokens",
     "jaxserve.core.sched.waiting",
+    "jaxserve.core.sched.step_cap",
     "jaxserve.core.sched.remote_kv",
     "jaxserve.core.kv_connector.shared_storage",
     "jaxserve.core.kv_connector.remote_hits",

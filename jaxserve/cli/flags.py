@@ -142,6 +142,13 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
         help="compile each batch shape when it first runs instead of all at start-up",
     ),
     _flag(
+        "--enable-background-warmup",
+        action=argparse.BooleanOptionalAction,
+        help="serve once the smallest batch shapes are compiled, the rest compiling in the "
+        "background, each step capped at the largest ready meanwhile (default: on for "
+        "`jaxserve serve`; refused offline)",
+    ),
+    _flag(
         "--speculative-config",
         type=json_object,
         metavar="JSON",
@@ -215,6 +222,10 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
     argv: list[str] = []
     for flag in ENGINE_FLAGS:
         value = getattr(args, flag.dest, None)
+        negatable = flag.kwargs.get("action") is argparse.BooleanOptionalAction
+        if value is False and negatable:  # --no-async-scheduling, ... given
+            argv.append("--no-" + flag.options[0][2:])
+            continue
         if value is None or value is False:
             continue
         if value is True:

@@ -62,6 +62,10 @@ class AsyncLLM:
         max_waiting_requests: refuse a new request (QueueFullError) while this many wait to
             start (queued, not yet running); None: no bound.
         served_model_name: the ``model_name`` label of the metrics (default: the model).
+
+    ``enable_background_warmup`` defaults to True with a full warm-up (``warmup=True``, the
+    default): the engine answers requests once its smallest buckets are ready while the rest
+    compile in the background (engine/background_warmup.py); False warms everything up first.
     """
 
     def __init__(
@@ -72,6 +76,8 @@ class AsyncLLM:
         served_model_name: str | None = None,
         **kwargs: Any,
     ) -> None:
+        if kwargs.get("warmup", True) is True:
+            kwargs.setdefault("enable_background_warmup", True)
         gate = RequestGate(max_waiting_requests)
         self._start(LLMEngine(model=model, **kwargs), gate, served_model_name, owned=True)
 
@@ -257,9 +263,9 @@ class AsyncLLM:
 
     def shutdown(self) -> None:
         """Stop the engine thread (idempotent); unfinished requests fail with EngineError. An
-        engine this client built is shut down with it (LLMEngine.shutdown: its KV connector's
-        server and threads, ...) before this returns (called from the engine thread itself:
-        as that thread ends)."""
+        engine this client built is shut down with it (LLMEngine.shutdown: its background
+        warm-up, its KV connector's server and threads, ...) before this returns (called from
+        the engine thread itself: as that thread ends)."""
         self._gate.stop()
         if threading.current_thread() is not self._thread:
             self._thread.join()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.host_block_pool import HostTier
@@ -31,6 +31,9 @@ from jaxserve.structured.step_masks import (
     with_finish_reasons,
     with_token_masks,
 )
+
+if TYPE_CHECKING:
+    from jaxserve.engine.background_warmup import BackgroundWarmup
 
 
 @dataclasses.dataclass
@@ -58,6 +61,9 @@ class EngineCore:
         host_tier: the runner's host KV tier, or None.
         run_ahead: with async scheduling, the policy that decides step by step whether to
             run ahead (run_ahead.py: the CPU's plan); None: always.
+        warmup: a server's background warm-up (background_warmup.py): each step first runs
+            the stage it has compiled, if any, and the scheduler's steps take at most its
+            cap's tokens (core/sched/step_cap.py); None: none.
     """
 
     def __init__(
@@ -67,11 +73,13 @@ class EngineCore:
         num_kv_blocks: int,
         host_tier: HostTier | None = None,
         run_ahead: RunAheadPolicy | None = None,
+        warmup: BackgroundWarmup | None = None,
     ) -> None:
         self.config = config
         self.runner = runner
         self.num_kv_blocks = num_kv_blocks
         self.host_tier = host_tier
+        self.warmup = warmup
         self.scheduler = self._new_scheduler(config)
         # Speculative decoding: proposes each step's drafts (None: off).
         self.spec = None
@@ -118,6 +126,8 @@ class EngineCore:
         and runs while the caller processes the outputs. A step ahead whose constrained
         requests need the learned tokens for their masks runs its forward half meanwhile; its
         sample half follows the learning (the masks built while the forward runs)."""
+        if self.warmup is not None:  # between two steps: a new bucket's first run
+            self.warmup.run_ready()
         policy = self.run_ahead_policy
         if not self.async_scheduling or policy is None:
             return self._step(self.async_scheduling)
@@ -365,6 +375,7 @@ class EngineCore:
             max_num_sampling_rows=self.runner.max_num_sampling_rows,
             # the KV connector's scheduler half (runner/kv_connector_worker.py), if any
             kv_connector=getattr(getattr(self.runner, "kv_connector", None), "connector", None),
+            token_cap=None if self.warmup is None else self.warmup.cap,
         )
 
     def close(self) -> None:

@@ -46,6 +46,11 @@ class LLM:
 
     def __init__(self, model: str = "tiny-random-llama", **kwargs: Any) -> None:
         kwargs.setdefault("warmup", "job")
+        if kwargs.get("enable_background_warmup"):
+            raise ValueError(
+                "LLM(enable_background_warmup=True): an offline LLM warms up before its work; "
+                "serving before warm-up ends is for servers (AsyncLLM, `jaxserve serve`)"
+            )
         self.engine = LLMEngine(model=model, **kwargs)
         self._counter = itertools.count()
         # Requests of stream() calls, and their outputs stepped by another call (a generate()

@@ -35,6 +35,7 @@ import numpy as np
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.sched.scheduler import Scheduler
+from jaxserve.engine.background_warmup import BackgroundWarmup
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.interrupts import defer_sigint
 from jaxserve.engine.prompts import PromptProcessor, PromptType
@@ -89,14 +90,24 @@ class LLMEngine:
             self.config.model.model,
         )
         policy = RunAheadPolicy() if info.plan.run_ahead == "measured" else None
-        self.core = EngineCore(self.config, runner, info.num_kv_blocks, info.host_tier, policy)
+        self._lock = threading.RLock()
+        # The rest of a server's warm-up, compiled while it serves (background_warmup.py);
+        # None: warm-up ended at construction (or comes per job).
+        self.background_warmup = None
+        if self.config.runner.enable_background_warmup:
+            self.background_warmup = BackgroundWarmup(runner, self._lock, info.plan.compile_workers)
+        self.core = EngineCore(
+            self.config, runner, info.num_kv_blocks, info.host_tier, policy,
+            warmup=self.background_warmup,
+        )  # fmt: skip
         self.structured = StructuredOutputs(self.tokenizer, info.vocab_size, info.eos_token_ids)
         self._states: dict[str, RequestState] = {}  # user request id -> state
         self._child_of: dict[str, tuple[str, int]] = {}  # scheduler id -> (user id, index)
         self._seed_rng = np.random.default_rng(self.config.model.seed)
         self._num_added = itertools.count()  # makes scheduler ids unique (_engine_ids)
-        self._lock = threading.RLock()
         self._shut_down = False
+        if self.background_warmup is not None:
+            self.background_warmup.start()
         # No gc.freeze() here: frozen objects are never collected, and a notebook that builds
         # a second LLM must get the first one's memory back. A process that owns its engine
         # for good (the CLI) may freeze after building it.
@@ -346,7 +357,11 @@ class LLMEngine:
         """Stop everything the engine owns that runs on its own (vLLM's AsyncLLM.shutdown is
         the name): unfinished requests are aborted, then the runner's KV connector (transfer
         server, lease and pull threads), the step tracer's thread and the grammar compilers
-        stop. Idempotent; a request added afterwards raises RuntimeError."""
+        stop. A server's background warm-up stops first, outside the lock (its thread may be
+        waiting for it to run a stage). Idempotent; a request added afterwards raises
+        RuntimeError."""
+        if self.background_warmup is not None:
+            self.background_warmup.stop()
         with self._lock:
             if self._shut_down:
                 return
@@ -372,6 +387,8 @@ class LLMEngine:
         counters alone, cheap enough to read after every step (AsyncLLM's metrics)."""
         with self._lock:
             stats = self.core.get_stats()
+        if self.background_warmup is not None:  # None once lifted
+            stats["step_token_cap"] = self.background_warmup.cap.tokens
         if include_plan:
             stats["plan"] = self.info.plan.as_dict()
         return stats

@@ -48,6 +48,7 @@ from jaxserve.runner.resolved_model import ResolvedModel, hub_arguments, resolve
 from jaxserve.runner.sharding import per_device_bytes, plan_sharding
 from jaxserve.runner.startup import StartupPipeline
 from jaxserve.runner.warmup import ServerWarmup, warm_up_all
+from jaxserve.runner.warmup_stages import first_stage
 from jaxserve.runner.xla_flags import apply_cpu_workarounds
 
 logger = logging.getLogger("jaxserve")
@@ -162,14 +163,16 @@ def start_runner(
 
     server = config.runner.warmup is True  # "job": before each job (engine/job_warmup.py)
     workers = unchecked.plan.compile_workers
+    # Serving before warm-up ends: only the first stage now (engine/background_warmup.py).
+    select = first_stage if config.runner.enable_background_warmup else None
     if _weights_first(unchecked):
         resolved = checked()
         ckpt = _load_weights(resolved)
         runner, host_tier = make(resolved, ckpt)
         if server:
-            warm_up_all(runner, workers)
+            warm_up_all(runner, workers, select)
         return runner, host_tier, ckpt, resolved
-    warmup = ServerWarmup(workers) if server else None
+    warmup = ServerWarmup(workers, select) if server else None
     return StartupPipeline(
         load=lambda: _load_weights(unchecked),
         resolve=checked,

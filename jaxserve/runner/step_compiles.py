@@ -151,24 +151,27 @@ class StepCompiles:
         with self._lock:
             self._loaded[self._dispatch_key(args)] = executable
             self._pending.remove(sig)
-            self._record(sig, from_cache=True)
+            self._record(sig, from_cache=True, ahead_of_time=True)
 
     def _discard(self, sig: Signature) -> None:
         with self._lock:
             self._pending.remove(sig)
 
-    def _compiled(self, sig: Signature, from_cache: bool) -> None:
+    def _compiled(self, sig: Signature, from_cache: bool, ahead_of_time: bool = False) -> None:
         with self._lock:
             if sig in self._pending:
                 self._pending.remove(sig)
-            self._record(sig, from_cache)
+            self._record(sig, from_cache, ahead_of_time)
 
-    def _record(self, sig: Signature, from_cache: bool) -> None:
+    def _record(self, sig: Signature, from_cache: bool, ahead_of_time: bool = False) -> None:
+        """Count a compilation; one after warm-up is explained unless it was compiled ahead of
+        time (``precompile``: a warm-up's, such as a server's background warm-up, which goes
+        on after the engine started serving: engine/background_warmup.py)."""
         if from_cache:
             self.num_cache_hits += 1
         else:
             self.num_fresh += 1
-        if self.warmed_up:
+        if self.warmed_up and not ahead_of_time:
             new, old = explain(sig, self._seen)
             self.events.append(
                 {"function": self.name, "new": new, "old": old, "from_cache": from_cache}
@@ -227,7 +230,7 @@ class Lowered:
         self.lowered = self.call = None  # the StableHLO module is no longer needed
         if compiles.store is not None:
             compiles.save_after_run(self.sig, compiled)
-        compiles._compiled(self.sig, hits > 0)
+        compiles._compiled(self.sig, hits > 0, ahead_of_time=True)
 
     def discard(self) -> None:
         """Forget a lowered call that will not be compiled (failed, or cancelled)."""

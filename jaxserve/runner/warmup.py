@@ -51,10 +51,12 @@ logger = logging.getLogger("jaxserve")
 LOAD_WORKERS = min(4, os.cpu_count() or 1)
 
 
-def warm_up_all(runner: ModelRunner, workers: int) -> None:
-    """Compile every step shape now and run each once (a server's warm-up, once its weights
-    are loaded), and log what it cost."""
-    server = ServerWarmup(workers)
+def warm_up_all(
+    runner: ModelRunner, workers: int, select: Callable[[WarmupSet], WarmupSet] | None = None
+) -> None:
+    """Compile every step shape now (or the part ``select`` takes: ServerWarmup) and run each
+    once (a server's warm-up, once its weights are loaded), and log what it cost."""
+    server = ServerWarmup(workers, select)
     server.compile(runner)
     server.run(runner)
 
@@ -62,19 +64,29 @@ def warm_up_all(runner: ModelRunner, workers: int) -> None:
 class ServerWarmup:
     """A server's warm-up (every bucket: ModelRunner.warmup_set) in its two halves: ``compile``
     needs only the runner's shapes (it may run while the weights load: startup.py), ``run``
-    runs each step once on the loaded weights, then logs the count and the seconds."""
+    runs each step once on the loaded weights, then logs the count and the seconds.
 
-    def __init__(self, workers: int) -> None:
+    Args:
+        workers: compilations at a time.
+        select: (the full set) -> the part to warm up now; default all of it. A server that
+            serves before its warm-up ends takes the first stage (warmup_stages.py) and
+            compiles the rest in the background (engine/background_warmup.py).
+    """
+
+    def __init__(
+        self, workers: int, select: Callable[[WarmupSet], WarmupSet] | None = None
+    ) -> None:
         self.workers = workers
+        self._select = select or (lambda what: what)
         self._start: float | None = None
 
     def compile(self, runner: ModelRunner, checks: Callable[[], None] | None = None) -> None:
         if self._start is None:
             self._start = time.perf_counter()
-        compile_set(runner, runner.warmup_set(), self.workers, checks)
+        compile_set(runner, self._select(runner.warmup_set()), self.workers, checks)
 
     def run(self, runner: ModelRunner) -> None:
-        run_set(runner, runner.warmup_set())
+        run_set(runner, self._select(runner.warmup_set()))
         logger.info(
             "warm-up: %d compilations (%d loaded from the compilation cache) in %.1f s, "
             "%d at a time",
@@ -112,14 +124,24 @@ def compile_set(
     for compiles in runner.all_compiles():
         compiles.begin_warmup()
     try:
-        stored, rest = _split_stored(compilations(runner, what))
-        if checks is not None:
-            stored, rest = checked(stored, checks), checked(rest, checks)
-        compile_concurrently(stored, LOAD_WORKERS)
-        compile_concurrently(rest, workers)
+        compile_jobs(*split_stored(compilations(runner, what)), workers, checks)
     finally:
         for compiles in runner.all_compiles():
             compiles.finish_warmup()
+
+
+def compile_jobs(
+    stored: list[Compilation],
+    rest: list[Compilation],
+    workers: int,
+    checks: Callable[[], None] | None = None,
+) -> None:
+    """Load the ``stored`` jobs from the executable store (LOAD_WORKERS at a time), then
+    compile the ``rest``, ``workers`` at a time, calling ``checks()`` before each."""
+    if checks is not None:
+        stored, rest = checked(stored, checks), checked(rest, checks)
+    compile_concurrently(stored, LOAD_WORKERS)
+    compile_concurrently(rest, workers)
 
 
 def run_set(runner: ModelRunner, what: WarmupSet) -> None:
@@ -133,7 +155,7 @@ def run_set(runner: ModelRunner, what: WarmupSet) -> None:
         compiles.save_ran(any(compiles is c for c in ran))
 
 
-def _split_stored(jobs: list[Compilation]) -> tuple[list[Compilation], list[Compilation]]:
+def split_stored(jobs: list[Compilation]) -> tuple[list[Compilation], list[Compilation]]:
     """(the jobs whose executable the store holds, the others)."""
     stored, rest = [], []
     for job in jobs:

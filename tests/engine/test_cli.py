@@ -131,6 +131,18 @@ def test_flags_map_to_sampling_defaults_and_engine_kwargs() -> None:
     assert flags.sampling_defaults(bare) == {} and flags.engine_kwargs(bare) == {}
 
 
+def test_negated_flags_reach_engine_kwargs_and_a_replicas_command_line() -> None:
+    args = generate_args("--prompt", "a", "--no-enable-background-warmup",
+                         "--no-async-scheduling", "--max-num-seqs", "4")  # fmt: skip
+    assert flags.engine_kwargs(args) == {
+        "enable_background_warmup": False, "async_scheduling": False, "max_num_seqs": 4,
+    }  # fmt: skip
+    argv = flags.engine_argv(args)
+    assert "--no-enable-background-warmup" in argv and "--no-async-scheduling" in argv
+    again = generate_args("--prompt", "a", *argv)
+    assert flags.engine_kwargs(again) == flags.engine_kwargs(args)
+
+
 def test_bad_jsonl_exits_2_naming_line_and_field(
     tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -31,6 +31,7 @@ from jaxserve.core.sched.remote_kv import RemoteKV
 from jaxserve.core.sched.spec_tokens import SpecDecodeStats, lookahead_slots, schedule_drafts
 from jaxserve.core.sched.stats import SchedulerStats, carry_kv_counters
 from jaxserve.core.sched.step_batch import StepBatch
+from jaxserve.core.sched.step_cap import StepTokenCap
 from jaxserve.core.sched.waiting import schedule_loaded, schedule_waiting
 from jaxserve.outputs import EngineCoreOutput, ModelRunnerOutput
 from jaxserve.request import Request, RequestStatus
@@ -55,6 +56,8 @@ class Scheduler:
         max_num_sampling_rows: logits rows a step may sample, one per request and per draft
             (the runner's row cap; default, and at least, max_num_seqs).
         kv_connector: the KV connector's scheduler half (core/kv_connector/), or None.
+        token_cap: caps each step's token budget while a server's warm-up goes on
+            (step_cap.py); None: the budget is max_num_batched_tokens.
 
     Requests live in ``requests`` from add_request until they finish; a request is in exactly
     one of ``waiting`` (WAITING or PREEMPTED), ``running`` (RUNNING, sorted by policy key) and
@@ -72,11 +75,13 @@ class Scheduler:
         num_lookahead_tokens: int = 0,
         max_num_sampling_rows: int | None = None,
         kv_connector: KVConnector | None = None,
+        token_cap: StepTokenCap | None = None,
     ) -> None:
         self.host = HostKVTier(cache_config, host_tier)
         self.kv_connector = kv_connector  # core/kv_connector/: KV shared with other engines
         self.remote = RemoteKV(kv_connector, cache_config.block_size)
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.token_cap = token_cap
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_model_len = scheduler_config.max_model_len
         self.block_size = cache_config.block_size
@@ -243,7 +248,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's tokens: running requests first, then waiting ones."""
-        step = StepBatch(self.max_num_batched_tokens)
+        budget = self.max_num_batched_tokens
+        step = StepBatch(budget if self.token_cap is None else self.token_cap.budget(budget))
         self._schedule_running(step)
         if not step.preempted_req_ids:
             schedule_loaded(self, step)
