@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
+import traceback
 
 import pytest
 
@@ -79,6 +81,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 _COLLECTION_BUILDS = pytest.StashKey[list[str]]()
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # one per XLA compilation
+_TESTS = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 @pytest.hookimpl(wrapper=True)
@@ -86,25 +90,30 @@ def pytest_collection(session: pytest.Session):
     """Records what collecting the tests built in this process, XLA compilations and C++ CPU
     kernels (the ``collection_builds`` fixture; tests/test_import_graph.py asserts nothing):
     both are built on first use, when a test that needs one runs."""
+    import jax.monitoring
+
     from jaxserve.pallas_kernels import cpu_ffi
-    from jaxserve.runner.compile_cache import CompileEvents
 
     built: list[str] = []
     session.config.stash[_COLLECTION_BUILDS] = built
-    build = cpu_ffi.build
+    build, collecting = cpu_ffi.build, threading.current_thread()
 
     def recorded_build(source):
         built.append(f"the C++ kernel {source.name}")
         return build(source)
 
-    before = CompileEvents.in_thread()
+    def recorded_compile(event: str, duration: float, **kwargs) -> None:
+        if event == _COMPILE_EVENT and threading.current_thread() is collecting:
+            here = [f for f in traceback.extract_stack() if f.filename.startswith(_TESTS)]
+            where = f"{here[0].filename[len(_TESTS) :]}:{here[0].lineno}" if here else "?"
+            built.append(f"an XLA compilation at {where}")
+
+    jax.monitoring.register_event_duration_secs_listener(recorded_compile)  # kept: no removal
     cpu_ffi.build = recorded_build
     try:
         return (yield)
     finally:
-        cpu_ffi.build = build
-        if compiled := CompileEvents.in_thread().since(before).compilations:
-            built.append(f"{compiled} XLA compilations")
+        cpu_ffi.build, collecting = build, None
 
 
 @pytest.fixture

@@ -32,7 +32,7 @@ E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
 # bits); below the smallest normal (2^-6 / 2^-14) the step is absolute (2^-9 / 2^-16).
 REL_ERROR = {E4M3: 2.0**-4, E5M2: 2.0**-3}
 ABS_STEP = {E4M3: 2.0**-9, E5M2: 2.0**-16}
-K_SCALE, V_SCALE = jnp.float32(0.5), jnp.float32(3.0)
+K_SCALE, V_SCALE = np.float32(0.5), np.float32(3.0)  # numpy: importing compiles nothing
 KERNELS = {
     "xla": ragged_paged_attention_chunked,
     "gpu": functools.partial(ragged_paged_attention_gpu, interpret=True),
@@ -181,9 +181,12 @@ def test_kernels_that_cannot_read_fp8_pages_raise() -> None:
     ("scales", "message"),
     [
         (dict(k_scale=K_SCALE), "k_scale and v_scale must be given together"),
-        (dict(k_scale=K_SCALE, v_scale=jnp.ones(2)), r"v_scale must be a float32 scalar"),
         (
-            dict(k_scale=jnp.float16(1), v_scale=V_SCALE),
+            dict(k_scale=K_SCALE, v_scale=np.ones(2, np.float32)),
+            r"v_scale must be a float32 scalar",
+        ),
+        (
+            dict(k_scale=np.float16(1), v_scale=V_SCALE),
             r"k_scale must be a float32 scalar \(shape \(\)\), got float16",
         ),
     ],
