@@ -55,6 +55,7 @@ PLAN_ENGINE_FLAGS = (
     "num_kv_blocks",
     "revision",
     "download_dir",
+    "kv_transfer_config",  # a JaxTransferConnector producer's pool leaves room for its offers
 )
 
 
@@ -245,6 +246,7 @@ def format_report(report: dict[str, Any]) -> str:
             f"{r['block_size']} tokens, besides the reserved null block)",
         ),
         ("engine's KV pool", _pool_line(r)),
+        *_held_offers_lines(r),
         (
             "sequences at once",
             f"{r['max_num_seqs_at_max_model_len']:,} of max_model_len={r['max_model_len']:,}",
@@ -265,6 +267,13 @@ def _pool_line(r: dict[str, Any]) -> str:
             f"of {r['blocks_per_seq']} blocks, plus the null block)"
         )
     return pool
+
+
+def _held_offers_lines(r: dict[str, Any]) -> list[tuple[str, str]]:
+    """A KV producer's held offers (kv_transfer_config), beside the pool; none otherwise."""
+    if not r["held_offers_bytes"]:
+        return []
+    return [("held KV offers", f"up to {_bytes(r['held_offers_bytes'])} beside the pool")]
 
 
 def _tp_line(r: dict[str, Any]) -> str:

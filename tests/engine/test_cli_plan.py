@@ -78,6 +78,27 @@ def test_llama3_8b_on_an_h200(llama3: str, capsys: pytest.CaptureFixture[str]) -
     assert text.rstrip().endswith("fits:                 yes")
 
 
+def test_a_kv_transfer_producer_leaves_room_for_its_held_offers(
+    llama3: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--kv-transfer-config: a JaxTransferConnector producer's pool and its cap of held offers
+    (max_held_offers_fraction of the pool) share the budget; a consumer's plan is the plain one."""
+    argv = ["--model", llama3, "--device-memory-gb", "141"]
+    _, plain = plan_json(capsys, *argv)
+    role = '{"kv_connector": "JaxTransferConnector", "kv_role": "%s"}'
+    _, producer = plan_json(capsys, *argv, "--kv-transfer-config", role % "kv_producer")
+    _, consumer = plan_json(capsys, *argv, "--kv-transfer-config", role % "kv_consumer")
+    assert plain["held_offers_bytes"] == consumer["held_offers_bytes"] == 0
+    assert consumer["num_kv_blocks"] == plain["num_kv_blocks"]
+    held, block = producer["held_offers_bytes"], producer["kv_bytes_per_block"]
+    pool = producer["num_kv_blocks"]
+    assert 0 < held <= 0.5 * pool * block  # the default fraction, 0.5
+    assert pool < plain["num_kv_blocks"] <= pool + held // block + 1  # the same budget
+    assert cli.main([
+        "plan", *argv, "--kv-transfer-config", role % "kv_producer"]) == 0  # fmt: skip
+    assert "held KV offers:" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     ("tp", "weights", "kv"), [(2, 8_030_527_488, 65_536), (8, 2_008_031_232, 16_384)]
 )
