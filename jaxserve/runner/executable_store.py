@@ -17,6 +17,14 @@ its argument signature (step_compiles.signature: every leaf's dtype and shape), 
 is only ever called with the arguments it was compiled for; jax also checks them at each call.
 Anything that does not match or fails to load is compiled instead (and logged), then saved.
 
+Only executables this process compiled are saved, never one jax loaded from its persistent
+compilation cache: XLA:CPU (jaxlib 0.10.2) builds a loaded executable from the serialized
+proto's object files without keeping them, so serializing it again writes its thunks and
+kernel names but no object code, and the process that loads that runs into "Function
+<kernel> not found" at its first call (the loader links no object file, so the kernel thunks'
+lookups fail). A fresh compile keeps its object files and serializes whole, before or after
+it ran.
+
 Loading runs only what the store holds: serialized executables are code, so a store must come
 from this machine's own cache folder or from a source as trusted as the code itself.
 """
@@ -238,10 +246,18 @@ class ExecutableStore:
             self.num_loaded += 1
         return compiled
 
-    def save(self, name: str, signature: dict[str, str], compiled: Any) -> None:
+    def save(
+        self, name: str, signature: dict[str, str], compiled: Any, from_cache: bool = False
+    ) -> None:
         """Keep ``compiled`` (a jax.stages.Compiled) for the next process; a failure is logged,
-        never raised (the engine runs on without it). Nothing is saved in a read-only one."""
+        never raised (the engine runs on without it). Nothing is saved in a read-only one, nor
+        an executable jax loaded from its persistent cache (``from_cache``): a deserialized
+        XLA:CPU executable serializes without its kernels' object code (module docstring)."""
         if self.read_only:
+            return
+        if from_cache:
+            logger.info("%s: not saved to the executable store: loaded from jax's compilation "
+                        "cache, not compiled (compiled next time)", name)  # fmt: skip
             return
         path = self._path(name, signature)
         try:

@@ -80,6 +80,36 @@ def test_a_manifest_of_other_fields_is_refused(tmp_path, caplog):
     assert "field 'jaxlib' differs" in caplog.text
 
 
+def _same_program():
+    """A new function object each call, of the same program: jax traces, lowers and compiles
+    it again (its in-memory caches are per function), so its persistent cache serves it."""
+
+    def f(x):
+        return (x.astype(jnp.bfloat16) * 3).astype(jnp.float32) + 1
+
+    return jax.jit(f)
+
+
+def test_an_executable_from_jax_cache_is_not_saved(tmp_path):
+    """XLA:CPU serializes an executable it deserialized (a persistent cache hit) without its
+    kernels' object code, and another process loading that fails when it runs ("Function ...
+    not found"): warm-up saves only what it compiled itself."""
+    from jaxserve.runner.compile_cache import enable_compilation_cache
+    from jaxserve.runner.step_compiles import StepCompiles, signature
+
+    if enable_compilation_cache() is None:  # the suite's folder, as an engine sets it
+        pytest.skip("the persistent compilation cache is off")
+    args, names = (jnp.arange(6, dtype=jnp.float32),), ("x",)
+    _same_program().lower(*args).compile()  # in jax's cache now (or already)
+    store = ExecutableStore.for_engine(str(tmp_path), _fields())
+    compiles = StepCompiles("f")
+    compiles.use_store(store)
+    compiles.lower(_same_program(), args, names).compile()
+    compiles.save_ran()
+    assert compiles.num_cache_hits == 1 and compiles.num_fresh == 0
+    assert store.num_saved == 0 and not store.has("f", signature(args, names, {}))
+
+
 SCRIPT = """
 import json, logging, sys
 logging.basicConfig(level=logging.INFO)
