@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 from jaxserve.aot.abstract_engine import AbstractEngine, build_abstract_engine
@@ -69,7 +70,8 @@ def compile_engine(
     for job in compilations(engine.runner, engine.runner.warmup_set(shapes)):
         keep = None if store is None else _saver(store, job)
         is_draft = any(job.compiles is c for c in draft_counters)
-        result = compile_job(job, mesh, draft=is_draft, on_compiled=keep)
+        with nullcontext() if store is None else store.fresh_compiles():
+            result = compile_job(job, mesh, draft=is_draft, on_compiled=keep)
         results.append(result)
         if on_result is not None:
             on_result(result)

@@ -22,6 +22,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -222,7 +223,8 @@ class Lowered:
                     return
                 self.lowered = fn.lower(*args)  # a failed load: compile it after all
             before = CompileEvents.in_thread()
-            compiled = self.lowered.compile()
+            with nullcontext() if compiles.store is None else compiles.store.fresh_compiles():
+                compiled = self.lowered.compile()
             loaded = CompileEvents.in_thread().since(before).cache_hits  # from jax's cache
             hits = self.cache_hits + loaded
         except BaseException:

@@ -90,24 +90,30 @@ def _same_program():
     return jax.jit(f)
 
 
-def test_an_executable_from_jax_cache_is_not_saved(tmp_path):
+def test_what_the_store_saves_was_compiled_not_loaded_from_jax_cache(tmp_path):
     """XLA:CPU serializes an executable it deserialized (a persistent cache hit) without its
-    kernels' object code, and another process loading that fails when it runs ("Function ...
-    not found"): warm-up saves only what it compiled itself."""
+    kernels' object code: loaded again, it fails at its first call ("Function ... not
+    found"). Warm-up compiles what the store saves past jax's cache, and the store refuses a
+    cache hit."""
     from jaxserve.runner.compile_cache import enable_compilation_cache
     from jaxserve.runner.step_compiles import StepCompiles, signature
 
     if enable_compilation_cache() is None:  # the suite's folder, as an engine sets it
         pytest.skip("the persistent compilation cache is off")
-    args, names = (jnp.arange(6, dtype=jnp.float32),), ("x",)
-    _same_program().lower(*args).compile()  # in jax's cache now (or already)
+    x = jnp.arange(6, dtype=jnp.float32)
+    args, names, sig = (x,), ("x",), {"x": "float32[6]"}
+    hit = _same_program().lower(*args).compile()  # in jax's cache now (or already)
+    hit = _same_program().lower(*args).compile()  # loaded from it
     store = ExecutableStore.for_engine(str(tmp_path), _fields())
+    store.save("hit", sig, hit, from_cache=True)
+    assert store.num_saved == 0 and not store.has("hit", sig)
     compiles = StepCompiles("f")
     compiles.use_store(store)
     compiles.lower(_same_program(), args, names).compile()
     compiles.save_ran()
-    assert compiles.num_cache_hits == 1 and compiles.num_fresh == 0
-    assert store.num_saved == 0 and not store.has("f", signature(args, names, {}))
+    assert compiles.num_fresh == 1 and compiles.num_cache_hits == 0  # compiled, not loaded
+    assert store.has("f", signature(args, names, {}))
+    np.testing.assert_array_equal(store.load("f", sig)(x), x * 3 + 1)  # its code came along
 
 
 SCRIPT = """
