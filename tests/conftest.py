@@ -46,6 +46,11 @@ def pytest_configure(config: pytest.Config) -> None:
     # controller before the workers start and removed at the end. The tests that count
     # compilations count fresh ones and cache hits together; tests of the cache itself set
     # their own folder (tests/runner/test_compile_cache.py).
+    # The engine's own executable store stays off on the CPU (its tests turn it on): many
+    # tests build engines of equal fields, and some patch what their steps trace, which a
+    # store keyed by jaxserve's source would not see. JAXSERVE_CPU_EXECUTABLE_STORE=1 runs the
+    # suite with it.
+    os.environ.setdefault("JAXSERVE_CPU_EXECUTABLE_STORE", "0")
     if not hasattr(config, "workerinput"):
         folder = tempfile.mkdtemp(prefix="jaxserve-test-xla-")
         config.stash[_CACHE_DIR] = folder

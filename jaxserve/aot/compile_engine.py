@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from typing import Any
 
 from jaxserve.aot.abstract_engine import AbstractEngine, build_abstract_engine
 from jaxserve.aot.compiler import BucketResult, compile_job
@@ -20,6 +22,7 @@ from jaxserve.aot.report import CompileReport
 from jaxserve.aot.roofline import StepModel
 from jaxserve.aot.targets import AcceleratorTarget
 from jaxserve.config import EngineConfig
+from jaxserve.runner.compile_cache import CompileEvents
 from jaxserve.runner.executable_store import ExecutableStore, fields_of
 from jaxserve.runner.step_compiles import signature
 from jaxserve.runner.warmup import compilations
@@ -65,12 +68,10 @@ def compile_engine(
     if output is not None:
         store = ExecutableStore.create(output, fields_of(engine.resolved, engine.arch))
     for job in compilations(engine.runner, engine.runner.warmup_set(shapes)):
-        keep = None
-        if store is not None:
-            sig = signature(job.args, job.names, {})
-            keep = lambda compiled, job=job, sig=sig: store.save(job.compiles.name, sig, compiled)  # noqa: E731
+        keep = None if store is None else _saver(store, job)
         is_draft = any(job.compiles is c for c in draft_counters)
-        result = compile_job(job, mesh, draft=is_draft, on_compiled=keep)
+        with nullcontext() if store is None else store.fresh_compiles():
+            result = compile_job(job, mesh, draft=is_draft, on_compiled=keep)
         results.append(result)
         if on_result is not None:
             on_result(result)
@@ -84,6 +85,20 @@ def compile_engine(
         step_model=_step_model(engine),
         decode_context=min(decode_context, engine.resolved.config.model.max_model_len),
     )
+
+
+def _saver(store: ExecutableStore, job: Any) -> Callable[[Any], None]:
+    """What keeps ``job``'s compiled executable in ``store``: not one jax loaded from its
+    persistent cache (in this thread, since now), which would serialize without its code
+    (ExecutableStore.save)."""
+    sig = signature(job.args, job.names, {})
+    before = CompileEvents.in_thread()
+
+    def keep(compiled: Any) -> None:
+        loaded = CompileEvents.in_thread().since(before).cache_hits > 0
+        store.save(job.compiles.name, sig, compiled, from_cache=loaded)
+
+    return keep
 
 
 def _shapes(

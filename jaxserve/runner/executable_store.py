@@ -17,12 +17,23 @@ its argument signature (step_compiles.signature: every leaf's dtype and shape), 
 is only ever called with the arguments it was compiled for; jax also checks them at each call.
 Anything that does not match or fails to load is compiled instead (and logged), then saved.
 
+On the CPU only executables XLA compiled in this process are saved, never one jax loaded
+from its persistent compilation cache: XLA:CPU (jaxlib 0.10.2) builds a loaded executable from
+the serialized proto's object files without keeping them, so serializing it again writes its
+thunks and kernel names but no object code, and a process that loads that fails at the first
+call ("Function <kernel> not found": no object file was linked). A fresh compile keeps its
+object files and serializes whole, before or after it ran. So a compile whose executable the
+store will save bypasses jax's cache (``fresh_compiles``), and the store refuses a cache hit
+that still comes its way (``save(from_cache=True)``). (XLA:GPU exports a loaded executable's
+kept binary, so elsewhere a cache hit is saved.)
+
 Loading runs only what the store holds: serialized executables are code, so a store must come
 from this machine's own cache folder or from a source as trusted as the code itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -215,6 +226,18 @@ class ExecutableStore:
             return False
         return True
 
+    def fresh_compiles(self) -> contextlib.AbstractContextManager[Any]:
+        """Around a compile whose executable this store will save: on the CPU, jax's persistent
+        cache is bypassed in this thread, so XLA compiles it and it serializes whole (a cache
+        hit would not be saved: ``save``). Elsewhere, or for a read-only store, nothing."""
+        if self.read_only or self.fields.get("backend") != "cpu":
+            return contextlib.nullcontext()
+        try:  # private, hence guarded: where it is gone, cache hits are just not saved
+            from jax._src.config import enable_compilation_cache
+        except ImportError:  # pragma: no cover - depends on the installed jax
+            return contextlib.nullcontext()
+        return enable_compilation_cache(False)
+
     def has(self, name: str, signature: dict[str, str]) -> bool:
         """Whether the store holds an executable of ``name`` for ``signature``."""
         return self._path(name, signature).exists()
@@ -238,10 +261,18 @@ class ExecutableStore:
             self.num_loaded += 1
         return compiled
 
-    def save(self, name: str, signature: dict[str, str], compiled: Any) -> None:
+    def save(
+        self, name: str, signature: dict[str, str], compiled: Any, from_cache: bool = False
+    ) -> None:
         """Keep ``compiled`` (a jax.stages.Compiled) for the next process; a failure is logged,
-        never raised (the engine runs on without it). Nothing is saved in a read-only one."""
+        never raised (the engine runs on without it). Nothing is saved in a read-only one, nor
+        an XLA:CPU executable jax loaded from its persistent cache (``from_cache``): it
+        serializes without its kernels' object code (module docstring)."""
         if self.read_only:
+            return
+        if from_cache and self.fields.get("backend") == "cpu":
+            logger.info("%s: not saved to the executable store: loaded from jax's compilation "
+                        "cache, not compiled (compiled next time)", name)  # fmt: skip
             return
         path = self._path(name, signature)
         try:
@@ -311,18 +342,16 @@ def use_executable_store(
             compiles.use_store(store)
 
 
-# XLA:CPU executables deserialized in another process sometimes fail when they run ("Function
-# convert_bitcast_fusion.5 not found"), seen with jaxlib 0.10.2 in the test suite's workers even
-# when serialized after a first run: on the CPU the store is off unless this variable is "1"
-# (its own tests, and measurements); GPU and TPU executables serialize whole.
+# The engine's own store on the CPU: on unless this variable is "0" (the test suite turns it off:
+# its tests build many engines of equal fields, some with patched step functions). It was off
+# by default while XLA:CPU executables loaded in another process failed at their first call
+# ("Function ... not found"): re-serialized persistent-cache hits (ExecutableStore.save).
 CPU_STORE_ENV = "JAXSERVE_CPU_EXECUTABLE_STORE"
 
 
 def _store_serves(platform: str) -> bool:
     """Whether the engine's own store is used on ``platform`` (CPU_STORE_ENV)."""
-    if platform != "cpu":
+    if platform != "cpu" or os.environ.get(CPU_STORE_ENV) != "0":
         return True
-    if os.environ.get(CPU_STORE_ENV) == "1":
-        return True
-    logger.info("executable store off on the CPU (%s=1 turns it on)", CPU_STORE_ENV)
+    logger.info("executable store off on the CPU (%s=0)", CPU_STORE_ENV)
     return False

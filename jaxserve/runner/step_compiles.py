@@ -22,6 +22,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,7 +63,7 @@ class StepCompiles:
         self._seen: list[Signature] = []
         self._pending: list[Signature] = []  # lowered ahead of time, not compiled yet
         self._lock = threading.Lock()  # lowered in one thread, compiled in others
-        self._unsaved: list[tuple[Signature, Any]] = []  # compiled, not yet run (save_ran)
+        self._unsaved: list[tuple[Signature, Any, bool]] = []  # not yet run (save_ran)
 
     def use_store(self, store: ExecutableStore | None) -> None:
         """Warm-up loads what ``store`` holds instead of compiling it, and saves there what it
@@ -90,19 +91,19 @@ class StepCompiles:
             self._compiled(signature(args, names, static), new.cache_hits > 0)
         return out
 
-    def save_after_run(self, sig: Signature, compiled: Any) -> None:
-        """Keep a compiled executable for the store until it has run (save_ran): XLA:CPU
-        generates some of an executable's kernels on its first run, and one serialized before
-        that lacks them (it loads, then fails with "Function ... not found")."""
-        self._unsaved.append((sig, compiled))
+    def save_after_run(self, sig: Signature, compiled: Any, from_cache: bool = False) -> None:
+        """Keep a compiled executable for the store until it has run (save_ran): only what
+        warm-up ran is kept. ``from_cache``: jax loaded it from its persistent cache, so the
+        store does not save it (ExecutableStore.save)."""
+        self._unsaved.append((sig, compiled, from_cache))
 
     def save_ran(self, ran: bool = True) -> None:
         """Save the executables kept by save_after_run to the store once warm-up ran them
         (``ran``); drop them otherwise (they are compiled again next time)."""
         unsaved, self._unsaved = self._unsaved, []
         if ran and self.store is not None:
-            for sig, compiled in unsaved:
-                self.store.save(self.name, sig, compiled)
+            for sig, compiled, from_cache in unsaved:
+                self.store.save(self.name, sig, compiled, from_cache)
 
     def begin_warmup(self) -> None:
         """A warm-up starts (the first, or a job's, job_shapes.py): its compilations are
@@ -222,14 +223,16 @@ class Lowered:
                     return
                 self.lowered = fn.lower(*args)  # a failed load: compile it after all
             before = CompileEvents.in_thread()
-            compiled = self.lowered.compile()
-            hits = self.cache_hits + CompileEvents.in_thread().since(before).cache_hits
+            with nullcontext() if compiles.store is None else compiles.store.fresh_compiles():
+                compiled = self.lowered.compile()
+            loaded = CompileEvents.in_thread().since(before).cache_hits  # from jax's cache
+            hits = self.cache_hits + loaded
         except BaseException:
             self.discard()
             raise
         self.lowered = self.call = None  # the StableHLO module is no longer needed
         if compiles.store is not None:
-            compiles.save_after_run(self.sig, compiled)
+            compiles.save_after_run(self.sig, compiled, from_cache=loaded > 0)
         compiles._compiled(self.sig, hits > 0, ahead_of_time=True)
 
     def discard(self) -> None:
