@@ -12,6 +12,7 @@ import numpy as np
 from jaxserve.core.sched.output import SchedulerOutput
 from jaxserve.outputs import EngineCoreOutput
 from jaxserve.request import Request
+from jaxserve.structured.batch_fill import fill_batched
 from jaxserve.structured.bitmask import ALL_ALLOWED, set_bits
 
 logger = logging.getLogger("jaxserve")
@@ -71,14 +72,18 @@ def token_masks(
     # request.
     num_words = sampling[0].constraints.num_words
     block = np.full((len(sampling) + sum(map(len, drafts)), num_words), ALL_ALLOWED, np.uint32)
+    # The grammars' rows in one call where the backend has a batch fill (batch_fill.py); the
+    # rest row by row.
+    batched = fill_batched(sampling, drafts, block)
     masks: dict[str, np.ndarray] = {}
     dead_ends: dict[str, int] = {}
     start = 0
-    for req, draft_ids in zip(sampling, drafts, strict=True):
+    for req, draft_ids, filled in zip(sampling, drafts, batched, strict=True):
         rid = req.request_id
         rows = block[start : start + 1 + len(draft_ids)]
         start += rows.shape[0]
-        filled = req.constraints.fill_masks(rows, req.output_token_ids, draft_ids)
+        if filled is None:
+            filled = req.constraints.fill_masks(rows, req.output_token_ids, draft_ids)
         dead = next((j for j in range(filled) if not rows[j].any()), None)
         if dead is not None:
             logger.warning("request %s: its constraints allow no token; it ends", rid)
