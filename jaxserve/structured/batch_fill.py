@@ -3,11 +3,13 @@ the grammar library (its BatchMaskFiller: llguidance's Rust threads, the GIL rel
 of one call per row (RequestConstraints.fill_masks: a mask, and with drafts a consume and a
 rollback, per row). Host side: step_masks.token_masks calls it, then fills row by row the
 requests it leaves (None): no grammar (bad words or allowed_token_ids only), a backend without
-a batch fill, and the rare rows that the batch cannot settle (RequestConstraints.finish_masks).
+a batch fill, and the rows that the batch cannot settle (RequestConstraints.finish_masks).
 
-The rows are bit-identical to the per-row path's (tests/structured/test_batch_fill.py): the
-filler writes the grammar's rows into their own zeroed block, and finish_masks applies
-allowed_token_ids and the bad words to them and stops where fill_masks stops.
+The filler writes straight into the step's block where the library's row width is the block's
+(else into a block of its own, ANDed in). A request with nothing but a grammar and no drafts is
+then done; the others go through finish_masks, which applies allowed_token_ids and the bad
+words and stops where fill_masks stops. The rows are bit-identical to the per-row path's
+(tests/structured/test_batch_fill.py).
 """
 
 from __future__ import annotations
@@ -35,11 +37,14 @@ def fill_batched(
             groups.setdefault(id(filler), (filler, []))[1].append((i, start))
         start += 1 + len(draft_ids)
     for filler, members in groups.values():
-        _fill_group(filler, members, sampling, drafts, block, filled)
+        if filler.bitmask_words == block.shape[1]:
+            _fill_in_place(filler, members, sampling, drafts, block, filled)
+        else:
+            _fill_apart(filler, members, sampling, drafts, block, filled)
     return filled
 
 
-def _fill_group(
+def _fill_in_place(
     filler: BatchMaskFiller,
     members: list[tuple[int, int]],
     sampling: list[Request],
@@ -47,8 +52,36 @@ def _fill_group(
     block: np.ndarray,
     filled: list[int | None],
 ) -> None:
-    """One filler's requests (``members``: (index in sampling, first row in block)): their
-    grammar rows in one call, then each request's rows finished (RequestConstraints)."""
+    """One filler's requests (``members``: (index in sampling, first row in block)), written
+    straight into ``block``; the rows of a request with drafts zeroed first (finish_masks
+    tells an unwritten row by it)."""
+    jobs, to_finish = [], []
+    for i, start in members:
+        draft_ids, constraints = drafts[i], sampling[i].constraints
+        if draft_ids:
+            block[start : start + 1 + len(draft_ids)] = 0
+        jobs.append((constraints.matcher, start, draft_ids))
+        if draft_ids or constraints.allowed is not None or constraints.bad_words:
+            to_finish.append((i, start))
+        else:
+            filled[i] = 1  # the grammar's row is the whole mask
+    filler.fill_rows(jobs, block)
+    for i, start in to_finish:
+        req, draft_ids = sampling[i], drafts[i]
+        rows = block[start : start + 1 + len(draft_ids)]
+        filled[i] = req.constraints.finish_masks(rows, rows, req.output_token_ids, draft_ids)
+
+
+def _fill_apart(
+    filler: BatchMaskFiller,
+    members: list[tuple[int, int]],
+    sampling: list[Request],
+    drafts: list[list[int]],
+    block: np.ndarray,
+    filled: list[int | None],
+) -> None:
+    """As _fill_in_place, for a library row wider than the block's (logits narrower than the
+    tokenizer): its rows in a zeroed block of their own, then finished into ``block``."""
     jobs, offsets, num_rows = [], [], 0
     for i, _ in members:
         jobs.append((sampling[i].constraints.matcher, num_rows, drafts[i]))

@@ -174,25 +174,37 @@ class RequestConstraints:
         drafts: list[int],
     ) -> int | None:
         """``fill_masks`` from the grammar's rows that the backend's BatchMaskFiller wrote
-        (``grammar_rows``: u32[1 + len(drafts), backend_words], zeroed before the fill; the
-        filler's rows follow the same drafts). The filler stops after a draft that ends the
-        grammar too, but writes one more row there (EOS only) where fill_masks stops: so a row
-        after an accepted draft that has one bit is checked with the matcher (rare: near a
-        grammar's end, or where it forces one token). A row left unwritten after an accepted
-        draft (the library refused a token its mask allowed) returns None, with ``rows``
-        all-allowed again: the caller uses fill_masks. Otherwise returns the rows filled, each
-        bit-identical to fill_masks'."""
+        (``grammar_rows``: u32[1 + len(drafts), backend_words], zeroed before the fill, or
+        ``rows`` itself where the widths agree; the filler's rows follow the same drafts). The
+        filler stops after a draft that ends the grammar too, but writes one more row there
+        (EOS only) where fill_masks stops: so a row after an accepted draft that has one bit is
+        checked with the matcher (rare: near a grammar's end, or where it forces one token).
+        Returns the rows filled, each bit-identical to fill_masks' and the rest all-allowed;
+        or None, ``rows`` all-allowed, where the library left a row unwritten after a draft its
+        own mask allowed (the caller uses fill_masks)."""
+        filled = self._finish(rows, grammar_rows, output_token_ids, drafts)
+        if filled is None or filled < len(rows):
+            rows[filled or 0 :] = ALL_ALLOWED
+        return filled
+
+    def _finish(
+        self,
+        rows: np.ndarray,
+        grammar_rows: np.ndarray,
+        output_token_ids: list[int],
+        drafts: list[int],
+    ) -> int | None:
         prefix = self._tail(output_token_ids) if self.bad_words else output_token_ids
-        width = self.num_words
+        width, apart = self.num_words, grammar_rows is not rows
         for j, row in enumerate(rows):
-            row &= grammar_rows[j, :width]
+            if apart:
+                row &= grammar_rows[j, :width]
             self._restrict(row, prefix)
             if j == len(drafts) or not has_bit(row, drafts[j]):
                 return j + 1
             after = grammar_rows[j + 1]
             if _at_most_one_bit(after):
                 if not after.any():
-                    rows[: j + 1] = ALL_ALLOWED
                     return None
                 if self._ends_grammar(drafts[: j + 1]):
                     return j + 1
