@@ -23,19 +23,21 @@ from tokenizers import Tokenizer
 from jaxserve.structured.llguidance_tags import struct_tag_grammar
 
 _JSON_DEFAULTS = {"whitespace_flexible": False}
-# The batch fill's threads: half the CPUs this process may use, at most 8. The caller waits
-# for them (the engine thread sleeps, GIL released), so the fill takes the engine's own core
-# and at most as many more; the other half stays with the runtime (the device's launches, a
-# CPU backend's compute, the server). On a 2-core machine that is one thread: the win there
-# is one call per step instead of one per row (the per-row Python costs several times
-# llguidance's own mask).
+# The batch fill's threads: half the CPUs this process may use, at most 8, and none (no batch
+# fill) where that is under 2. The caller waits for the pool (GIL released), so the fill takes
+# the engine's own core and at most as many more; the other half stays with the runtime (the
+# device's launches, a CPU backend's compute, the server). Under 4 CPUs the pool is not used:
+# measured on 2 cores (docs/benchmarks.md, "Structured outputs"), handing a step's masks to
+# one pool thread while the runtime's threads hold both cores made the mask build slower
+# than filling the rows on the engine's own thread.
 _MAX_FILL_THREADS = 8
 
 
 def fill_threads() -> int:
-    """The batch fill's thread count on this machine (see _MAX_FILL_THREADS)."""
+    """The batch fill's thread count on this machine; 0: none (see _MAX_FILL_THREADS)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, min(_MAX_FILL_THREADS, (cpus or 1) // 2))
+    threads = min(_MAX_FILL_THREADS, (cpus or 1) // 2)
+    return threads if threads >= 2 else 0
 
 
 class LLGuidanceBatchFiller:
@@ -43,9 +45,9 @@ class LLGuidanceBatchFiller:
     a step in one or two calls (one for the matchers without drafts, one for those with),
     with the GIL released."""
 
-    def __init__(self, bitmask_words: int, num_threads: int | None = None) -> None:
+    def __init__(self, bitmask_words: int, num_threads: int) -> None:
         self.bitmask_words = bitmask_words
-        self._executor = llguidance.LLExecutor(num_threads or fill_threads())
+        self._executor = llguidance.LLExecutor(num_threads)
 
     def fill_rows(
         self, jobs: list[tuple[LLGuidanceMatcher, int, list[int]]], out: np.ndarray
@@ -122,8 +124,6 @@ class LLGuidanceBackend:
         vocab_size: the model's logits width V (may exceed the tokenizer's vocabulary: the
             ids past it are never allowed).
         eos_token_ids: the ids that end generation; the grammar allows them once complete.
-        batch: whether its matchers offer the batch fill (LLGuidanceBatchFiller; False: they
-            are filled row by row, as a library without one would be: the tests' reference).
     """
 
     name = "llguidance"
@@ -133,7 +133,6 @@ class LLGuidanceBackend:
         tokenizer: Tokenizer,
         vocab_size: int,
         eos_token_ids: Iterable[int],
-        batch: bool = True,
     ):
         n_vocab = max(vocab_size, tokenizer.get_vocab_size(with_added_tokens=True))
         eos = sorted(eos_token_ids)
@@ -141,7 +140,10 @@ class LLGuidanceBackend:
             tokenizer.to_str(), n_vocab=n_vocab, eos_token=eos or None
         )
         self.bitmask_words = (n_vocab + 31) // 32
-        self.batch_filler = LLGuidanceBatchFiller(self.bitmask_words) if batch else None
+        # Its matchers' batch fill (step_masks: the grammars' rows of a step in one call), on
+        # a machine with the CPUs for it (fill_threads).
+        threads = fill_threads()
+        self.batch_filler = LLGuidanceBatchFiller(self.bitmask_words, threads) if threads else None
         # llguidance's special tokens (every added token, "special" or not: Qwen's <tool_call>
         # too), by their text: structural-tag triggers that name one (llguidance_tags.py).
         added = tokenizer.get_added_tokens_decoder()

@@ -13,8 +13,9 @@ import pytest
 from jaxserve import SamplingParams
 from jaxserve.checkpoints_tools.tiny_random import build_tiny_tokenizer
 from jaxserve.core.sched.output import SchedulerOutput
+from jaxserve.structured import llguidance_backend
 from jaxserve.structured.batch_fill import fill_batched
-from jaxserve.structured.llguidance_backend import LLGuidanceBatchFiller, fill_threads
+from jaxserve.structured.llguidance_backend import LLGuidanceBatchFiller
 from jaxserve.structured.manager import StructuredOutputs
 from jaxserve.structured.request_constraints import ALL_ALLOWED
 from jaxserve.structured.step_masks import token_masks
@@ -44,6 +45,12 @@ PARAMS = [
 @pytest.fixture(scope="module")
 def tokenizer():
     return build_tiny_tokenizer()
+
+
+@pytest.fixture(autouse=True)
+def two_fill_threads(monkeypatch):
+    """The batch fill on whatever CPUs the test has (it is off under 4: fill_threads)."""
+    monkeypatch.setattr(llguidance_backend, "fill_threads", lambda: 2)
 
 
 def _allowed(row: np.ndarray) -> np.ndarray:
@@ -154,11 +161,18 @@ def test_batch_masks_are_bit_identical_to_the_per_row_masks(tokenizer, vocab_siz
     assert batched_rows > 0 and settled == 0
 
 
+def test_fill_threads_are_half_the_cpus_and_none_under_four(monkeypatch):
+    monkeypatch.undo()
+    for cpus, threads in ((1, 0), (2, 0), (3, 0), (4, 2), (16, 8), (64, 8)):
+        monkeypatch.setattr(llguidance_backend.os, "sched_getaffinity", lambda _, n=cpus: range(n))
+        assert llguidance_backend.fill_threads() == threads
+
+
 def test_the_filler_refuses_rows_of_another_width_or_past_the_block(tokenizer):
     structured = StructuredOutputs(tokenizer, 1061, [EOS])
     state = structured.check(SamplingParams(**PARAMS[1])).new_state()
     filler = state.matcher.batch_filler
-    assert isinstance(filler, LLGuidanceBatchFiller) and 1 <= fill_threads() <= 8
+    assert isinstance(filler, LLGuidanceBatchFiller)
     with pytest.raises(ValueError, match="out rows have 33 words, the tokenizer's 34"):
         filler.fill_rows([(state.matcher, 0, [])], np.zeros((1, 33), np.uint32))
     with pytest.raises(ValueError, match="draft rows pass out's 2 rows"):
