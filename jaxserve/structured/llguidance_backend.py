@@ -23,21 +23,21 @@ from tokenizers import Tokenizer
 from jaxserve.structured.llguidance_tags import struct_tag_grammar
 
 _JSON_DEFAULTS = {"whitespace_flexible": False}
-# The batch fill's threads: half the CPUs this process may use, at most 8, and none (no batch
-# fill) where that is under 2. The caller waits for the pool (GIL released), so the fill takes
-# the engine's own core and at most as many more; the other half stays with the runtime (the
-# device's launches, a CPU backend's compute, the server). Under 4 CPUs the pool is not used:
-# measured on 2 cores (docs/benchmarks.md, "Structured outputs"), handing a step's masks to
-# one pool thread while the runtime's threads hold both cores made the mask build slower
-# than filling the rows on the engine's own thread.
+# The batch fill's threads: half the CPUs this process may use, at least 2 and at most 8; none
+# (rows filled one by one on the engine's thread) on a single CPU. The caller waits for the
+# pool with the GIL released, so a pool of one thread would only hand the work over; two on a
+# 2-core machine measured best there (docs/benchmarks.md, "Structured outputs": the device
+# idled 0.04-0.14 ms before a constrained step against 0.19-0.24 filled row by row, and 0.16-0.20
+# with one thread). Beyond 4 CPUs half stays with the runtime (the device's launches, a CPU
+# backend's compute, the server's threads).
 _MAX_FILL_THREADS = 8
 
 
 def fill_threads() -> int:
     """The batch fill's thread count on this machine; 0: none (see _MAX_FILL_THREADS)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    threads = min(_MAX_FILL_THREADS, (cpus or 1) // 2)
-    return threads if threads >= 2 else 0
+    cpus = cpus or 1
+    return 0 if cpus < 2 else min(_MAX_FILL_THREADS, max(2, cpus // 2))
 
 
 class LLGuidanceBatchFiller:
