@@ -47,6 +47,7 @@ HOST_MODULES = [
     "jaxserve.structural_tag",
     "jaxserve.structured.manager",
     "jaxserve.structured.step_masks",
+    "jaxserve.structured.batch_fill",
     "jaxserve.structured.draft_checks",
     "jaxserve.structured.llguidance_backend",
     # the fronts over replicas: no jax, so they never take the devices they hand out

@@ -1,5 +1,7 @@
 """The interface a grammar library implements for jaxserve (llguidance_backend.py is the one
-there is; a second library is one more module with these three classes)."""
+there is; a second library is one more module with these classes). A library that can fill
+many masks in one call offers a BatchMaskFiller through its matchers' ``batch_filler``; one
+without it (``batch_filler`` None) is filled row by row (RequestConstraints.fill_masks)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,9 @@ import numpy as np
 class Matcher(Protocol):
     """The state of one request in its grammar: which tokens may come next, and the tokens that
     came. Owned by one request (RequestConstraints); never shared."""
+
+    # The library's batch fill for matchers of its own (shared by all of them), or None.
+    batch_filler: BatchMaskFiller | None
 
     def fill_bitmask(self, out: np.ndarray) -> None:
         """Write the allowed next tokens into ``out`` (u32[bitmask_words], bit ``t % 32`` of
@@ -38,6 +43,21 @@ class Matcher(Protocol):
 
     def error(self) -> str:
         """Why the matcher failed ("" when it did not)."""
+        ...
+
+
+class BatchMaskFiller(Protocol):
+    """Fills the mask rows of many matchers in one call (a library's own threads)."""
+
+    bitmask_words: int  # u32 words of a row it fills (the backend's bitmask_words)
+
+    def fill_rows(self, jobs: list[tuple[Matcher, int, list[int]]], out: np.ndarray) -> None:
+        """For each ``(matcher, row, drafts)``: write into ``out[row + j]`` the matcher's mask
+        after drafts[:j] (each u32[bitmask_words] as Matcher.fill_bitmask), for j = 0 up to
+        len(drafts), stopping after the first row whose draft the grammar forbids and after
+        the row that follows a draft ending the grammar (that row: EOS only); the rows it
+        stops before are not written. Each matcher is left as it was. ``out``:
+        u32[rows, bitmask_words], C-contiguous; the jobs' rows do not overlap."""
         ...
 
 

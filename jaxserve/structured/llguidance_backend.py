@@ -12,6 +12,7 @@ model does.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable
 
 import llguidance
@@ -22,13 +23,63 @@ from tokenizers import Tokenizer
 from jaxserve.structured.llguidance_tags import struct_tag_grammar
 
 _JSON_DEFAULTS = {"whitespace_flexible": False}
+# The batch fill's threads: half the CPUs this process may use, at least 2 and at most 8; none
+# (rows filled one by one on the engine's thread) on a single CPU. The caller waits for the
+# pool with the GIL released, so a pool of one thread would only hand the work over; two on a
+# 2-core machine measured best there (docs/benchmarks.md, "Structured outputs": the device
+# idled 0.04-0.14 ms before a constrained step against 0.19-0.24 filled row by row, and 0.16-0.20
+# with one thread). Beyond 4 CPUs half stays with the runtime (the device's launches, a CPU
+# backend's compute, the server's threads).
+_MAX_FILL_THREADS = 8
+
+
+def fill_threads() -> int:
+    """The batch fill's thread count on this machine; 0: none (see _MAX_FILL_THREADS)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cpus = cpus or 1
+    return 0 if cpus < 2 else min(_MAX_FILL_THREADS, max(2, cpus // 2))
+
+
+class LLGuidanceBatchFiller:
+    """backend.BatchMaskFiller over an llguidance.LLExecutor (a Rust thread pool): the rows of
+    a step in one or two calls (one for the matchers without drafts, one for those with),
+    with the GIL released."""
+
+    def __init__(self, bitmask_words: int, num_threads: int) -> None:
+        self.bitmask_words = bitmask_words
+        self._executor = llguidance.LLExecutor(num_threads)
+
+    def fill_rows(
+        self, jobs: list[tuple[LLGuidanceMatcher, int, list[int]]], out: np.ndarray
+    ) -> None:
+        if out.dtype != np.uint32 or out.ndim != 2 or not out.flags["C_CONTIGUOUS"]:
+            raise ValueError(f"fill_rows: out must be contiguous u32[rows, words], got {out.dtype}")
+        if out.shape[1] != self.bitmask_words:
+            raise ValueError(
+                f"fill_rows: out rows have {out.shape[1]} words, the tokenizer's "
+                f"{self.bitmask_words}"
+            )
+        plain = [(m._matcher, row) for m, row, drafts in jobs if not drafts]
+        drafted = [(m._matcher, row, list(drafts)) for m, row, drafts in jobs if drafts]
+        ptr, row_bytes, num_rows = out.ctypes.data, out.shape[1] * 4, out.shape[0]
+        if plain:
+            self._executor.unsafe_compute_mask_ptr(plain, ptr, row_bytes, num_rows)
+        if drafted:
+            if any(row + len(d) >= num_rows for _, row, d in drafted):
+                raise ValueError(f"fill_rows: a job's draft rows pass out's {num_rows} rows")
+            self._executor.unsafe_compute_mask_ptr_with_draft_token(
+                drafted, ptr, row_bytes, num_rows
+            )
 
 
 class LLGuidanceMatcher:
     """backend.Matcher over an llguidance.LLMatcher."""
 
-    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+    def __init__(
+        self, matcher: llguidance.LLMatcher, batch_filler: LLGuidanceBatchFiller | None = None
+    ) -> None:
         self._matcher = matcher
+        self.batch_filler = batch_filler
 
     def fill_bitmask(self, out: np.ndarray) -> None:
         if out.dtype != np.uint32 or out.ndim != 1 or not out.flags["C_CONTIGUOUS"]:
@@ -55,11 +106,14 @@ class LLGuidanceMatcher:
 class LLGuidanceGrammar:
     """backend.CompiledGrammar: a matcher at the start, copied for each request."""
 
-    def __init__(self, template: llguidance.LLMatcher) -> None:
+    def __init__(
+        self, template: llguidance.LLMatcher, batch_filler: LLGuidanceBatchFiller | None = None
+    ) -> None:
         self._template = template
+        self._batch_filler = batch_filler
 
     def new_matcher(self) -> LLGuidanceMatcher:
-        return LLGuidanceMatcher(self._template.deep_copy())
+        return LLGuidanceMatcher(self._template.deep_copy(), self._batch_filler)
 
 
 class LLGuidanceBackend:
@@ -74,13 +128,22 @@ class LLGuidanceBackend:
 
     name = "llguidance"
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Iterable[int]):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        eos_token_ids: Iterable[int],
+    ):
         n_vocab = max(vocab_size, tokenizer.get_vocab_size(with_added_tokens=True))
         eos = sorted(eos_token_ids)
         self._tokenizer = llguidance.LLTokenizer(
             tokenizer.to_str(), n_vocab=n_vocab, eos_token=eos or None
         )
         self.bitmask_words = (n_vocab + 31) // 32
+        # Its matchers' batch fill (step_masks: the grammars' rows of a step in one call), on
+        # a machine with the CPUs for it (fill_threads).
+        threads = fill_threads()
+        self.batch_filler = LLGuidanceBatchFiller(self.bitmask_words, threads) if threads else None
         # llguidance's special tokens (every added token, "special" or not: Qwen's <tool_call>
         # too), by their text: structural-tag triggers that name one (llguidance_tags.py).
         added = tokenizer.get_added_tokens_decoder()
@@ -101,7 +164,7 @@ class LLGuidanceBackend:
         matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(matcher.get_error().strip())
-        return LLGuidanceGrammar(matcher)
+        return LLGuidanceGrammar(matcher, self.batch_filler)
 
 
 def _grammar(kind: str, spec: str) -> str:

@@ -86,6 +86,11 @@ class RequestConstraints:
             else:
                 self.matcher.fill_bitmask(self._scratch)
                 out &= self._scratch[: self.num_words]
+        self._restrict(out, output_token_ids)
+
+    def _restrict(self, out: np.ndarray, output_token_ids: list[int]) -> None:
+        """``out`` (a row with the grammar's mask) less what allowed_token_ids and the bad
+        words forbid after ``output_token_ids``."""
         if self.allowed is not None:
             out &= self.allowed
         if self.bad_words:
@@ -161,6 +166,65 @@ class RequestConstraints:
             if consumed:
                 matcher.rollback(consumed)
 
+    def finish_masks(
+        self,
+        rows: np.ndarray,
+        grammar_rows: np.ndarray,
+        output_token_ids: list[int],
+        drafts: list[int],
+    ) -> int | None:
+        """``fill_masks`` from the grammar's rows that the backend's BatchMaskFiller wrote
+        (``grammar_rows``: u32[1 + len(drafts), backend_words], zeroed before the fill, or
+        ``rows`` itself where the widths agree; the filler's rows follow the same drafts). The
+        filler stops after a draft that ends the grammar too, but writes one more row there
+        (EOS only) where fill_masks stops: so a row after an accepted draft that has one bit is
+        checked with the matcher (rare: near a grammar's end, or where it forces one token).
+        Returns the rows filled, each bit-identical to fill_masks' and the rest all-allowed;
+        or None, ``rows`` all-allowed, where the library left a row unwritten after a draft its
+        own mask allowed (the caller uses fill_masks)."""
+        filled = self._finish(rows, grammar_rows, output_token_ids, drafts)
+        if filled is None or filled < len(rows):
+            rows[filled or 0 :] = ALL_ALLOWED
+        return filled
+
+    def _finish(
+        self,
+        rows: np.ndarray,
+        grammar_rows: np.ndarray,
+        output_token_ids: list[int],
+        drafts: list[int],
+    ) -> int | None:
+        prefix = self._tail(output_token_ids) if self.bad_words else output_token_ids
+        width, apart = self.num_words, grammar_rows is not rows
+        for j, row in enumerate(rows):
+            if apart:
+                row &= grammar_rows[j, :width]
+            self._restrict(row, prefix)
+            if j == len(drafts) or not has_bit(row, drafts[j]):
+                return j + 1
+            after = grammar_rows[j + 1]
+            if _at_most_one_bit(after):
+                if not after.any():
+                    return None
+                if self._ends_grammar(drafts[: j + 1]):
+                    return j + 1
+            if self.bad_words:
+                prefix.append(drafts[j])
+        return len(rows)
+
+    def _ends_grammar(self, token_ids: list[int]) -> bool:
+        """Whether the grammar is complete after ``token_ids`` (tentatively: rolled back)."""
+        matcher, consumed = self.matcher, 0
+        try:
+            for token in token_ids:
+                if not matcher.accept_token(token):
+                    return False
+                consumed += 1
+            return matcher.is_terminated()
+        finally:
+            if consumed:
+                matcher.rollback(consumed)
+
     def run_length(self, token_ids: list[int]) -> int:
         """How many of a step's emitted ``token_ids`` to keep: up to and including the one
         that ends the grammar (all of them when none does)."""
@@ -181,3 +245,11 @@ class RequestConstraints:
         if not self._lookback:
             return []
         return list(output_token_ids[-self._lookback :])
+
+
+def _at_most_one_bit(row: np.ndarray) -> bool:
+    """Whether ``row`` (u32 words) has at most one bit set."""
+    words = np.flatnonzero(row)
+    if len(words) > 1:
+        return False
+    return len(words) == 0 or (int(row[words[0]]) & (int(row[words[0]]) - 1)) == 0

@@ -12,6 +12,7 @@ import numpy as np
 from jaxserve.core.sched.output import SchedulerOutput
 from jaxserve.outputs import EngineCoreOutput
 from jaxserve.request import Request
+from jaxserve.structured.batch_fill import fill_batched
 from jaxserve.structured.bitmask import ALL_ALLOWED, set_bits
 
 logger = logging.getLogger("jaxserve")
@@ -71,21 +72,38 @@ def token_masks(
     # request.
     num_words = sampling[0].constraints.num_words
     block = np.full((len(sampling) + sum(map(len, drafts)), num_words), ALL_ALLOWED, np.uint32)
+    # The grammars' rows in one call where the backend has a batch fill (batch_fill.py); the
+    # rest row by row.
+    batched = fill_batched(sampling, drafts, block)
     masks: dict[str, np.ndarray] = {}
-    dead_ends: dict[str, int] = {}
+    spans = []  # (request, its first row, its rows filled)
     start = 0
-    for req, draft_ids in zip(sampling, drafts, strict=True):
-        rid = req.request_id
+    for req, draft_ids, filled in zip(sampling, drafts, batched, strict=True):
         rows = block[start : start + 1 + len(draft_ids)]
+        if filled is None:
+            filled = req.constraints.fill_masks(rows, req.output_token_ids, draft_ids)
+        masks[req.request_id] = rows if draft_ids else rows[0]
+        spans.append((req, start, filled))
         start += rows.shape[0]
-        filled = req.constraints.fill_masks(rows, req.output_token_ids, draft_ids)
-        dead = next((j for j in range(filled) if not rows[j].any()), None)
-        if dead is not None:
+    return masks, _dead_ends(block, spans)
+
+
+def _dead_ends(block: np.ndarray, spans: list[tuple[Request, int, int]]) -> dict[str, int]:
+    """Each request's first filled row that allows nothing (``spans``: request, first row,
+    rows filled; a row past those is all-allowed), made to allow EOS only."""
+    empty = np.flatnonzero(~block.any(axis=1))
+    if not empty.size:
+        return {}
+    dead_ends: dict[str, int] = {}
+    firsts = np.array([start for _, start, _ in spans])
+    for row in empty.tolist():
+        req, start, filled = spans[int(np.searchsorted(firsts, row, side="right")) - 1]
+        rid = req.request_id
+        if row - start < filled and rid not in dead_ends:
             logger.warning("request %s: its constraints allow no token; it ends", rid)
-            set_bits(rows[dead], req.eos_token_ids)
-            dead_ends[rid] = dead
-        masks[rid] = rows if draft_ids else rows[0]
-    return masks, dead_ends
+            set_bits(block[row], req.eos_token_ids)
+            dead_ends[rid] = row - start
+    return dead_ends
 
 
 def dead_ends_reached(outputs: list[EngineCoreOutput], dead_ends: dict[str, int]) -> list[str]:
