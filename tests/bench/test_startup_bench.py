@@ -67,7 +67,7 @@ def test_tiny_preset_end_to_end(tmp_path):
     first, second = phases["models"]["demo"]["runs"]
     assert first["first"]["fresh"] > 0 and first["first"]["trace_s"] > 0
     # The second process loads every executable the first compiled (from jax's persistent
-    # cache: the executable store is off on the CPU by default).
+    # cache: tests/conftest.py turns the executable store off in the suite).
     assert second["first"]["fresh"] == 0
     assert second["first"]["cache_hits"] == first["first"]["fresh"] + first["first"]["cache_hits"]
     assert second["rebuild"]["fresh"] == 0  # a notebook's rebuild: loaded too
