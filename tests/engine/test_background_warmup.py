@@ -120,13 +120,15 @@ def test_server_answers_before_its_largest_bucket_compiles(gated) -> None:
 def test_shutdown_while_warmup_compiles_ends_its_thread() -> None:
     """AsyncLLM.shutdown right after construction, while the warm-up thread compiles: every
     thread of the engine has ended when it returns, and the engine takes no more requests."""
+    before = set(threading.enumerate())  # other tests' servers may still run in this process
     server = AsyncLLM("tiny-random-llama", **ENGINE)
     warmup = server.engine.background_warmup
     assert warmup is not None and warmup.is_alive
+    ours = [t for t in threading.enumerate() if t not in before and t.name.startswith("jaxserve")]
+    assert {"jaxserve-warmup", "jaxserve-engine"} <= {t.name for t in ours}
     server.shutdown()
     assert not warmup.is_alive and warmup.done.is_set()
-    assert not any(t.name in ("jaxserve-warmup", "jaxserve-engine") and t.is_alive()
-                   for t in threading.enumerate())  # fmt: skip
+    assert not any(t.is_alive() for t in ours), [t.name for t in ours if t.is_alive()]
     assert warmup.cap.tokens in (None, 8, 12)
     with pytest.raises(RuntimeError, match="shut down"):  # the engine it built went with it
         server.engine.add_request("after", SHORT, GREEDY)
