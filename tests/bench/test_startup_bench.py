@@ -132,3 +132,29 @@ def test_construct_restarts_alternate_on_the_first_processes_cache(monkeypatch):
     assert [s.get("weights_first", False) for s in specs[2:]] == [True, False, False, True]
     assert out["restart"]["order"] == ["weights_first", "overlapped", "overlapped", "weights_first"]
     assert out["overlap_ratio"] == pytest.approx(0.75)
+
+
+def test_server_experiment_alternates_restarts_on_the_cold_off_processes_cache(monkeypatch, capsys):
+    """Experiment 6 (bench/_startup_server.py) without its processes: the cold "off" process
+    fills the folder the restarts share, the cold "on" one gets an empty one, the restarts
+    alternate (off, on, on, off), the ratios are on over off, and the tokens must agree."""
+    import _startup_server as server
+
+    specs, caches = [], []
+
+    def child(spec, cache_dir, timeout=1800):
+        specs.append(spec)
+        caches.append(cache_dir)
+        first = 2.0 if spec["gate"] else 8.0
+        requests = [{"tokens": [5, 6], "latency_s": 0.1}, {"tokens": [7], "latency_s": 3.0}]
+        return {"wall_s": 20.0, "construct_s": first - 1.0, "spawn": 100.0,
+                "times": {"first_token": 100.0 + first}, "warmup_done_s": 30.0,
+                "requests": requests, "engine": {"fresh": 0}}  # fmt: skip
+
+    out = server.server_start({"model": "m"}, child, repeats=2)
+    assert [s["gate"] for s in specs] == [False, True, False, True, True, False]
+    assert caches[0] != caches[1] and set(caches[2:]) == {caches[0]}  # restarts: the warm one
+    assert out["order"] == ["off", "on", "on", "off"] and out["same_tokens"]
+    assert out["summary"]["cold_ratio"] == out["summary"]["restart_ratio"] == pytest.approx(0.25)
+    server.print_server(out)
+    assert "6 a server's first token" in capsys.readouterr().out
