@@ -44,7 +44,7 @@ from jaxserve.runner.step import COPY_ARGS, jit_copy
 from jaxserve.runner.step_compiles import StepCompiles
 
 PROPOSE_ARGS = (
-    "params", "kv_caches", "q_ids", "q_probs", "q_offset",
+    "params", "kv_caches", "q_ids", "q_probs", "q_offset", "num_steps",
     "tokens", "positions", "block_tables", "num_blocks", "sampling",
 )  # fmt: skip
 DRAFT_TOP_Q = 64  # a sampled draft's q: the draft model's distribution over its top Q tokens
@@ -136,7 +136,7 @@ class DraftModel:
         if sharding is not None:
             kv, rep = sharding.kv_shardings(model.arch.num_layers), sharding.replicated
             shardings = dict(
-                in_shardings=(sharding.param_shardings(), kv, *(rep,) * 8),
+                in_shardings=(sharding.param_shardings(), kv, *(rep,) * 9),
                 out_shardings=(kv, rep, rep, rep),
             )
         self.jitted_propose = propose = jax.jit(
@@ -223,10 +223,11 @@ class DraftModel:
         self.q_base = {}
         if not requests or k < 1:
             return {}
+        k = min(k, self.k)
         drafts = np.zeros((0, self.k), np.int32)
         for start in range(0, len(requests), self.row_buckets[-1]):
             chunk = requests[start : start + self.row_buckets[-1]]
-            drafts = np.concatenate([drafts, self._propose_rows(chunk, start)[: len(chunk)]])
+            drafts = np.concatenate([drafts, self._propose_rows(chunk, start, k)[: len(chunk)]])
         self.q_base = {r.request_id: self.k * i for i, r in enumerate(requests) if sampled_draft(r)}
         return {r.request_id: drafts[i, :k].tolist() for i, r in enumerate(requests)}
 
@@ -234,17 +235,21 @@ class DraftModel:
         """Whether ``request``'s drafts are sampled, with their q (the Proposer protocol)."""
         return sampled_draft(request)
 
-    def _propose_rows(self, requests: list, first: int) -> np.ndarray:
+    def _propose_rows(self, requests: list, first: int, num_steps: int) -> np.ndarray:
         """i32[R, k] drafts of these requests (R: their padded count), the ``first``-th of
-        the proposal onwards (their q rows start at k * first)."""
+        the proposal onwards (their q rows start at k * first); only the first ``num_steps``
+        columns are drafted (the draft model runs that many steps, not k)."""
         rows = next(r for r in self.row_buckets if r >= len(requests))
-        args = self.propose_args(rows, requests, first)
+        args = self.propose_args(rows, requests, first, num_steps)
         self.kv_caches, drafts, self.q_ids, self.q_probs = self._propose(self.params, *args)
         return np.asarray(drafts)
 
-    def propose_args(self, rows: int, requests: list = (), first: int = 0) -> tuple:
+    def propose_args(
+        self, rows: int, requests: list = (), first: int = 0, num_steps: int | None = None
+    ) -> tuple:
         """PROPOSE_ARGS after params for ``rows`` padded rows: the pages, the q buffers and the
-        offset of this chunk's rows in them; each request's last known token at its position,
+        offset of this chunk's rows in them; the steps to run (k unless fewer drafts are
+        wanted: the policy's "fit" arm); each request's last known token at its position,
         its table (entries past its blocks zeroed: the null block) and DraftSampling; padding
         rows: token 0 at position 0 in the null block, greedy."""
         ib = self.input_batch
@@ -268,8 +273,9 @@ class DraftModel:
                 sampling.seeds[i] = (req.seed >> 32, req.seed & 0xFFFFFFFF)
                 sampling.output_pos[i] = len(req.all_token_ids) - req.num_prompt_tokens
         q_offset = np.int32(self.k * first)
+        steps = np.int32(self.k if num_steps is None else num_steps)
         tables_etc = (tokens, positions, tables, num_blocks, sampling)
-        return (self.kv_caches, self.q_ids, self.q_probs, q_offset, *tables_etc)
+        return (self.kv_caches, self.q_ids, self.q_probs, q_offset, steps, *tables_etc)
 
     def copy_blocks(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Copy-on-write of the draft's pages, as the target's (the same block pairs)."""
@@ -293,16 +299,18 @@ def _propose_fn(
     q_ids: jax.Array,  # i32[S, Q] (donated)
     q_probs: jax.Array,  # f32[S, Q] (donated)
     q_offset: jax.Array,  # i32 this call's first q row: k * (its first request's index)
+    num_steps: jax.Array,  # i32 <= k: the drafts wanted; later columns stay 0
     tokens: jax.Array,  # i32[R] each row's last known token
     positions: jax.Array,  # i32[R] its position
     block_tables: jax.Array,  # i32[R, B]
     num_blocks: jax.Array,  # i32[R] blocks in each row's table (0: a padding row)
     sampling: DraftSampling,
 ):
-    """k one-token steps per row, greedy or sampled (DraftSampling): returns (kv_caches,
-    i32[R, k] drafts, q_ids, q_probs), rows k * i + j of the q buffers from q_offset on holding
-    row i's draft j's q. A position past a row's table writes the null block (its KV is lost:
-    later drafts of that row may miss)."""
+    """``num_steps`` (<= k, traced: one executable for every draft length) one-token steps per
+    row, greedy or sampled (DraftSampling): returns (kv_caches, i32[R, k] drafts, q_ids,
+    q_probs), rows k * i + j of the q buffers from q_offset on holding row i's draft j's q;
+    columns from ``num_steps`` on stay 0. A position past a row's table writes the null block
+    (its KV is lost: later drafts of that row may miss)."""
     num_rows = tokens.shape[0]
     page = kv_caches[0][0].shape[2]  # P: pages are [K, S, P, H]
     rows = jnp.arange(num_rows)
@@ -330,7 +338,9 @@ def _propose_fn(
 
     qs = jnp.zeros((num_rows, k, num_q), jnp.int32), jnp.zeros((num_rows, k, num_q), jnp.float32)
     init = (kv_caches, tokens, positions, jnp.zeros((num_rows, k), jnp.int32), qs)
-    kv_caches, _, _, drafts, (new_ids, new_probs) = lax.fori_loop(0, k, one_token, init)
+    kv_caches, _, _, drafts, (new_ids, new_probs) = lax.fori_loop(
+        0, jnp.minimum(num_steps, k), one_token, init
+    )
     start = (q_offset, jnp.int32(0))
     q_ids = lax.dynamic_update_slice(q_ids, new_ids.reshape(num_rows * k, num_q), start)
     q_probs = lax.dynamic_update_slice(q_probs, new_probs.reshape(num_rows * k, num_q), start)

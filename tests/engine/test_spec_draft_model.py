@@ -90,6 +90,29 @@ def test_a_smaller_draft_changes_no_token(models, reference):
     assert stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
 
 
+def test_fewer_drafts_run_fewer_draft_steps(roomy):
+    """The policy's "fit" arm asks for fewer than k drafts: the draft model runs only that
+    many steps, in the same executable (the count is an argument, not a shape), and proposes
+    the first drafts of the k-step proposal."""
+    engine = roomy.engine
+    engine.add_request("fewer", {"prompt_token_ids": _SHARED}, GREEDY)
+    engine.step()  # its prefill: now a row of the runner
+    (req,) = engine.scheduler.running
+    draft = engine.runner.draft
+    full = draft.propose([req], K)[req.request_id]
+    compiled = draft.compiles.num_fresh + draft.compiles.num_cache_hits
+    try:
+        assert len(full) == K and len(set(full)) > 1
+        for steps in range(1, K):
+            assert draft.propose([req], steps)[req.request_id] == full[:steps]
+            rows = draft._propose_rows([req], 0, steps)
+            assert not rows[:, steps:].any()  # never drafted
+        assert draft.compiles.num_fresh + draft.compiles.num_cache_hits == compiled
+    finally:
+        engine.abort_request("fewer")
+    assert_nothing_held(engine)
+
+
 @pytest.mark.slow
 def test_nothing_compiles_after_warmup_with_a_draft_model(models):
     """A draft of other shapes than the target (one layer): its proposal and its own block
