@@ -34,6 +34,7 @@ the oracle row shows what acceptance 1 is worth on this machine.
     python bench/spec_decode.py                          # the 57M preset, batch 1, 4, 16
     python bench/spec_decode.py --preset quick --batch-sizes 1,4,16,64,256
     python bench/spec_decode.py --methods ngram,ngram-auto --no-extras --step-costs
+    python bench/spec_decode.py --methods ngram-auto --no-extras --repeats 5   # x plain: median
 
 Prints a table and writes bench/results/spec_decode[_<preset>].json.
 """
@@ -114,23 +115,31 @@ def _run(llm: LLM, prompts, params, concurrency: int) -> tuple[float, list[list[
     return seconds, [tokens[i] for i in range(len(prompts))], delta
 
 
-def _measure(plain, name, llm, workloads, batch, params) -> list[dict]:
+def _measure(plain, name, llm, workloads, batch, params, repeats: int = 1) -> list[dict]:
     """One method against the plain engine at one concurrency, each workload run by the two
-    back to back (a ratio of neighbours: the machine's drift cancels)."""
+    back to back (a ratio of neighbours: the machine's drift cancels), ``repeats`` pairs in
+    turn: the row's ratio is their median (the "auto" policy keeps learning across them, as
+    in a long-running engine); steps, drafts and acceptance are the last pair's."""
     rows = []
     for workload, prompts in workloads.items():
-        base_s, reference, _ = _run(plain, prompts, params, batch)
-        if name == "oracle":
-            oracle = _Oracle({tuple(q): r for q, r in zip(prompts, reference, strict=True)})
-            config = SpeculativeConfig(method="ngram", num_speculative_tokens=K, policy="always")
-            llm.engine.core.spec = SpecDecoder(config, proposer=oracle)
-        seconds, tokens, delta = _run(llm, prompts, params, batch)
-        assert tokens == reference, f"{name} changed a greedy token"
-        tok_s = len(prompts) * params.max_tokens / seconds
+        ratios, times = [], []
+        for _ in range(repeats):
+            base_s, reference, _ = _run(plain, prompts, params, batch)
+            if name == "oracle":
+                oracle = _Oracle({tuple(q): r for q, r in zip(prompts, reference, strict=True)})
+                config = SpeculativeConfig(method="ngram", num_speculative_tokens=K,
+                                           policy="always")  # fmt: skip
+                llm.engine.core.spec = SpecDecoder(config, proposer=oracle)
+            seconds, tokens, delta = _run(llm, prompts, params, batch)
+            assert tokens == reference, f"{name} changed a greedy token"
+            ratios.append(base_s / seconds)
+            times.append(seconds)
         drafts = delta["spec_decode_num_draft_tokens"]
         rows.append(dict(
-            workload=workload, batch=batch, engine=name, output_tok_s=tok_s,
-            ratio=base_s / seconds, steps=delta["num_steps"], draft_tokens=drafts,
+            workload=workload, batch=batch, engine=name,
+            output_tok_s=len(prompts) * params.max_tokens / float(np.median(times)),
+            ratio=float(np.median(ratios)), ratios=ratios, steps=delta["num_steps"],
+            draft_tokens=drafts,
             acceptance=delta["spec_decode_num_accepted_tokens"] / drafts if drafts else None,
             proposer_share=delta["spec_decode_proposer_seconds"] / seconds,
             steps_per_length=delta["steps_per_length"], best_arm=delta["best_arm"],
@@ -146,7 +155,8 @@ def _print_row(r: dict) -> None:
     lengths = " ".join(f"{n}:{c}" for n, c in r["steps_per_length"].items())
     best = " ".join(f"{b}:{arm}" for b, arm in r["best_arm"].items())
     arms = f"  {lengths} | {best}" if best else ""
-    print(f"{head}{r['ratio']:>9.2f}{tail}{arms}", flush=True)
+    spread = f"  ({min(r['ratios']):.2f}-{max(r['ratios']):.2f})" if len(r["ratios"]) > 1 else ""
+    print(f"{head}{r['ratio']:>9.2f}{tail}{arms}{spread}", flush=True)
 
 
 def _verification_cost(folder, engine_kw, vocab, max_len) -> dict:
@@ -228,6 +238,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--methods", help="comma list of the engines to run (default: all)")
     p.add_argument("--output")
     p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="plain / method pairs per row, alternated; the row's x plain is their median",
+    )
+    p.add_argument(
         "--no-extras",
         dest="extras",
         action="store_false",
@@ -238,7 +254,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="also the plain engine's decode steps' device time by token count",
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats must be at least 1, got {args.repeats}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -275,10 +294,11 @@ def main(argv: list[str] | None = None) -> dict:
             n = batch * args.requests_per_slot
             workloads = {w: _prompts(w, n, vocab, max_len, seed=batch)
                          for w in args.workloads.split(",")}  # fmt: skip
-            rows += _measure(plain, name, llm, workloads, batch, params)
+            rows += _measure(plain, name, llm, workloads, batch, params, args.repeats)
         del llm
     del plain
-    report = {"preset": args.preset, "k": K, "max_tokens": max_tokens, "rows": rows}
+    report = {"preset": args.preset, "k": K, "max_tokens": max_tokens, "repeats": args.repeats,
+              "rows": rows}  # fmt: skip
     if args.step_costs:
         report["step_ms_by_tokens"] = _step_costs(folder, engine_kw, vocab, max_len)
     if args.extras:
