@@ -138,11 +138,12 @@ def mean(values) -> float:
 
 
 def phases(models: dict[str, dict], child_env, vllm_python: str | None = None,
-           repeats: int = 1) -> dict:  # fmt: skip
+           repeats: int = 1, vllm_env: dict | None = None) -> dict:  # fmt: skip
     """Experiment 5 for each of ``models`` (name -> LLM arguments): a first process and
     ``repeats`` second ones each on one fresh cache folder, vLLM's beside the 57M model's when
-    ``vllm_python`` imports vLLM. ``child_env(cache)`` is jaxserve's children's environment."""
-    vllm = vllm_side.start(vllm_python)
+    ``vllm_python`` imports vLLM (``vllm_env``: more environment for its processes).
+    ``child_env(cache)`` is jaxserve's children's environment."""
+    vllm = vllm_side.start(vllm_python, vllm_env)
     report: dict = {"models": {}, "vllm": vllm, "repeats": repeats}
     for name, engine in models.items():
         compare = vllm["same_run"] and name == VLLM_MODEL
@@ -161,7 +162,8 @@ def phases(models: dict[str, dict], child_env, vllm_python: str | None = None,
                 if side == "jaxserve":
                     runs.append(_run(engine, cache, child_env(cache)))
                 else:
-                    vllm["runs"].append(vllm_side.run(vllm_python, spec, Path(vcache)))
+                    row = vllm_side.run(vllm_python, spec, Path(vcache), vllm["env"])
+                    vllm["runs"].append(row)
         second = mean(r["spawn_to_first_token_s"] for r in runs[1:])
         report["models"][name] = {
             "engine": engine,

@@ -69,14 +69,31 @@ def command(python: str, spec: dict, spawn: float) -> list[str]:
     return [python, str(DRIVER), json.dumps(spec), repr(spawn)]
 
 
-def child_env(folder: Path) -> dict[str, str]:
+def child_env(folder: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
     """vLLM's environment (bench/_baselines.py's: XLA_FLAGS removed, the torchvision shim),
-    its compilation caches in ``folder``, INFO logging for the cache's log lines."""
+    its compilation caches in ``folder``, INFO logging for the cache's log lines, then
+    ``extra`` (--vllm-env: vLLM's own switches; the cache folders cannot be overridden)."""
+    extra = dict(extra or {})
+    fixed = {"VLLM_LOGGING_LEVEL", "VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR"}
+    if fixed & set(extra):
+        raise ValueError(f"--vllm-env {sorted(fixed & set(extra))}: set by the benchmark")
     env = vllm_env(folder / "shim", "INFO")
     env["VLLM_LOGGING_LEVEL"] = "INFO"
     env["VLLM_CACHE_ROOT"] = str(folder / "vllm")
     env["TORCHINDUCTOR_CACHE_DIR"] = str(folder / "inductor")
+    env.update(extra)
     return env
+
+
+def parse_env(items: list[str] | None) -> dict[str, str]:
+    """--vllm-env KEY=VALUE items as a dict; a bad item raises ValueError naming it."""
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key or not key.replace("_", "").isalnum():
+            raise ValueError(f"--vllm-env {item!r}: expected KEY=VALUE (KEY: letters, digits, _)")
+        out[key] = value
+    return out
 
 
 def parse(stdout: str) -> dict:
@@ -106,12 +123,14 @@ def parse(stdout: str) -> dict:
     }
 
 
-def run(python: str, spec: dict, folder: Path, timeout: float = 1800) -> dict:
+def run(
+    python: str, spec: dict, folder: Path, extra_env: dict | None = None, timeout: float = 1800
+) -> dict:
     """One fresh vLLM process on the cache folder ``folder``; its parsed row and wall_s."""
     spawn = time.time()
     proc = subprocess.run(
         command(python, spec, spawn), capture_output=True, text=True,
-        env=child_env(folder), timeout=timeout,
+        env=child_env(folder, extra_env), timeout=timeout,
     )  # fmt: skip
     wall = time.time() - spawn
     if proc.returncode != 0:
@@ -140,12 +159,13 @@ def fallback(python: str | None) -> dict:
     }
 
 
-def start(python: str | None) -> dict:
+def start(python: str | None, extra_env: dict | None = None) -> dict:
     """The report's vLLM entry before any run: same-run when ``python`` imports vLLM."""
     version = vllm_available(python) if python else None
     if version is None:
         return fallback(python)
-    return {"same_run": True, "python": python, "version": version, "runs": []}
+    env = dict(extra_env or {})
+    return {"same_run": True, "python": python, "version": version, "env": env, "runs": []}
 
 
 def summarize(entry: dict) -> None:
@@ -158,8 +178,11 @@ def summarize(entry: dict) -> None:
     entry["second_spawn_to_first_token_s"] = spawn
     entry["second_to_first_token_s"] = llm
     entry["second_over_first"] = spawn / runs[0]["spawn_to_first_token_s"]
+    env = " ".join(f"{k}={v}" for k, v in entry.get("env", {}).items())
     entry["note"] = (
-        f"vLLM {entry['version']} CPU measured in this run ({entry['python']}): second process "
+        f"vLLM {entry['version']} CPU measured in this run ({entry['python']}"
+        + (f", {env}" if env else "")
+        + "): second process "
         f"(mean of {len(seconds)}) spawn -> first token {spawn:.1f} s, LLM(...) -> first token "
         f"{llm:.1f} s"
     )

@@ -71,6 +71,7 @@ from _startup_presets import FEATURE_PROMPTS, FEATURES, MIXED, PRESETS, Preset  
 from _startup_report import print_report  # noqa: E402
 from _startup_server import server_start  # noqa: E402
 from _startup_vllm import goals as vllm_goals  # noqa: E402
+from _startup_vllm import parse_env as parse_vllm_env  # noqa: E402
 
 RESULTS = HERE / "results" / "startup.json"
 EXPERIMENTS = ("demo", "construct", "workers", "features", "phases", "server")
@@ -369,6 +370,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "this run (default: none; the issue's figure, labelled as not this run's)",
     )  # fmt: skip
     p.add_argument(
+        "--vllm-env", action="append", metavar="KEY=VALUE",
+        help="experiment 5: an environment variable for vLLM's processes (repeatable; "
+        "recorded), e.g. VLLM_USE_AOT_COMPILE=0",
+    )  # fmt: skip
+    p.add_argument(
         "--phases-repeats", type=int, default=1,
         help="experiment 5's second processes per engine (alternated with vLLM's; mean)",
     )  # fmt: skip
@@ -378,6 +384,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    vllm_env = parse_vllm_env(args.vllm_env)  # a bad item: refused before anything runs
     preset = PRESETS[args.preset]
     model = preset.engine["model"]
     if model is None:
@@ -410,8 +417,12 @@ def main(argv: list[str] | None = None) -> dict:
         "workers": lambda: workers(preset, model, args.workers, args.repeats or preset.repeats),
         "features": lambda: features(preset),
         "phases": lambda: phases(
-            _phase_models(preset, model), child_env, args.vllm_python, args.phases_repeats
-        ),
+            _phase_models(preset, model),
+            child_env,
+            args.vllm_python,
+            args.phases_repeats,
+            vllm_env,
+        ),  # fmt: skip
         "server": lambda: {
             name: server_start(engine, run_child, args.restart_repeats)
             for name, engine in _phase_models(preset, model).items()

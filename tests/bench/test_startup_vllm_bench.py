@@ -41,7 +41,7 @@ driver, spec, spawn = sys.argv[1], json.loads(sys.argv[2]), float(sys.argv[3])
 with open(os.environ["STAND_IN_LOG"], "a") as f:
     f.write(json.dumps({"driver": driver, "spec": spec, "env": {k: os.environ.get(k) for k in (
         "VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "XLA_FLAGS", "PYTHONPATH",
-        "VLLM_LOGGING_LEVEL")}}) + "\n")
+        "VLLM_LOGGING_LEVEL", "VLLM_USE_AOT_COMPILE")}}) + "\n")
 root = os.environ["VLLM_CACHE_ROOT"]
 marker = os.path.join(root, "model.bin")
 if os.path.exists(marker):
@@ -161,7 +161,8 @@ def test_same_run_phases_alternate_and_the_goal_uses_them(model_dir, stand_in, m
         vllm_side, "run", lambda *a, **k: calls.append(("vllm", str(a[2]))) or real_run(*a, **k)
     )
     models = {"demo": {"model": "tiny-random-llama"}, "57m": _engine(model_dir)}
-    report = phases_mod.phases(models, lambda cache: {}, python, repeats=2)
+    aot_off = {"VLLM_USE_AOT_COMPILE": "0"}
+    report = phases_mod.phases(models, lambda cache: {}, python, repeats=2, vllm_env=aot_off)
 
     assert [c[0] for c in calls] == ["jaxserve"] * 3 + [
         "jaxserve", "vllm", "jaxserve", "vllm", "vllm", "jaxserve",
@@ -175,11 +176,13 @@ def test_same_run_phases_alternate_and_the_goal_uses_them(model_dir, stand_in, m
         assert s["spec"]["llm"] == vllm_side.settings(models["57m"])
         assert s["spec"]["prompt"] == phases_mod.PROMPT
         assert s["env"]["XLA_FLAGS"] is None and s["env"]["VLLM_LOGGING_LEVEL"] == "INFO"
+        assert s["env"]["VLLM_USE_AOT_COMPILE"] == "0"  # --vllm-env reaches every process
         assert s["env"]["VLLM_CACHE_ROOT"].startswith(next(iter(vllm_caches)))
         assert s["env"]["TORCHINDUCTOR_CACHE_DIR"].startswith(next(iter(vllm_caches)))
 
     vllm = report["vllm"]
     assert vllm["same_run"] and vllm["version"] == "0.32.0" and len(vllm["runs"]) == 3
+    assert vllm["env"] == aot_off and "VLLM_USE_AOT_COMPILE=0" in vllm["note"]
     first, *seconds = vllm["runs"]
     assert first["cache_events"]["aot_saved"] == 1 and first["cache_events"]["aot_loaded"] == 0
     assert all(r["cache_events"]["aot_loaded"] == 1 for r in seconds)
@@ -224,6 +227,25 @@ def test_fallback_is_labelled_not_the_same_run(model_dir, tmp_path, monkeypatch,
 
 def test_cli_default_has_no_vllm_python():
     args = startup.parse_args([])
-    assert args.vllm_python is None and args.phases_repeats == 1
+    assert args.vllm_python is None and args.vllm_env is None and args.phases_repeats == 1
     args = startup.parse_args(["--vllm-python", "/v/bin/python", "--phases-repeats", "2"])
     assert args.vllm_python == "/v/bin/python" and args.phases_repeats == 2
+
+
+def test_vllm_env_items_are_parsed_and_bad_ones_refused(tmp_path):
+    """--vllm-env KEY=VALUE: parsed, passed on; malformed items and the benchmark's own cache
+    and logging variables are refused, naming them."""
+    assert vllm_side.parse_env(["VLLM_USE_AOT_COMPILE=0", "A_B=x=y"]) == {
+        "VLLM_USE_AOT_COMPILE": "0", "A_B": "x=y",
+    }  # fmt: skip
+    assert vllm_side.parse_env(None) == {}
+    for bad in ("NOVALUE", "=1", "BAD-KEY=1"):
+        with pytest.raises(ValueError, match=repr(bad).replace("(", r"\(")):
+            vllm_side.parse_env([bad])
+    env = vllm_side.child_env(tmp_path, {"VLLM_USE_AOT_COMPILE": "0"})
+    assert env["VLLM_USE_AOT_COMPILE"] == "0"
+    assert env["VLLM_CACHE_ROOT"] == str(tmp_path / "vllm")
+    with pytest.raises(ValueError, match="VLLM_CACHE_ROOT"):
+        vllm_side.child_env(tmp_path, {"VLLM_CACHE_ROOT": "/elsewhere"})
+    with pytest.raises(ValueError, match="NOVALUE"):
+        startup.main(["--vllm-env", "NOVALUE", "--output", str(tmp_path / "x.json")])
