@@ -31,11 +31,14 @@ HERE = Path(__file__).resolve().parent
 DRIVER = HERE / "_vllm_startup.py"
 # vLLM 0.32's CPU backend, LLM(...) on the 57M checkpoint (issue 35, this machine).
 VLLM_CPU_ISSUE_S = 52.1
-# vLLM's log lines about its compilation cache (INFO level), counted per process.
+# vLLM's log lines about its compilation cache (INFO level), counted per process: the AOT
+# path (the default with torch >= 2.10) and the per-graph cache (VLLM_USE_AOT_COMPILE=0).
 CACHE_EVENTS = {
     "aot_loaded": "Directly load AOT compilation",
     "aot_load_failed": "Compiling model again due to a load failure",
     "aot_saved": "saved AOT compiled function",
+    "graph_loaded": "Directly load the compiled graph(s)",
+    "graph_compiled": "Compiling a graph for compile range",
 }
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ENGINE_INIT = re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s")
@@ -223,7 +226,7 @@ def print_vllm(entry: dict, big: dict | None) -> None:
     print(f"  vLLM {entry['version']} CPU, same checkpoint, same run (seconds):")
     cols = ("import", "LLM(...)", "1st tok", "LLM->tok", "spawn->tok")
     print(f"  {'engine / process':<22}" + "".join(f"{c:>11}" for c in cols)
-          + f"{'AOT ld/fail/sv':>15}")  # fmt: skip
+          + "  cache: AOT load/fail/save, graph load/compile")  # fmt: skip
     for i, v in enumerate(entry["runs"]):
         label = "first" if i == 0 else f"second {i}"
         if big is not None and i < len(big["runs"]):
@@ -233,7 +236,8 @@ def print_vllm(entry: dict, big: dict | None) -> None:
             print(f"  {'jaxserve 57m ' + label:<22}" + "".join(f"{c:>11.2f}" for c in cells))
         cells = (v["import_s"], v["construct_s"], v["first_token_s"], v["to_first_token_s"],
                  v["spawn_to_first_token_s"])  # fmt: skip
-        events = "/".join(str(v["cache_events"][k]) for k in CACHE_EVENTS)
+        ev = [str(v["cache_events"].get(k, 0)) for k in CACHE_EVENTS]
+        events = "/".join(ev[:3]) + ", " + "/".join(ev[3:])
         print(f"  {'vLLM 57m ' + label:<22}" + "".join(f"{c:>11.2f}" for c in cells)
-              + f"{events:>15}")  # fmt: skip
+              + f"  {events}")  # fmt: skip
     print(f"  {entry['note']}")

@@ -131,7 +131,8 @@ def test_command_and_parse():
     assert out["first_token_s"] == 0.25 and out["to_first_token_s"] == 7.25
     assert out["spawn_to_construct_s"] == 10.0 and out["spawn_to_first_token_s"] == 10.25
     assert out["engine_init_s"] == 5.5
-    assert out["cache_events"] == {"aot_loaded": 0, "aot_load_failed": 1, "aot_saved": 0}
+    assert out["cache_events"] == {"aot_loaded": 0, "aot_load_failed": 1, "aot_saved": 0,
+                                   "graph_loaded": 0, "graph_compiled": 0}  # fmt: skip
     assert out["cache_messages"] == [
         "WARNING [decorators.py:333] Compiling model again due to a load failure from x"
     ]
