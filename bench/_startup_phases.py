@@ -36,7 +36,6 @@ import time
 from pathlib import Path
 
 import _startup_vllm as vllm_side
-from _startup_vllm import VLLM_CPU_ISSUE_S  # noqa: F401  (re-exported: bench/startup.py's)
 
 VLLM_MODEL = "57m"  # the model vLLM runs too (the demo model is jaxserve's built-in)
 PROMPT = [1, 300, 301, 302, 303, 304]  # token ids: the 57M checkpoint has no tokenizer
@@ -137,13 +136,13 @@ def mean(values) -> float:
     return sum(values) / len(values)
 
 
-def phases(models: dict[str, dict], child_env, vllm_python: str | None = None,
-           repeats: int = 1, vllm_env: dict | None = None) -> dict:  # fmt: skip
+def phases(models: dict[str, dict], child_env, vllm: dict | None = None,
+           repeats: int = 1) -> dict:  # fmt: skip
     """Experiment 5 for each of ``models`` (name -> LLM arguments): a first process and
     ``repeats`` second ones each on one fresh cache folder, vLLM's beside the 57M model's when
-    ``vllm_python`` imports vLLM (``vllm_env``: more environment for its processes).
+    ``vllm`` (bench/_startup_vllm.py's start()) is a same-run entry; None: the issue's figure.
     ``child_env(cache)`` is jaxserve's children's environment."""
-    vllm = vllm_side.start(vllm_python, vllm_env)
+    vllm = vllm_side.fallback() if vllm is None else vllm
     report: dict = {"models": {}, "vllm": vllm, "repeats": repeats}
     for name, engine in models.items():
         compare = vllm["same_run"] and name == VLLM_MODEL
@@ -162,7 +161,7 @@ def phases(models: dict[str, dict], child_env, vllm_python: str | None = None,
                 if side == "jaxserve":
                     runs.append(_run(engine, cache, child_env(cache)))
                 else:
-                    row = vllm_side.run(vllm_python, spec, Path(vcache), vllm["env"])
+                    row = vllm_side.run(vllm["python"], spec, Path(vcache), vllm["env"])
                     vllm["runs"].append(row)
         second = mean(r["spawn_to_first_token_s"] for r in runs[1:])
         report["models"][name] = {

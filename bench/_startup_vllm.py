@@ -146,27 +146,28 @@ def run(
     return out
 
 
-def fallback(python: str | None) -> dict:
-    """The report's vLLM entry when no vLLM ran in this run: the issue's figure, labelled."""
-    why = (
-        "no --vllm-python given"
-        if not python
-        else f"vLLM not importable with --vllm-python {python}"
-    )
+def fallback() -> dict:
+    """The report's vLLM entry when no vLLM runs (no --vllm-python): the issue's figure,
+    labelled as not this run's."""
     return {
         "same_run": False,
-        "python": python,
-        "note": f"NOT the same run ({why}): compared with the issue's figure, vLLM 0.32 CPU, "
-        f"LLM(...) on the 57M checkpoint: {VLLM_CPU_ISSUE_S} s",
+        "python": None,
+        "note": "NOT the same run (no --vllm-python given): compared with the issue's figure, "
+        f"vLLM 0.32 CPU, LLM(...) on the 57M checkpoint: {VLLM_CPU_ISSUE_S} s",
         "issue_llm_construct_s": VLLM_CPU_ISSUE_S,
     }
 
 
 def start(python: str | None, extra_env: dict | None = None) -> dict:
-    """The report's vLLM entry before any run: same-run when ``python`` imports vLLM."""
-    version = vllm_available(python) if python else None
+    """The report's vLLM entry, before any run: same-run with ``python``, whose vLLM version
+    is probed now (an interpreter without vLLM is refused: ValueError); else the fallback."""
+    if not python:
+        if extra_env:
+            raise ValueError(f"--vllm-env {sorted(extra_env)} without --vllm-python")
+        return fallback()
+    version = vllm_available(python)
     if version is None:
-        return fallback(python)
+        raise ValueError(f"--vllm-python {python!r}: `import vllm` fails with this interpreter")
     env = dict(extra_env or {})
     return {"same_run": True, "python": python, "version": version, "env": env, "runs": []}
 

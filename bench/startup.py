@@ -63,6 +63,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import _startup_vllm as vllm_side  # noqa: E402
 import throughput  # noqa: E402
 from _machine import git_state  # noqa: E402
 from _startup_child import CHILD  # noqa: E402
@@ -70,8 +71,6 @@ from _startup_phases import phases  # noqa: E402
 from _startup_presets import FEATURE_PROMPTS, FEATURES, MIXED, PRESETS, Preset  # noqa: E402
 from _startup_report import print_report  # noqa: E402
 from _startup_server import server_start  # noqa: E402
-from _startup_vllm import goals as vllm_goals  # noqa: E402
-from _startup_vllm import parse_env as parse_vllm_env  # noqa: E402
 
 RESULTS = HERE / "results" / "startup.json"
 EXPERIMENTS = ("demo", "construct", "workers", "features", "phases", "server")
@@ -329,7 +328,7 @@ def goals(report: dict) -> dict:
             )  # fmt: skip
     big = report.get("phases", {}).get("models", {}).get("57m")
     if big is not None:
-        out.update(vllm_goals(big, report["phases"]["vllm"], _goal))
+        out.update(vllm_side.goals(big, report["phases"]["vllm"], _goal))
     return out
 
 
@@ -384,7 +383,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    vllm_env = parse_vllm_env(args.vllm_env)  # a bad item: refused before anything runs
+    vllm = None  # checked before anything runs: a bad --vllm-env, an interpreter without vLLM
+    if args.vllm_python or args.vllm_env:
+        vllm = vllm_side.start(args.vllm_python, vllm_side.parse_env(args.vllm_env))
     preset = PRESETS[args.preset]
     model = preset.engine["model"]
     if model is None:
@@ -417,12 +418,8 @@ def main(argv: list[str] | None = None) -> dict:
         "workers": lambda: workers(preset, model, args.workers, args.repeats or preset.repeats),
         "features": lambda: features(preset),
         "phases": lambda: phases(
-            _phase_models(preset, model),
-            child_env,
-            args.vllm_python,
-            args.phases_repeats,
-            vllm_env,
-        ),  # fmt: skip
+            _phase_models(preset, model), child_env, vllm, args.phases_repeats
+        ),
         "server": lambda: {
             name: server_start(engine, run_child, args.restart_repeats)
             for name, engine in _phase_models(preset, model).items()

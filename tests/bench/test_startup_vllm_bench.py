@@ -3,7 +3,8 @@ stand-in vLLM interpreter and stand-in jaxserve processes: no vLLM install, no m
 
 Checks the vLLM process's command line, environment and cache folder, the parsing of its
 RESULT line and log, the alternation of the two engines' processes, the goal computed from the
-same run's numbers, and the fallback (the issue's figure) labelled as not the same run's.
+same run's numbers, the fallback (the issue's figure) labelled as not the same run's, and an
+interpreter without vLLM refused.
 Never a real time.
 """
 
@@ -163,7 +164,8 @@ def test_same_run_phases_alternate_and_the_goal_uses_them(model_dir, stand_in, m
     )
     models = {"demo": {"model": "tiny-random-llama"}, "57m": _engine(model_dir)}
     aot_off = {"VLLM_USE_AOT_COMPILE": "0"}
-    report = phases_mod.phases(models, lambda cache: {}, python, repeats=2, vllm_env=aot_off)
+    entry = vllm_side.start(python, aot_off)  # probes the interpreter's vLLM version
+    report = phases_mod.phases(models, lambda cache: {}, entry, repeats=2)
 
     assert [c[0] for c in calls] == ["jaxserve"] * 3 + [
         "jaxserve", "vllm", "jaxserve", "vllm", "vllm", "jaxserve",
@@ -204,19 +206,19 @@ def test_same_run_phases_alternate_and_the_goal_uses_them(model_dir, stand_in, m
     assert "jaxserve 57m first" in printed
 
 
-def test_fallback_is_labelled_not_the_same_run(model_dir, tmp_path, monkeypatch, capsys):
-    """No interpreter (or one without vLLM): nothing of vLLM runs, the goal divides by the
-    issue's figure and says so, and the printed table says it is not this run's."""
+def test_fallback_is_labelled_not_the_same_run(model_dir, monkeypatch, capsys):
+    """No interpreter: nothing of vLLM runs, the goal divides by the issue's figure and says
+    so, and the printed table says it is not this run's."""
     calls: list = []
     monkeypatch.setattr(phases_mod, "_run", _jaxserve_stand_in(calls))
     monkeypatch.setattr(vllm_side, "run", lambda *a, **k: pytest.fail("vLLM must not run"))
-    for python, why in ((None, "no --vllm-python given"),
-                        (str(tmp_path / "missing-python"), "not importable")):  # fmt: skip
+    for entry in (None, vllm_side.start(None)):
         calls.clear()
-        report = phases_mod.phases({"57m": _engine(model_dir)}, lambda cache: {}, python)
+        report = phases_mod.phases({"57m": _engine(model_dir)}, lambda cache: {}, entry)
         vllm = report["vllm"]
         assert vllm["same_run"] is False and "NOT the same run" in vllm["note"]
-        assert why in vllm["note"] and [c[0] for c in calls] == ["jaxserve"] * 2
+        assert "no --vllm-python given" in vllm["note"]
+        assert [c[0] for c in calls] == ["jaxserve"] * 2
         goals = startup.goals({"phases": report})
         assert set(goals) == {"57m_second_vs_vllm"}
         goal = goals["57m_second_vs_vllm"]
@@ -224,6 +226,18 @@ def test_fallback_is_labelled_not_the_same_run(model_dir, tmp_path, monkeypatch,
         assert goal["value"] == pytest.approx(10.0 / vllm_side.VLLM_CPU_ISSUE_S)
         phases_mod.print_phases(report)
         assert "NOT the same run" in capsys.readouterr().out
+
+
+def test_an_interpreter_without_vllm_is_refused_before_anything_runs(tmp_path, monkeypatch):
+    """--vllm-python that cannot import vLLM, or --vllm-env without --vllm-python: refused
+    (ValueError naming the option) before any experiment starts or a checkpoint is written."""
+    monkeypatch.setattr(startup.throughput, "ensure_checkpoint", lambda *a: pytest.fail("ran"))
+    missing = str(tmp_path / "missing-python")
+    with pytest.raises(ValueError, match="--vllm-python .*missing-python"):
+        startup.main(["--vllm-python", missing, "--output", str(tmp_path / "x.json")])
+    with pytest.raises(ValueError, match="without --vllm-python"):
+        startup.main(["--vllm-env", "A=1", "--output", str(tmp_path / "x.json")])
+    assert not (tmp_path / "x.json").exists()
 
 
 def test_cli_default_has_no_vllm_python():
