@@ -4,15 +4,16 @@ in the same run.
 With ``--vllm-python PATH`` (an interpreter with vLLM's CPU build), each vLLM measurement is a
 fresh process of bench/_vllm_startup.py under it (never importing jaxserve), timed from just
 before the spawn to vLLM imported, to ``LLM(...)`` built and to the first request's first
-token. Its compilation cache is vLLM's own (VLLM_CACHE_ROOT and torch inductor's folder), in a
-fresh folder per run: empty for the first process, the first's for the second. The settings
+token. Its compilation cache is vLLM's own (VLLM_CACHE_ROOT and torch inductor's folder), in
+one fresh folder for the experiment: empty for the first process, filled by the earlier ones
+for the second processes. The settings
 follow jaxserve's engine as far as vLLM allows (``settings``): float32, the same block size,
 max_num_seqs, token budget, max_model_len, prefix caching, seed, and a KV pool of the same
 bytes (jaxserve's usable blocks x block bytes, passed as kv_cache_memory_bytes); no tokenizer
 (the checkpoint has none).
 
 Without an interpreter nothing of vLLM runs here: ``fallback`` labels the comparison as the
-issue's figure, not the same run's.
+issue's figure, not the same run's; an interpreter that cannot import vLLM is refused.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ DRIVER = HERE / "_vllm_startup.py"
 # vLLM 0.32's CPU backend, LLM(...) on the 57M checkpoint (issue 35, this machine).
 VLLM_CPU_ISSUE_S = 52.1
 # vLLM's log lines about its compilation cache (INFO level), counted per process: the AOT
-# path (the default with torch >= 2.10) and the per-graph cache (VLLM_USE_AOT_COMPILE=0).
+# path (the default with torch >= 2.10) and the per-graph cache (VLLM_USE_AOT_COMPILE=0; the
+# 0.32 CPU build logged none of these in our runs: cache_after's file count tells instead).
 CACHE_EVENTS = {
     "aot_loaded": "Directly load AOT compilation",
     "aot_load_failed": "Compiling model again due to a load failure",
