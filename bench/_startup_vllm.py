@@ -231,7 +231,7 @@ def print_vllm(entry: dict, big: dict | None) -> None:
     print(f"  {'engine / process':<22}" + "".join(f"{c:>11}" for c in cols)
           + "  cache: AOT load/fail/save, graph load/compile")  # fmt: skip
     for i, v in enumerate(entry["runs"]):
-        label = "first" if i == 0 else f"second {i}"
+        label = "first" if i == 0 else "second" if len(entry["runs"]) == 2 else f"second {i}"
         if big is not None and i < len(big["runs"]):
             run = big["runs"][i]
             cells = (run["import_s"], run["first"]["construct_s"], run["first"]["first_token_s"],
