@@ -19,22 +19,25 @@ cached; second: the compilation cache and the serialized executables of the firs
     rebuild     then in the same process, as a notebook re-running its cell:
                 ``del llm; LLM(...)`` and the first token again
 
-vLLM's CPU backend is compared where it is installed (``vllm`` importable); it is not on
-this project's machines, so the report says so and compares with the figure of the issue that
-asked for this (vLLM 0.32's CPU backend, LLM(...) on the same 57M checkpoint: 52.1 s).
+vLLM's CPU backend on the same 57M checkpoint, in the same run, when bench/startup.py is given
+``--vllm-python`` (bench/_startup_vllm.py): its processes alternate with jaxserve's (jaxserve
+first, vLLM first, then the second processes in turns, a drift hitting both alike), each on its
+own compilation cache (vLLM's: empty for its first process). Without it the report compares
+with the figure of the issue that asked for this, labelled as not the same run's.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
-# vLLM 0.32's CPU backend, LLM(...) on the 57M checkpoint (issue 35, this machine).
-VLLM_CPU_ISSUE_S = 52.1
+import _startup_vllm as vllm_side
+
+VLLM_MODEL = "57m"  # the model vLLM runs too (the demo model is jaxserve's built-in)
 PROMPT = [1, 300, 301, 302, 303, 304]  # token ids: the 57M checkpoint has no tokenizer
 PHASES = ("import_s", "config_s", "weights_s", "runner_s", "warmup_s", "first_token_s")
 
@@ -114,36 +117,63 @@ def _run(engine: dict, cache: str, env: dict) -> dict:
     return out
 
 
-def phases(models: dict[str, dict], child_env) -> dict:
-    """Experiment 5 for each of ``models`` (name -> LLM arguments): two processes each on one
-    fresh cache folder. ``child_env(cache)`` is the children's environment."""
-    report: dict = {"models": {}, "vllm": vllm_note()}
+def order(compare: bool, repeats: int) -> list[tuple[str, int]]:
+    """The processes of one model, (engine, index): jaxserve's first, vLLM's first, then
+    ``repeats`` second processes each, alternated (j, v, v, j, ...); jaxserve's only when not
+    ``compare``."""
+    if repeats < 1:
+        raise ValueError(f"phases repeats={repeats}: at least 1 second process is needed")
+    sides = ("jaxserve", "vllm") if compare else ("jaxserve",)
+    out = [(side, 0) for side in sides]
+    for r in range(repeats):
+        pair = sides if r % 2 == 0 else sides[::-1]
+        out += [(side, r + 1) for side in pair]
+    return out
+
+
+def mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)
+
+
+def phases(models: dict[str, dict], child_env, vllm: dict | None = None,
+           repeats: int = 1) -> dict:  # fmt: skip
+    """Experiment 5 for each of ``models`` (name -> LLM arguments): a first process and
+    ``repeats`` second ones each on one fresh cache folder, vLLM's beside the 57M model's when
+    ``vllm`` (bench/_startup_vllm.py's start()) is a same-run entry; None: the issue's figure.
+    ``child_env(cache)`` is jaxserve's children's environment."""
+    vllm = vllm_side.fallback() if vllm is None else vllm
+    report: dict = {"models": {}, "vllm": vllm, "repeats": repeats}
     for name, engine in models.items():
+        compare = vllm["same_run"] and name == VLLM_MODEL
+        if compare:
+            vllm["settings"] = vllm_side.settings(engine)
+            spec = {"llm": vllm["settings"], "prompt": PROMPT}
         runs = []
-        with tempfile.TemporaryDirectory(prefix="startup-phases-") as cache:
-            for i in range(2):
-                print(f"  phases {name} process {i + 1}/2 ...", flush=True)
-                runs.append(_run(engine, cache, child_env(cache)))
-        first, second = runs
+        with (
+            tempfile.TemporaryDirectory(prefix="startup-phases-") as cache,
+            tempfile.TemporaryDirectory(prefix="startup-phases-vllm-") as vcache,
+        ):
+            sequence = order(compare, repeats)
+            for i, (side, k) in enumerate(sequence):
+                which = "first" if k == 0 else f"second {k}/{repeats}"
+                print(f"  phases {name} {side} {which} ({i + 1}/{len(sequence)}) ...", flush=True)
+                if side == "jaxserve":
+                    runs.append(_run(engine, cache, child_env(cache)))
+                else:
+                    row = vllm_side.run(vllm["python"], spec, Path(vcache), vllm["env"])
+                    vllm["runs"].append(row)
+        second = mean(r["spawn_to_first_token_s"] for r in runs[1:])
         report["models"][name] = {
             "engine": engine,
             "runs": runs,
-            "second_over_first": second["spawn_to_first_token_s"] / first["spawn_to_first_token_s"],
+            "second_spawn_to_first_token_s": second,
+            "second_to_first_token_s": mean(r["first"]["to_first_token_s"] for r in runs[1:]),
+            "second_over_first": second / runs[0]["spawn_to_first_token_s"],
         }
+        if compare:
+            vllm_side.summarize(vllm)
     return report
-
-
-def vllm_note() -> dict:
-    """Whether vLLM is installed here, and the issue's figure to compare with when not."""
-    installed = importlib.util.find_spec("vllm") is not None
-    return {
-        "installed": installed,
-        "note": "vLLM is installed: run bench/vllm_throughput.py for its CPU backend"
-        if installed
-        else "vLLM's CPU backend is not installed on this machine: compared with the issue's "
-        f"figure (vLLM 0.32 CPU, LLM(...) on the 57M checkpoint: {VLLM_CPU_ISSUE_S} s)",
-        "issue_llm_construct_s": VLLM_CPU_ISSUE_S,
-    }
 
 
 def print_phases(report: dict) -> None:
@@ -153,7 +183,8 @@ def print_phases(report: dict) -> None:
             "warm-up", "1st tok", "LLM->tok", "spawn->tok")  # fmt: skip
     print(f"  {'model / process':<22}" + "".join(f"{c:>11}" for c in cols))
     for name, m in report["models"].items():
-        for label, run in zip(("first", "second"), m["runs"], strict=True):
+        for i, run in enumerate(m["runs"]):
+            label = process_label(i, len(m["runs"]))
             for kind in ("first", "rebuild"):
                 row = run[kind]
                 cells = [
@@ -170,7 +201,14 @@ def print_phases(report: dict) -> None:
                 print(f"  {text:<22}" + "".join(_cell(c) for c in cells))
         print(f"  {name}: second / first process (spawn -> first token) "
               f"{m['second_over_first']:.2f}x")  # fmt: skip
-    print(f"  {report['vllm']['note']}")
+    vllm_side.print_vllm(report["vllm"], report["models"].get(VLLM_MODEL))
+
+
+def process_label(i: int, count: int) -> str:
+    """first, second (second 1, second 2, ... when there are several)."""
+    if i == 0:
+        return "first"
+    return "second" if count == 2 else f"second {i}"
 
 
 def _cell(value: float | None) -> str:
