@@ -80,7 +80,12 @@ class ServerWarmup:
         self._select = select or (lambda what: what)
         self._start: float | None = None
 
-    def compile(self, runner: ModelRunner, checks: Callable[[], None] | None = None) -> None:
+    def compile(
+        self, runner: ModelRunner, checks: Callable[[], None] | None = None, ckpt: Any = None
+    ) -> None:
+        """Compile the (selected) full set, calling ``checks()`` before each compilation;
+        ``ckpt`` (the checkpoint the runner was built from) is not needed: startup.py's
+        compile_all passes it for a job's set (job_startup.py)."""
         if self._start is None:
             self._start = time.perf_counter()
         compile_set(runner, self._select(runner.warmup_set()), self.workers, checks)
