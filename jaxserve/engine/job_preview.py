@@ -86,7 +86,7 @@ class JobPreview:
         checkpoint's TokenizerInfo); None when no request can be read."""
         model = config.model
         prompts = PromptProcessor(tokenizer, runner.vocab_size, model.max_model_len, model.model)
-        jobs = [j for r in self.requests if (j := _job_request(prompts, r)) is not None]
+        jobs = [j for r in self.requests if (j := read_request(prompts, r)) is not None]
         return job_set(config, runner, jobs) if jobs else None
 
 
@@ -109,7 +109,7 @@ def check_warmup_for(preview: JobPreview | None, config: EngineConfig) -> None:
         )
 
 
-def _job_request(prompts: PromptProcessor, request: PreviewRequest) -> JobRequest | None:
+def read_request(prompts: PromptProcessor, request: PreviewRequest) -> JobRequest | None:
     """The request's JobRequest, or None when it cannot be read (the job's check names it)."""
     try:
         params = request.params.clone()

@@ -182,7 +182,8 @@ def start_runner(
     return StartupPipeline(
         load=lambda: _load_weights(unchecked),
         resolve=checked,
-        abstract=lambda resolved: _abstract_weights(resolved, job_set is not None),
+        # A handed job's prompts are tokenized before the weights are in (job_startup.py).
+        abstract=_abstract_weights if job_set is None else _with_tokenizer,
         make_runner=make,
         compile_all=None if warmup is None else warmup.compile,
         run_once=None if warmup is None else warmup.run,
@@ -231,7 +232,11 @@ def _weights_first(resolved: ResolvedModel) -> bool:
     return fp8 or resolved.source != resolved.config.model.model
 
 
-def _abstract_weights(resolved: ResolvedModel, with_tokenizer: bool) -> LoadedCheckpoint:
+def _with_tokenizer(resolved: ResolvedModel) -> LoadedCheckpoint:
+    return _abstract_weights(resolved, with_tokenizer=True)
+
+
+def _abstract_weights(resolved: ResolvedModel, with_tokenizer: bool = False) -> LoadedCheckpoint:
     """The checkpoint _load_weights will load, with abstract params (abstract_weights.py) and,
     ``with_tokenizer``, its tokenizer (a handed job's prompts: job_startup.py)."""
     config = resolved.config
