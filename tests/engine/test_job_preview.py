@@ -179,3 +179,14 @@ def test_jaxserve_generate_hands_its_job_to_the_construction(tmp_path, monkeypat
     assert warm_ups == [0]
     summary = capsys.readouterr().out
     assert "requests:           2 (3 completions)" in summary
+
+
+@pytest.mark.slow
+def test_the_weights_first_start_up_compiles_the_handed_set_too(monkeypatch):
+    # As an FP8 KV cache's or a Hub model's start-up: the load first, then the handed set.
+    monkeypatch.setattr(factory, "_weights_first", lambda resolved: True)
+    llm = LLM("tiny-random-llama", warmup_for=JobPreview.of(PROMPTS, PARAMS), **ENGINE)
+    at_construction = _compiled(llm)
+    assert at_construction > 0
+    llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert _compiled(llm) == at_construction and llm.get_stats()["recompilations"] == []
