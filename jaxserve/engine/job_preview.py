@@ -18,6 +18,7 @@ that differs from the job costs compile time, never a compilation on the step pa
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,8 @@ from jaxserve.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from jaxserve.config import EngineConfig
     from jaxserve.runner.model_runner import ModelRunner
+
+logger = logging.getLogger("jaxserve")
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,13 @@ class JobPreview:
         model = config.model
         prompts = PromptProcessor(tokenizer, runner.vocab_size, model.max_model_len, model.model)
         jobs = [j for r in self.requests if (j := read_request(prompts, r)) is not None]
+        if len(jobs) < len(self.requests):
+            logger.info(
+                "warm-up at construction: %d of the handed job's %d requests cannot be read; "
+                "left out (the job's own check names them)",
+                len(self.requests) - len(jobs),
+                len(self.requests),
+            )
         return job_set(config, runner, jobs) if jobs else None
 
 
