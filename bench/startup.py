@@ -191,8 +191,7 @@ def model_flags(engine: dict) -> tuple[str, ...]:
         if key == "enable_prefix_caching":
             flags += [] if value else ["--no-prefix-caching"]
             continue
-        flag = {"seed": "engine-seed"}.get(key, key.replace("_", "-"))
-        flags += [f"--{flag}", str(value)]
+        flags += [f"--{key.replace('_', '-')}", str(value)]  # seed: --seed, the engine's
     return tuple(flags)
 
 
