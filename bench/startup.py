@@ -146,16 +146,18 @@ def _compact(run: dict, keys: tuple[str, ...]) -> dict:
     return out
 
 
-def demo(preset: Preset, flags: tuple[str, ...] | None = None) -> dict:
+def demo(preset: Preset, flags: tuple[str, ...] | None = None, token_ids: bool = False) -> dict:
     """Experiment 1: `jaxserve generate` twice on one cache folder (``flags``: the engine
-    flags, default the preset's demo flags)."""
+    flags, default the preset's demo flags; ``token_ids``: the demo's prompts as token ids, for
+    a model without a tokenizer: token_id_input)."""
     flags = preset.demo_flags if flags is None else flags
     runs = []
     with tempfile.TemporaryDirectory(prefix="startup-demo-") as cache:
+        source = token_id_input(Path(cache) / "prompts.jsonl") if token_ids else DEMO_INPUT
         for i in range(2):
             print(f"  demo process {i + 1}/2 ...", flush=True)
             output = str(Path(cache) / f"out{i}.jsonl")  # a fresh results file each time
-            argv = ["generate", "--input", str(DEMO_INPUT), "--output", output]
+            argv = ["generate", "--input", str(source), "--output", output]
             argv += ["--no-progress", *flags]
             run = run_child({"mode": "demo", "argv": argv}, cache)
             if run["rc"] != 0:
@@ -181,6 +183,22 @@ def demo(preset: Preset, flags: tuple[str, ...] | None = None) -> dict:
         "runs": runs,
         "wall_ratio": second["wall_s"] / first["wall_s"],
     }
+
+
+def token_id_input(path: Path) -> Path:
+    """The demo's prompts written to ``path`` as the demo tokenizer's token ids (the 57M
+    checkpoint has no tokenizer), their sampling fields kept but stop strings (they need one)."""
+    from jaxserve.checkpoints_tools.tiny_random import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    lines = []
+    for text in DEMO_INPUT.read_text().splitlines():
+        request = {k: v for k, v in json.loads(text).items() if k != "stop"}
+        if "prompt" in request:
+            request["prompt_token_ids"] = tokenizer.encode(request.pop("prompt")).ids
+        lines.append(json.dumps(request))
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 def model_flags(engine: dict) -> tuple[str, ...]:
@@ -423,7 +441,7 @@ def main(argv: list[str] | None = None) -> dict:
     runs = {
         "demo": lambda: demo(preset),
         "demo57m": lambda: {
-            **demo(preset, model_flags({**preset.engine, "model": model})),
+            **demo(preset, model_flags({**preset.engine, "model": model}), token_ids=True),
             "number": 7,
         },
         "construct": lambda: construct(preset, model, args.restart_repeats),
