@@ -100,6 +100,17 @@ _timed(warmup_module.ServerWarmup, "compile", lambda args: args[1], lambda args:
 _timed(warmup_module.ServerWarmup, "run", lambda args: args[1], lambda args: args[0].workers)
 _timed(llm_module, "warm_up_for", lambda args: args[0].runner,
        lambda args: args[0].info.plan.compile_workers)
+# A job handed to the construction (jaxserve generate: LLM(warmup_for=...)) compiles its set
+# while the weights load (runner/job_startup.py); a tree without it times none.
+try:
+    import jaxserve.runner.job_startup as job_startup_module
+except ImportError:
+    job_startup_module = None
+if job_startup_module is not None:
+    _timed(job_startup_module.JobStartupWarmup, "compile", lambda args: args[1],
+           lambda args: args[0].workers)
+    _timed(job_startup_module.JobStartupWarmup, "run", lambda args: args[1],
+           lambda args: args[0].workers)
 
 if mode == "demo":
     stats = {}
@@ -120,6 +131,7 @@ if mode == "demo":
                      "cache_hits": stats["num_compilation_cache_hits"],
                      "recompilations": stats["recompilations"]}
     out["warmup"] = WARM
+    out["weights_s"] = LOAD["weights_s"]
 elif mode == "construct":
     if spec.get("weights_first"):  # the start-up before runner/startup.py: load, then compile
         factory._weights_first = lambda resolved: True

@@ -74,7 +74,6 @@ def timed(owner, name, key):
 for owner, name, key in ((factory, "resolve_model", "config_s"),
                          (factory, "_load_weights", "weights_s"),
                          (factory, "make_runner", "runner_s"),
-                         (factory, "warm_up_all", "warmup_s"),
                          (llm_module, "warm_up_for", "warmup_s"),
                          (store.ExecutableStore, "load", "store_load_s")):
     timed(owner, name, key)

@@ -32,6 +32,9 @@ Ratios, not absolute times, are the result: the machine is shared and noisy.
     6 server     a server (AsyncLLM) from spawn to a short request's first token, then a long
                  request, with enable_background_warmup off and on, cold and restarted
                  (_startup_server.py). Goal: restarted, on <= 0.5x off; the same tokens.
+    7 demo57m    experiment 1 on the 57M model with the throughput benchmark's engine flags
+                 (`jaxserve generate --model <57m> ...`: the job's warm-up, handed to the
+                 construction, compiles while the weights load). Not in the default run.
 
 Compilations are counted two ways: the engine's (get_stats: the step and the block copy, fresh
 or loaded from the cache) and process-wide (jax's monitoring events: every XLA compilation in
@@ -73,7 +76,7 @@ from _startup_report import print_report  # noqa: E402
 from _startup_server import server_start  # noqa: E402
 
 RESULTS = HERE / "results" / "startup.json"
-EXPERIMENTS = ("demo", "construct", "workers", "features", "phases", "server")
+EXPERIMENTS = ("demo", "construct", "workers", "features", "phases", "server", "demo57m")
 CACHE_ENV = "JAXSERVE_COMPILATION_CACHE_DIR"  # jaxserve/runner/compile_cache.py ENV_VAR
 DEMO_INPUT = HERE.parent / "examples" / "prompts.jsonl"  # README's first command reads it
 
@@ -147,31 +150,71 @@ def _compact(run: dict, keys: tuple[str, ...]) -> dict:
     return out
 
 
-def demo(preset: Preset) -> dict:
-    """Experiment 1: `jaxserve generate` twice on one cache folder."""
+def demo(preset: Preset, flags: tuple[str, ...] | None = None, token_ids: bool = False) -> dict:
+    """Experiment 1: `jaxserve generate` twice on one cache folder (``flags``: the engine
+    flags, default the preset's demo flags; ``token_ids``: the demo's prompts as token ids, for
+    a model without a tokenizer: token_id_input)."""
+    flags = preset.demo_flags if flags is None else flags
     runs = []
     with tempfile.TemporaryDirectory(prefix="startup-demo-") as cache:
+        source = token_id_input(Path(cache) / "prompts.jsonl") if token_ids else DEMO_INPUT
         for i in range(2):
             print(f"  demo process {i + 1}/2 ...", flush=True)
             output = str(Path(cache) / f"out{i}.jsonl")  # a fresh results file each time
-            argv = ["generate", "--input", str(DEMO_INPUT), "--output", output]
-            argv += ["--no-progress", *preset.demo_flags]
+            argv = ["generate", "--input", str(source), "--output", output]
+            argv += ["--no-progress", *flags]
             run = run_child({"mode": "demo", "argv": argv}, cache)
             if run["rc"] != 0:
                 raise RuntimeError(f"jaxserve generate exited {run['rc']}: {run['stdout'][-5:]}")
             line = _summary_line(run["stdout"])
             if _summary_counts(line) != (run["engine"]["fresh"], run["engine"]["cache_hits"]):
                 raise RuntimeError(f"the CLI summary {line!r} disagrees with {run['engine']}")
-            compact = _compact(run, ("wall_s", "import_s", "engine", "warmup"))
+            compact = _compact(run, ("wall_s", "import_s", "engine", "warmup", "weights_s"))
             compact["summary_line"] = line
             compact["cache_after"] = _cache_files(cache)
             runs.append(compact)
     first, second = runs
     return {
-        "command": ["jaxserve", *argv[:-4], "out.jsonl"],
+        "command": [
+            "jaxserve",
+            "generate",
+            "--input",
+            "examples/prompts.jsonl",
+            "--output",
+            "out.jsonl",
+            *flags,
+        ],  # fmt: skip
         "runs": runs,
         "wall_ratio": second["wall_s"] / first["wall_s"],
     }
+
+
+def token_id_input(path: Path) -> Path:
+    """The demo's prompts written to ``path`` as the demo tokenizer's token ids (the 57M
+    checkpoint has no tokenizer), their sampling fields kept but stop strings (they need one)."""
+    from jaxserve.checkpoints_tools.tiny_random import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    lines = []
+    for text in DEMO_INPUT.read_text().splitlines():
+        request = {k: v for k, v in json.loads(text).items() if k != "stop"}
+        if "prompt" in request:
+            request["prompt_token_ids"] = tokenizer.encode(request.pop("prompt")).ids
+        lines.append(json.dumps(request))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def model_flags(engine: dict) -> tuple[str, ...]:
+    """`jaxserve generate` flags for an engine of LLM arguments (experiment 1 on the 57M model:
+    the throughput benchmark's engine)."""
+    flags = []
+    for key, value in engine.items():
+        if key == "enable_prefix_caching":
+            flags += [] if value else ["--no-prefix-caching"]
+            continue
+        flags += [f"--{key.replace('_', '-')}", str(value)]  # seed: --seed, the engine's
+    return tuple(flags)
 
 
 def construct(preset: Preset, model: str, repeats: int = 2) -> dict:
@@ -352,8 +395,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--experiments",
-        default=",".join(EXPERIMENTS),
-        help=f"comma-separated subset of {','.join(EXPERIMENTS)} (default: all)",
+        default=",".join(EXPERIMENTS[:-1]),
+        help=f"comma-separated subset of {','.join(EXPERIMENTS)} (default: all but demo57m)",
     )
     p.add_argument(
         "--restart-repeats", type=int, default=2,
@@ -414,6 +457,10 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"--experiments: unknown {unknown}; known: {list(EXPERIMENTS)}")
     runs = {
         "demo": lambda: demo(preset),
+        "demo57m": lambda: {
+            **demo(preset, model_flags({**preset.engine, "model": model}), token_ids=True),
+            "number": 7,
+        },
         "construct": lambda: construct(preset, model, args.restart_repeats),
         "workers": lambda: workers(preset, model, args.workers, args.repeats or preset.repeats),
         "features": lambda: features(preset),

@@ -76,6 +76,18 @@ def tiny_random_llama_arch(vocab_size: int = TINY_VOCAB_SIZE) -> ModelArchConfig
     )
 
 
+def tiny_tokenizer_info(tokenizer: Tokenizer | None = None) -> TokenizerInfo:
+    """The demo model's tokenizer facts (``tokenizer``: build_tiny_tokenizer()'s, built when
+    None), as make_tiny_random_llama gives them."""
+    return TokenizerInfo(
+        tokenizer=build_tiny_tokenizer() if tokenizer is None else tokenizer,
+        chat_template=TINY_CHAT_TEMPLATE,
+        bos_token="<s>",
+        eos_token="</s>",
+        eos_token_ids=frozenset((EOS_ID,)),
+    )
+
+
 def make_tiny_random_llama(
     *,
     dtype: str = "auto",
@@ -103,13 +115,7 @@ def make_tiny_random_llama(
         dtype=np.dtype(np_dtype),
         eos_token_ids=frozenset(arch.eos_token_ids),
         max_position_embeddings=arch.max_position_embeddings,
-        tokenizer=TokenizerInfo(
-            tokenizer=tokenizer,
-            chat_template=TINY_CHAT_TEMPLATE,
-            bos_token="<s>",
-            eos_token="</s>",
-            eos_token_ids=frozenset(arch.eos_token_ids),
-        ),
+        tokenizer=tiny_tokenizer_info(tokenizer),
         generation_config={"bos_token_id": BOS_ID, "eos_token_id": EOS_ID},
         path=None,
         quantization=quantization,

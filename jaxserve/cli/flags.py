@@ -12,6 +12,7 @@ import argparse
 import json
 import logging
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -213,6 +214,16 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["warmup"] = False
     if getattr(args, "no_calculate_kv_scales", False):
         kwargs["calculate_kv_scales"] = False
+    return kwargs
+
+
+def job_kwargs(args: argparse.Namespace, preview: Callable[[], Any]) -> dict[str, Any]:
+    """engine_kwargs for an offline job whose requests are known: with the job's warm-up
+    (LLM's default, not --no-warmup), ``preview()`` (a JobPreview) as ``warmup_for``, so that
+    the job's shapes compile while the weights load (engine/job_preview.py)."""
+    kwargs = engine_kwargs(args)
+    if kwargs.get("warmup", "job") == "job":
+        kwargs["warmup_for"] = preview()
     return kwargs
 
 

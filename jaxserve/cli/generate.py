@@ -23,8 +23,8 @@ from jaxserve.cli.flags import (
     add_model_flag,
     add_overwrite_flag,
     add_sampling_flags,
-    engine_kwargs,
     fail,
+    job_kwargs,
     sampling_defaults,
 )
 from jaxserve.jobs import generate as job
@@ -98,14 +98,16 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         start = time.perf_counter()
-        llm = LLM(model=args.model, **engine_kwargs(args))
+        llm = LLM(model=args.model, **job_kwargs(args, lambda: job.job_preview(requests)))
         checked = job.check_requests(llm.engine, requests)
     except (OSError, TypeError, ValueError) as e:  # bad model or input (docs/architecture.md)
         if results is not None:
             results.close()
         return fail("generate", str(e))
     try:
-        llm.warm_up(checked)  # the job's shapes (LLM's warmup="job"), counted in the load time
+        # The job's shapes (LLM's warmup="job"), counted in the load time: compiled while the
+        # weights loaded (warmup_for), so only what the preview missed compiles here.
+        llm.warm_up(checked)
         load_s = time.perf_counter() - start
         outputs, elapsed_s = job.generate(llm, requests, results, progress=not args.no_progress)
         stats = llm.get_stats()

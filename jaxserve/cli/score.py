@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from jaxserve.cli.flags import add_engine_flags, add_job_flags, engine_kwargs, fail
+from jaxserve.cli.flags import add_engine_flags, add_job_flags, fail, job_kwargs
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -57,10 +57,11 @@ def run(args: argparse.Namespace) -> int:
         from tqdm.auto import tqdm
 
         from jaxserve.engine.llm import LLM  # jax loads here
-        from jaxserve.jobs.score_job import score_lines
+        from jaxserve.jobs.score_job import job_preview, score_lines
 
+        todo = [item for item in lines if item.id not in results.done]
         try:
-            llm = LLM(args.model, **engine_kwargs(args))
+            llm = LLM(args.model, **job_kwargs(args, lambda: job_preview(todo)))
         except (OSError, TypeError, ValueError) as e:
             return fail("score", str(e))
         bar = tqdm(total=len(lines), initial=done_before, desc="Pairs", disable=args.no_progress)

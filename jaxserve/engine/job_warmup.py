@@ -1,7 +1,9 @@
 """Job-sized warm-up of an LLM's engine (``warmup="job"``, LLM's default): before a job's
 requests are queued, compile and run once the step shapes they can reach (runner/job_shapes.py)
 together with the requests still unfinished in the engine (another stream's: their steps may
-batch with these). What an earlier job warmed up stays; only what is new compiles. A server
+batch with these). What an earlier job warmed up stays; only what is new compiles: a job
+handed to the engine's construction (job_preview.py) had its set compiled then, while the
+weights loaded, and finds nothing new here. A server
 (LLMEngine, AsyncLLM: ``warmup=True``) compiles the full set when it is built instead."""
 
 from __future__ import annotations
@@ -11,10 +13,12 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from jaxserve.runner.job_shapes import JobRequest, job_request, job_warmup_set
+from jaxserve.config import EngineConfig
+from jaxserve.runner.job_shapes import JobRequest, WarmupSet, job_request, job_warmup_set
 
 if TYPE_CHECKING:
     from jaxserve.engine.llm_engine import CheckedRequest, LLMEngine
+    from jaxserve.runner.model_runner import ModelRunner
 
 logger = logging.getLogger("jaxserve")
 
@@ -32,19 +36,7 @@ def warm_up_for(engine: LLMEngine, requests: Sequence[CheckedRequest]) -> int:
         return 0
     runner = engine.runner
     jobs = [job_request(len(r.token_ids), r.params, r.constraints is not None) for r in requests]
-    jobs += _unfinished(engine)
-    spec = config.speculative
-    what = job_warmup_set(
-        jobs,
-        runner.buckets,
-        block_size=config.cache.block_size,
-        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-        max_model_len=config.model.max_model_len,
-        variant_widths=runner.sampling.variant_widths,
-        copy_sizes=runner.copy_sizes,
-        num_spec_tokens=0 if spec is None else spec.num_speculative_tokens,
-        num_usable_blocks=engine.info.num_kv_blocks - 1,  # the null block is never allocated
-    )
+    what = job_set(config, runner, jobs + _unfinished(engine))
     start = time.perf_counter()
     num = runner.warmup(workers=engine.info.plan.compile_workers, what=what)
     if num:
@@ -60,6 +52,24 @@ def warm_up_for(engine: LLMEngine, requests: Sequence[CheckedRequest]) -> int:
             time.perf_counter() - start,
         )
     return num
+
+
+def job_set(config: EngineConfig, runner: ModelRunner, jobs: Sequence[JobRequest]) -> WarmupSet:
+    """The set ``jobs`` can reach on ``runner`` under the resolved ``config`` (its limits, its
+    KV pool, its speculative drafts): what a job's warm-up compiles, here or at the engine's
+    construction (job_preview.py)."""
+    spec = config.speculative
+    return job_warmup_set(
+        jobs,
+        runner.buckets,
+        block_size=config.cache.block_size,
+        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        max_model_len=config.model.max_model_len,
+        variant_widths=runner.sampling.variant_widths,
+        copy_sizes=runner.copy_sizes,
+        num_spec_tokens=0 if spec is None else spec.num_speculative_tokens,
+        num_usable_blocks=config.cache.num_kv_blocks - 1,  # the null block is never allocated
+    )
 
 
 def _unfinished(engine: LLMEngine) -> list[JobRequest]:

@@ -38,6 +38,7 @@ from jaxserve.core.sched.scheduler import Scheduler
 from jaxserve.engine.background_warmup import BackgroundWarmup
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.interrupts import defer_sigint
+from jaxserve.engine.job_preview import JobPreview, check_warmup_for
 from jaxserve.engine.prompts import PromptProcessor, PromptType
 from jaxserve.engine.request_state import RequestState
 from jaxserve.engine.run_ahead import RunAheadPolicy
@@ -75,11 +76,20 @@ class CheckedRequest:
 
 
 class LLMEngine:
-    """The engine of docs/architecture.md. ``LLMEngine(model=..., **same_kwargs_as_LLM)``."""
+    """The engine of docs/architecture.md. ``LLMEngine(model=..., **same_kwargs_as_LLM)``.
 
-    def __init__(self, model: str = "tiny-random-llama", **kwargs: Any) -> None:
+    ``warmup_for`` (jaxserve's; LLM and AsyncLLM pass it on): a job's requests
+    (job_preview.JobPreview), whose shapes compile while the weights load (warmup="job" only:
+    job_preview.check_warmup_for).
+    """
+
+    def __init__(
+        self, model: str = "tiny-random-llama", *, warmup_for: JobPreview | None = None, **kwargs
+    ) -> None:
         config = EngineConfig.from_kwargs(model=model, **kwargs)
-        runner, info = build_runner(config)
+        check_warmup_for(warmup_for, config)
+        job_set = None if warmup_for is None else warmup_for.warmup_set
+        runner, info = build_runner(config, job_set)
         self.config = info.config
         self.info = info
         self.tokenizer = info.tokenizer.tokenizer

@@ -31,6 +31,7 @@ from jaxserve.jobs.jsonl import (
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
+    from jaxserve.engine.job_preview import JobPreview
     from jaxserve.engine.llm import LLM
     from jaxserve.engine.llm_engine import CheckedRequest, LLMEngine
     from jaxserve.jobs.results import ResultsFile
@@ -260,6 +261,14 @@ def check_requests(engine: LLMEngine, requests: Sequence[PromptRequest]) -> list
         except (TypeError, ValueError) as e:
             raise InputError(f"{request.where} (request_id {request.request_id!r}): {e}") from None
     return checked
+
+
+def job_preview(requests: Sequence[PromptRequest]) -> JobPreview:
+    """The requests as the engine's construction takes them (LLM(warmup_for=...)), so that
+    their shapes compile while the weights load (engine/job_preview.py)."""
+    from jaxserve.engine.job_preview import JobPreview
+
+    return JobPreview.of([r.engine_prompt() for r in requests], [r.params for r in requests])
 
 
 def request_hash(request: PromptRequest) -> str:

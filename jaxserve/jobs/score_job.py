@@ -22,6 +22,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from jaxserve.engine.job_preview import JobPreview, PreviewRequest
 from jaxserve.engine.llm import LLM
 from jaxserve.engine.scoring import SCORE_PARAMS, check_pair, continuation_logprobs
 from jaxserve.jobs.job_spec import request_hash
@@ -80,6 +81,14 @@ def _one_of(obj: dict[str, Any], name: str, where: str) -> str | dict[str, list[
             raise InputError(f"{where}: field '{name}' must be a non-empty string")
         return text
     return {"prompt_token_ids": ids}  # checked (type, vocabulary) by the engine
+
+
+def job_preview(todo: list[ScoreLine]) -> JobPreview:
+    """The pairs to score as the engine's construction takes them (LLM(warmup_for=...)), so
+    that their shapes compile while the weights load (engine/job_preview.py)."""
+    return JobPreview(
+        tuple(PreviewRequest(item.prompt, SCORE_PARAMS, item.continuation) for item in todo)
+    )
 
 
 def score_lines(llm: LLM, lines: list[ScoreLine], results: ResultsFile) -> Iterator[dict[str, Any]]:

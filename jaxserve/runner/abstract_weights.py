@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.checkpoints_tools import LoadedCheckpoint, TokenizerInfo
+from jaxserve.checkpoints_tools.tiny_random import TINY_RANDOM_LLAMA, tiny_tokenizer_info
 from jaxserve.checkpoints_tools.tokenizer import load_tokenizer
 from jaxserve.models import CausalLM, ModelArchConfig, get_model
 
@@ -39,16 +40,23 @@ def abstract_checkpoint(
     dtype: str,
     quantization: str | None,
     shardings: Any,
+    with_tokenizer: bool = False,
 ) -> LoadedCheckpoint:
     """The checkpoint at ``source`` (a folder, or a built-in model's name) with abstract params
-    in ``dtype`` and ``quantization`` placed by ``shardings``, the folder's EOS ids and no
-    tokenizer (the tokenizer's files are read for the EOS ids only)."""
+    in ``dtype`` and ``quantization`` placed by ``shardings``, the folder's EOS ids and, with
+    ``with_tokenizer``, its tokenizer (the one the load gives: a job handed to the engine's
+    construction tokenizes its prompts with it while the weights load, job_startup.py), else
+    none (the tokenizer's files are read for the EOS ids only)."""
     model = get_model(arch, dtype=dtype, quantization=quantization)
     folder = pathlib.Path(source)
     if folder.is_dir():
-        tokenizer = dataclasses.replace(load_tokenizer(folder), tokenizer=None)
+        tokenizer = load_tokenizer(folder)
+    elif source == TINY_RANDOM_LLAMA and with_tokenizer:
+        tokenizer = tiny_tokenizer_info()
     else:  # a built-in model
         tokenizer = TokenizerInfo(None, eos_token_ids=frozenset(arch.eos_token_ids))
+    if not with_tokenizer:
+        tokenizer = dataclasses.replace(tokenizer, tokenizer=None)
     return LoadedCheckpoint(
         arch=arch,
         params=abstract_params(model, shardings),

@@ -18,8 +18,9 @@ the runner.
                           make_runner(resolved, abstract checkpoint) -> ModelRunner (its KV
                           scales, host tier and connector: kv_attachments.py), HostTier | None;
                           use_executable_store(...) (serialized executables in the
-                          compilation cache folder); a server's warm-up compiled (warmup=True;
-                          else per job: engine/job_warmup.py)
+                          compilation cache folder); a server's warm-up compiled (warmup=True),
+                          or a handed job's set (warmup="job" with job_set: job_startup.py;
+                          else per job when it starts: engine/job_warmup.py)
           then the loaded weights in the runner, and each warmed-up step run once
 """
 
@@ -39,6 +40,7 @@ from jaxserve.runner.abstract_weights import abstract_checkpoint
 from jaxserve.runner.compile_cache import enable_compilation_cache
 from jaxserve.runner.draft_model import DraftSpec
 from jaxserve.runner.executable_store import fields_of, use_executable_store
+from jaxserve.runner.job_startup import JobSetFn, JobStartupWarmup
 from jaxserve.runner.kv_attachments import host_tier_of, kv_connector_of, kv_scales_of
 from jaxserve.runner.kv_cache import KVAllocator, allocate_kv_caches
 from jaxserve.runner.memory_plan import MemoryPlan
@@ -47,7 +49,7 @@ from jaxserve.runner.plan import ExecutionPlan
 from jaxserve.runner.resolved_model import ResolvedModel, hub_arguments, resolve_model
 from jaxserve.runner.sharding import per_device_bytes, plan_sharding
 from jaxserve.runner.startup import StartupPipeline
-from jaxserve.runner.warmup import ServerWarmup, warm_up_all
+from jaxserve.runner.warmup import ServerWarmup
 from jaxserve.runner.warmup_stages import first_stage
 from jaxserve.runner.xla_flags import apply_cpu_workarounds
 
@@ -104,10 +106,13 @@ def _compare_weights(runner: ModelRunner, memory: MemoryPlan | None) -> None:
         )
 
 
-def build_runner(config: EngineConfig) -> tuple[ModelRunner, RunnerInfo]:
+def build_runner(
+    config: EngineConfig, job_set: JobSetFn | None = None
+) -> tuple[ModelRunner, RunnerInfo]:
     """Check that the model fits, then load the checkpoint (each parameter straight into its
     tensor-parallel sharding) and build the runner over a mesh of `tensor_parallel_size`
-    devices.
+    devices; with ``job_set`` (warmup="job": a job handed to the construction,
+    job_startup.py), the job's set compiled while the weights load.
 
     Raises:
         ValueError / FileNotFoundError: bad model name, path or checkpoint (from the loader;
@@ -125,7 +130,7 @@ def build_runner(config: EngineConfig) -> tuple[ModelRunner, RunnerInfo]:
     # in this thread while they load (start_runner).
     unchecked = resolve_model(config, check_kernels=False)
     runner, host_tier, ckpt, resolved = start_runner(
-        unchecked, cache_dir, lambda: _checked_model(config, unchecked)
+        unchecked, cache_dir, lambda: _checked_model(config, unchecked), job_set
     )
     _compare_weights(runner, resolved.memory)
     if host_tier is not None and config.cache.preemption_mode == "auto":
@@ -146,10 +151,14 @@ def build_runner(config: EngineConfig) -> tuple[ModelRunner, RunnerInfo]:
 
 
 def start_runner(
-    unchecked: ResolvedModel, cache_dir: str | None, checked: Callable[[], ResolvedModel]
+    unchecked: ResolvedModel,
+    cache_dir: str | None,
+    checked: Callable[[], ResolvedModel],
+    job_set: JobSetFn | None = None,
 ) -> tuple[ModelRunner, HostTier | None, LoadedCheckpoint, ResolvedModel]:
     """The runner with its loaded weights and its executable store, warmed up when it is a
-    server's (warmup=True), and the model resolved with its kernel self-checked (``checked()``).
+    server's (warmup=True) or has a handed job (``job_set``: its set), and the model resolved
+    with its kernel self-checked (``checked()``).
     The weights load (with ``unchecked``'s dtype and shardings) in a thread while the calling
     thread self-checks the kernel, builds the runner over their shapes and compiles
     (startup.py), unless the runner needs their values to be built (_weights_first)."""
@@ -161,26 +170,40 @@ def start_runner(
         use_executable_store(runner, cache_dir, fields, config.runner.precompiled)
         return runner, host_tier
 
-    server = config.runner.warmup is True  # "job": before each job (engine/job_warmup.py)
-    workers = unchecked.plan.compile_workers
-    # Serving before warm-up ends: only the first stage now (engine/background_warmup.py).
-    select = first_stage if config.runner.enable_background_warmup else None
+    warmup = _startup_warmup(unchecked, job_set)
     if _weights_first(unchecked):
         resolved = checked()
         ckpt = _load_weights(resolved)
         runner, host_tier = make(resolved, ckpt)
-        if server:
-            warm_up_all(runner, workers, select)
+        if warmup is not None:
+            warmup.compile(runner, None, ckpt)
+            warmup.run(runner)
         return runner, host_tier, ckpt, resolved
-    warmup = ServerWarmup(workers, select) if server else None
     return StartupPipeline(
         load=lambda: _load_weights(unchecked),
         resolve=checked,
-        abstract=_abstract_weights,
+        # A handed job's prompts are tokenized before the weights are in (job_startup.py).
+        abstract=_abstract_weights if job_set is None else _with_tokenizer,
         make_runner=make,
         compile_all=None if warmup is None else warmup.compile,
         run_once=None if warmup is None else warmup.run,
     ).run()
+
+
+def _startup_warmup(
+    resolved: ResolvedModel, job_set: JobSetFn | None
+) -> ServerWarmup | JobStartupWarmup | None:
+    """What the construction warms up: a server's set (warmup=True; only its first stage when
+    it serves before warm-up ends: engine/background_warmup.py), a handed job's
+    (warmup="job" with ``job_set``), else nothing (the job warms up when it starts,
+    engine/job_warmup.py; or never)."""
+    config, workers = resolved.config, resolved.plan.compile_workers
+    if config.runner.warmup is True:
+        select = first_stage if config.runner.enable_background_warmup else None
+        return ServerWarmup(workers, select)
+    if config.runner.warmup == "job" and job_set is not None:
+        return JobStartupWarmup(job_set, config, workers)
+    return None
 
 
 def _checked_model(config: EngineConfig, unchecked: ResolvedModel) -> ResolvedModel:
@@ -209,8 +232,13 @@ def _weights_first(resolved: ResolvedModel) -> bool:
     return fp8 or resolved.source != resolved.config.model.model
 
 
-def _abstract_weights(resolved: ResolvedModel) -> LoadedCheckpoint:
-    """The checkpoint _load_weights will load, with abstract params (abstract_weights.py)."""
+def _with_tokenizer(resolved: ResolvedModel) -> LoadedCheckpoint:
+    return _abstract_weights(resolved, with_tokenizer=True)
+
+
+def _abstract_weights(resolved: ResolvedModel, with_tokenizer: bool = False) -> LoadedCheckpoint:
+    """The checkpoint _load_weights will load, with abstract params (abstract_weights.py) and,
+    ``with_tokenizer``, its tokenizer (a handed job's prompts: job_startup.py)."""
     config = resolved.config
     ckpt = abstract_checkpoint(
         resolved.arch,
@@ -218,6 +246,7 @@ def _abstract_weights(resolved: ResolvedModel) -> LoadedCheckpoint:
         dtype=resolved.plan.dtype,
         quantization=config.model.quantization,
         shardings=resolved.sharding.param_shardings(),
+        with_tokenizer=with_tokenizer,
     )
     if config.model.tokenizer is not None:
         ckpt = replace_tokenizer(ckpt, config.model.tokenizer)

@@ -7,7 +7,8 @@ transfers, tracing, lowering and compiling (or loading from a cache) is CPU work
 the attention kernel (plan.py: the weights depend on the dtype and the shardings, not on the
 kernel), builds the ModelRunner over abstract weights (abstract_weights.py:
 jax.ShapeDtypeStructs in their shardings), gives it its executable store and, for a server
-(``warmup=True``), compiles the whole warm-up set, smallest shapes first. Then it waits for
+(``warmup=True``), compiles the whole warm-up set, smallest shapes first (for a job handed to
+the construction, the set its requests can reach: job_startup.py). Then it waits for
 the weights, puts them in the runner, and only then runs each step once (warmup.run_once
 needs real weights):
 
@@ -102,9 +103,11 @@ class StartupPipeline:
             (abstract_weights.abstract_checkpoint).
         make_runner: (resolved, checkpoint) -> (runner, host tier), the runner given its
             executable store (factory: make_runner, then use_executable_store).
-        compile_all: None (the warm-up is per job, or never), else (runner, checks) ->
-            compiles the server's warm-up set, calling ``checks()`` before each compilation
-            (it raises the load's error once the load has failed).
+        compile_all: None (the warm-up is per job, or never), else (runner, checks, ckpt) ->
+            compiles the warm-up set of the runner built from ``ckpt`` (a server's, or a
+            handed job's: job_startup.py, which tokenizes with ``ckpt.tokenizer``), calling
+            ``checks()`` before each compilation (it raises the load's error once the load has
+            failed).
         run_once: None, else (runner) -> runs each warmed-up step once, on the loaded
             weights (warmup.ServerWarmup.run).
     """
@@ -115,7 +118,7 @@ class StartupPipeline:
         resolve: Callable[[], Any],
         abstract: Callable[[Any], Any],
         make_runner: Callable[[Any, Any], tuple[Any, Any]],
-        compile_all: Callable[[Any, Callable[[], None]], None] | None = None,
+        compile_all: Callable[[Any, Callable[[], None], Any], None] | None = None,
         run_once: Callable[[Any], None] | None = None,
     ) -> None:
         self._load = load
@@ -155,7 +158,7 @@ class StartupPipeline:
             runner, host_tier = self._make_runner(resolved, abstract)
             if self._compile_all is not None:
                 self._event("compile", "start")
-                self._compile_all(runner, load.raise_if_failed)
+                self._compile_all(runner, load.raise_if_failed, abstract)
                 self._event("compile", "end")
         except BaseException:
             self._stop(load)
@@ -171,7 +174,7 @@ class StartupPipeline:
             runner = host_tier = None  # its KV pages freed before the new runner's
             runner, host_tier = self._make_runner(resolved, ckpt)
             if self._compile_all is not None:
-                self._compile_all(runner, lambda: None)
+                self._compile_all(runner, lambda: None, ckpt)
         runner.params = ckpt.params
         self._event("weights", "attached")
         if self._run_once is not None:

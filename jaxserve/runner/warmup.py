@@ -51,16 +51,6 @@ logger = logging.getLogger("jaxserve")
 LOAD_WORKERS = min(4, os.cpu_count() or 1)
 
 
-def warm_up_all(
-    runner: ModelRunner, workers: int, select: Callable[[WarmupSet], WarmupSet] | None = None
-) -> None:
-    """Compile every step shape now (or the part ``select`` takes: ServerWarmup) and run each
-    once (a server's warm-up, once its weights are loaded), and log what it cost."""
-    server = ServerWarmup(workers, select)
-    server.compile(runner)
-    server.run(runner)
-
-
 class ServerWarmup:
     """A server's warm-up (every bucket: ModelRunner.warmup_set) in its two halves: ``compile``
     needs only the runner's shapes (it may run while the weights load: startup.py), ``run``
@@ -80,7 +70,12 @@ class ServerWarmup:
         self._select = select or (lambda what: what)
         self._start: float | None = None
 
-    def compile(self, runner: ModelRunner, checks: Callable[[], None] | None = None) -> None:
+    def compile(
+        self, runner: ModelRunner, checks: Callable[[], None] | None = None, ckpt: Any = None
+    ) -> None:
+        """Compile the (selected) full set, calling ``checks()`` before each compilation;
+        ``ckpt`` (the checkpoint the runner was built from) is not needed: startup.py's
+        compile_all passes it for a job's set (job_startup.py)."""
         if self._start is None:
             self._start = time.perf_counter()
         compile_set(runner, self._select(runner.warmup_set()), self.workers, checks)

@@ -158,3 +158,17 @@ def test_server_experiment_alternates_restarts_on_the_cold_off_processes_cache(m
     assert out["summary"]["cold_ratio"] == out["summary"]["restart_ratio"] == pytest.approx(0.25)
     server.print_server(out)
     assert "6 a server's first token" in capsys.readouterr().out
+
+
+def test_the_57m_demo_passes_the_engine_as_generate_flags():
+    from jaxserve import cli
+
+    flags = startup.model_flags({**startup.PRESETS["default"].engine, "model": "m"})
+    args = cli.build_parser().parse_args(["generate", "--prompt", "a", *flags])
+    engine = startup.PRESETS["default"].engine
+    assert (args.model, args.engine_seed, args.max_num_seqs) == (
+        "m",
+        engine["seed"],
+        engine["max_num_seqs"],
+    )
+    assert "--no-prefix-caching" not in flags  # the preset keeps prefix caching on
