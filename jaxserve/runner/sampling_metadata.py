@@ -170,6 +170,7 @@ class SamplingInputs:
         self._banned = np.zeros((n, self.ban_width), np.int32)
         self._constraints = ConstraintRows(vocab_size)
         self.num_mask_words = self._constraints.num_words  # M of a token bitmask row
+        self._neutral: dict[int, tuple[np.ndarray, ...]] = {}  # R -> _neutral_lists
 
     # ----- per-request updates (host, once per request or per token) -----
 
@@ -346,10 +347,34 @@ class SamplingInputs:
             bias_ids = np.full((padded_rows, 0), -1, np.int32)
             bias_values = np.zeros((padded_rows, 0), np.float32)
             return ids, counts, banned, bitmask, bias_ids, bias_values
-        width = self.penalty_capacity
-        ids, counts = _widen(ids, width, -1), _widen(counts, width, 0)
-        banned = _widen(banned, self.ban_width, -1)
+        if ids.shape[1]:
+            ids, counts = (
+                _widen(ids, self.penalty_capacity, -1),
+                _widen(counts, self.penalty_capacity, 0),
+            )
+        else:  # no penalty row: the batch's lists are there for another row's needs
+            ids, counts = self._neutral_lists(padded_rows)[:2]
+        if banned.shape[1]:
+            banned = _widen(banned, self.ban_width, -1)
+        else:
+            banned = self._neutral_lists(padded_rows)[2]
         return (ids, counts, banned, *self._constraints.gather(idx, step_masks))
+
+    def _neutral_lists(self, num_rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Penalty ids, their counts and ban lists of ``num_rows`` rows that have none, at the
+        lists' full widths: read-only arrays made once per row count (the jitted step only
+        reads them), so a constrained batch without penalties or bans fills none each step."""
+        lists = self._neutral.get(num_rows)
+        if lists is None:
+            lists = (
+                np.full((num_rows, self.penalty_capacity), -1, np.int32),
+                np.zeros((num_rows, self.penalty_capacity), np.int32),
+                np.full((num_rows, self.ban_width), -1, np.int32),
+            )
+            for a in lists:
+                a.flags.writeable = False
+            self._neutral[num_rows] = lists
+        return lists
 
     def _gather_ban_lists(self, idx: np.ndarray, pos: np.ndarray) -> np.ndarray:
         num = np.where(pos < self._min_tokens[idx], self._num_banned[idx], 0)  # i32[R]

@@ -51,6 +51,7 @@ class ConstraintRows:
         self.bias_width = MAX_LOGIT_BIAS_TOKENS
         self._allowed: dict[int, np.ndarray] = {}  # slot -> u32[M]
         self._bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # slot -> (i32[k], f32[k])
+        self._neutral_biases: dict[int, tuple[np.ndarray, ...]] = {}  # R -> read-only pair
 
     def set(self, slot: int, params: SamplingParams) -> None:
         """Take ``slot``'s constraints from its request's params (none: the slot is free).
@@ -100,25 +101,48 @@ class ConstraintRows:
         every row of a slot."""
         num_rows = slots.shape[0]
         bitmask = np.full((num_rows, self.num_words), ALL_ALLOWED, np.uint32)
-        bias_ids = np.full((num_rows, self.bias_width), -1, np.int32)
-        bias_values = np.zeros((num_rows, self.bias_width), np.float32)
+        slot_list = slots.tolist()
+        allowed = self._allowed
         seen: dict[int, int] = {}  # slot -> its rows so far (a 2-D mask's row index)
-        for row, slot in enumerate(slots.tolist()):
+        for row, slot in enumerate(slot_list):
             # The engine's step mask already holds the request's allowed ids (and may allow
             # only EOS where nothing else is left: structured/step_masks.py).
             mask = step_masks.get(slot)
             if mask is not None and mask.ndim == 2:
                 j = seen[slot] = seen.get(slot, -1) + 1
                 mask = mask[j]
-            elif mask is None:
-                mask = self._allowed.get(slot)
+            elif mask is None and allowed:
+                mask = allowed.get(slot)
             if mask is not None:
                 bitmask[row] = mask
-            bias = self._bias.get(slot)
-            if bias is not None:
-                bias_ids[row, : bias[0].size] = bias[0]
-                bias_values[row, : bias[1].size] = bias[1]
-        return bitmask, bias_ids, bias_values
+        return bitmask, *self._gather_biases(slot_list)
+
+    def _gather_biases(self, slot_list: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(bias ids i32[R, NB] (-1 pads), bias values f32[R, NB]) of the rows' slots; the
+        same read-only neutral pair for every batch of R rows without a bias (no host fill,
+        nothing to write: the jitted step only reads them)."""
+        num_rows = len(slot_list)
+        biased = [(row, self._bias[s]) for row, s in enumerate(slot_list) if s in self._bias]
+        if not biased:
+            neutral = self._neutral_biases.get(num_rows)
+            if neutral is None:
+                neutral = self._neutral_biases[num_rows] = _read_only(
+                    np.full((num_rows, self.bias_width), -1, np.int32),
+                    np.zeros((num_rows, self.bias_width), np.float32),
+                )
+            return neutral
+        bias_ids = np.full((num_rows, self.bias_width), -1, np.int32)
+        bias_values = np.zeros((num_rows, self.bias_width), np.float32)
+        for row, (ids, values) in biased:
+            bias_ids[row, : ids.size] = ids
+            bias_values[row, : values.size] = values
+        return bias_ids, bias_values
+
+
+def _read_only(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+    for a in arrays:
+        a.flags.writeable = False
+    return arrays
 
 
 def apply_token_constraints(
