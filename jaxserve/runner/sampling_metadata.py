@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+from jaxserve.runner.neutral_lists import NeutralLists
 from jaxserve.runner.penalty_lists import PenaltyLists
 from jaxserve.runner.token_constraints import ALL_ALLOWED, ConstraintRows, bitmask_words
 from jaxserve.sampling_constraints import MAX_LOGIT_BIAS_TOKENS
@@ -168,9 +169,11 @@ class SamplingInputs:
         self._penalties = PenaltyLists(n, self.penalty_capacity)
         self._num_banned = np.zeros(n, np.int32)
         self._banned = np.zeros((n, self.ban_width), np.int32)
-        self._constraints = ConstraintRows(vocab_size)
+        # The list variant's neutral lists, made once per row count (neutral_lists.py; the
+        # runner swaps them for their device copies: NeutralLists.on_device).
+        self.neutral = NeutralLists(self.penalty_capacity, self.ban_width)
+        self._constraints = ConstraintRows(vocab_size, self.neutral)
         self.num_mask_words = self._constraints.num_words  # M of a token bitmask row
-        self._neutral: dict[int, tuple[np.ndarray, ...]] = {}  # R -> _neutral_lists
 
     # ----- per-request updates (host, once per request or per token) -----
 
@@ -353,28 +356,13 @@ class SamplingInputs:
                 _widen(counts, self.penalty_capacity, 0),
             )
         else:  # no penalty row: the batch's lists are there for another row's needs
-            ids, counts = self._neutral_lists(padded_rows)[:2]
+            neutral = self.neutral.host(padded_rows)
+            ids, counts = neutral.penalty_token_ids, neutral.penalty_output_counts
         if banned.shape[1]:
             banned = _widen(banned, self.ban_width, -1)
         else:
-            banned = self._neutral_lists(padded_rows)[2]
+            banned = self.neutral.host(padded_rows).banned_token_ids
         return (ids, counts, banned, *self._constraints.gather(idx, step_masks))
-
-    def _neutral_lists(self, num_rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Penalty ids, their counts and ban lists of ``num_rows`` rows that have none, at the
-        lists' full widths: read-only arrays made once per row count (the jitted step only
-        reads them), so a constrained batch without penalties or bans fills none each step."""
-        lists = self._neutral.get(num_rows)
-        if lists is None:
-            lists = (
-                np.full((num_rows, self.penalty_capacity), -1, np.int32),
-                np.zeros((num_rows, self.penalty_capacity), np.int32),
-                np.full((num_rows, self.ban_width), -1, np.int32),
-            )
-            for a in lists:
-                a.flags.writeable = False
-            self._neutral[num_rows] = lists
-        return lists
 
     def _gather_ban_lists(self, idx: np.ndarray, pos: np.ndarray) -> np.ndarray:
         num = np.where(pos < self._min_tokens[idx], self._num_banned[idx], 0)  # i32[R]

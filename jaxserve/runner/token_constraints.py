@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxserve.runner.neutral_lists import NeutralLists
 from jaxserve.sampling_constraints import MAX_LOGIT_BIAS_TOKENS
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured.bitmask import ALL_ALLOWED, bitmask_words, token_bitmask
@@ -43,15 +44,17 @@ class ConstraintRows:
 
     Args:
         vocab_size: V, the model's logits width.
+        neutral: where a batch without a bias takes its bias arrays (neutral_lists.py); None:
+            fresh ones each step.
     """
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, neutral: NeutralLists | None = None) -> None:
         self.vocab_size = vocab_size
         self.num_words = bitmask_words(vocab_size)
         self.bias_width = MAX_LOGIT_BIAS_TOKENS
         self._allowed: dict[int, np.ndarray] = {}  # slot -> u32[M]
         self._bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # slot -> (i32[k], f32[k])
-        self._neutral_biases: dict[int, tuple[np.ndarray, ...]] = {}  # R -> read-only pair
+        self._neutral = neutral
 
     def set(self, slot: int, params: SamplingParams) -> None:
         """Take ``slot``'s constraints from its request's params (none: the slot is free).
@@ -118,31 +121,19 @@ class ConstraintRows:
         return bitmask, *self._gather_biases(slot_list)
 
     def _gather_biases(self, slot_list: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """(bias ids i32[R, NB] (-1 pads), bias values f32[R, NB]) of the rows' slots; the
-        same read-only neutral pair for every batch of R rows without a bias (no host fill,
-        nothing to write: the jitted step only reads them)."""
+        """(bias ids i32[R, NB] (-1 pads), bias values f32[R, NB]) of the rows' slots; for a
+        batch without a bias, the neutral pair of ``neutral`` where there is one (no fill)."""
         num_rows = len(slot_list)
         biased = [(row, self._bias[s]) for row, s in enumerate(slot_list) if s in self._bias]
-        if not biased:
-            neutral = self._neutral_biases.get(num_rows)
-            if neutral is None:
-                neutral = self._neutral_biases[num_rows] = _read_only(
-                    np.full((num_rows, self.bias_width), -1, np.int32),
-                    np.zeros((num_rows, self.bias_width), np.float32),
-                )
-            return neutral
+        if not biased and self._neutral is not None:
+            rows = self._neutral.host(num_rows)
+            return rows.bias_token_ids, rows.bias_values
         bias_ids = np.full((num_rows, self.bias_width), -1, np.int32)
         bias_values = np.zeros((num_rows, self.bias_width), np.float32)
         for row, (ids, values) in biased:
             bias_ids[row, : ids.size] = ids
             bias_values[row, : values.size] = values
         return bias_ids, bias_values
-
-
-def _read_only(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
-    for a in arrays:
-        a.flags.writeable = False
-    return arrays
 
 
 def apply_token_constraints(
