@@ -13,7 +13,10 @@ a batch's metadata, ``on_device`` swaps those (by identity) for their device cop
 the jitted step.
 
 The device copies are uncommitted (``jax.device_put`` without a target), as a numpy argument
-is, so the jitted step sees the same argument kind as the warm-up's and compiles nothing new.
+is, so the jitted step sees the same argument kind as the warm-up's and compiles nothing new,
+and a program whose inputs are sharded otherwise (tensor parallelism: replicated on the mesh;
+an executable loaded from the store) moves them as it moves a numpy argument (jax checks the
+sharding of committed arrays only).
 """
 
 from __future__ import annotations
