@@ -12,7 +12,10 @@ row (the machine's load drifts between rows); "vs 0%" is the ratio to the uncons
 of the same mode.
 A second, traced pass of each row gives the host phases per step: "masks" is the
 building of the constrained requests' masks (in "schedule" where they are built right after
-scheduling), "update" includes advancing their matchers.
+scheduling), "update" includes advancing their matchers; "cpu ms" is the CPU time of that pass
+per step over all threads (the engine's, XLA's, the grammar library's), "eng cpu" the engine
+thread's alone: on a CPU device every thread shares the cores, and CPU time is steadier than
+wall time on a shared machine.
 
 Each fraction runs in three modes (``--modes``), on the same compiled engine:
 
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -125,10 +129,12 @@ def _row(llm: LLM, prompts: list[list[int]], fraction: float, lengths: list[int]
     )
     traces = []
     llm.engine.set_step_tracer(traces.append)
+    cpu0, engine0 = _process_cpu_s(), time.thread_time()
     try:
         llm.generate(prompts, params, use_tqdm=False)
     finally:
         llm.engine.set_step_tracer(None)
+    cpu_s, engine_cpu_s = _process_cpu_s() - cpu0, time.thread_time() - engine0
     mean_ms = lambda field: 1e3 * float(np.mean([getattr(t, field) for t in traces]))  # noqa: E731
     wall = min(walls)
     return {
@@ -145,6 +151,10 @@ def _row(llm: LLM, prompts: list[list[int]], fraction: float, lengths: list[int]
         **{f"{f}_ms_per_step": mean_ms(f"{f}_s") for f in
            ("schedule", "masks", "update", "execute", "prepare", "device", "device_idle")},
         "mean_rows_per_step": float(np.mean([len(t.q_lens) for t in traces])),
+        # CPU of the traced pass per step: every thread (the engine's, XLA's, the grammar
+        # library's), and the engine thread's alone; steadier than wall time on a shared machine
+        "cpu_ms_per_step": 1e3 * cpu_s / len(traces),
+        "engine_thread_cpu_ms_per_step": 1e3 * engine_cpu_s / len(traces),
         "draft_tokens": spec["spec_decode_num_draft_tokens"],
         "accepted_tokens": spec["spec_decode_num_accepted_tokens"],
     }  # fmt: skip
@@ -164,6 +174,12 @@ def _timed(llm: LLM, prompts: list[list[int]], fractions: list[float], modes: li
                 llm.generate(prompts, params, use_tqdm=False)
                 walls[(f, m)].append(time.perf_counter() - start)
     return walls
+
+
+def _process_cpu_s() -> float:
+    """User + system CPU seconds of this process so far, all threads."""
+    t = os.times()
+    return t.user + t.system
 
 
 def _is_json(text: str) -> bool:
@@ -244,8 +260,8 @@ def _report(rows: list[dict], fractions: list[float], modes: list[str]) -> None:
         r["same_tokens"] = r["token_ids"] == first["token_ids"]
     print(f"{'constrained':>11} {'mode':>10} {'tok/s':>9} {'vs 0%':>6} {'vs ' + modes[0]:>14} "
           f"{'same':>5} {'valid':>7} {'sched ms':>9} {'masks ms':>9} {'update ms':>9} "
-          f"{'exec ms':>8} {'device ms':>9} {'idle ms':>8} {'rows':>5} {'drafts':>7} "
-          f"{'accepted':>8}")  # fmt: skip
+          f"{'exec ms':>8} {'device ms':>9} {'idle ms':>8} {'cpu ms':>7} {'eng cpu':>7} "
+          f"{'rows':>5} {'drafts':>7} {'accepted':>8}")  # fmt: skip
     for f in fractions:
         for m in modes:
             r = by[(f, m)]
@@ -257,6 +273,7 @@ def _report(rows: list[dict], fractions: list[float], modes: list[str]) -> None:
                 f"{r['schedule_ms_per_step']:>9.3f} {r['masks_ms_per_step']:>9.3f} "
                 f"{r['update_ms_per_step']:>9.3f} {r['execute_ms_per_step']:>8.2f} "
                 f"{r['device_ms_per_step']:>9.2f} {r['device_idle_ms_per_step']:>8.2f} "
+                f"{r['cpu_ms_per_step']:>7.2f} {r['engine_thread_cpu_ms_per_step']:>7.2f} "
                 f"{r['mean_rows_per_step']:>5.1f} {r['draft_tokens']:>7} "
                 f"{r['accepted_tokens']:>8}"
             )

@@ -19,7 +19,8 @@ are 0 for a batch without penalties or bans, else at least their minimum buckets
 variants per batch shape, both compiled by warm-up).
 
 Cost beyond the [R, V] elementwise passes and two row reductions (argmax, logsumexp):
-- penalties and bans: a gather / scatter of R x W and R x B elements (0 when W = B = 0);
+- penalties and bans: a gather / scatter of R x W and R x B elements (0 when W = B = 0, and
+  skipped at run time when no row of the batch has a penalty, or a ban);
 - top-k / top-p: skipped at run time (lax.cond) when no row needs them; otherwise lax.top_k of
   the fast_top_k largest logits per row, which settles every row whose top_k <= fast_top_k or
   whose nucleus lies inside those; only a batch with some other row falls back to a full sort of
@@ -186,10 +187,24 @@ def apply_penalties(
     Reads and writes only the R x W listed tokens (and a pending one); W = 0 returns logits
     untouched.
     """
-    num_rows, vocab = logits.shape
     ids = md.penalty_token_ids  # i32[R, W]
     if ids.shape[1] == 0:
         return logits
+    # A row without penalties gets its values back unchanged (x / 1, x * 1, x - 0): a batch
+    # whose lists are there for its bans or token constraints only skips the R x W gather and
+    # scatter (a run-time test, nothing compiles per batch).
+    penalized = (
+        (md.repetition_penalty != 1.0)
+        | (md.frequency_penalty != 0.0)
+        | (md.presence_penalty != 0.0)
+    )
+    return lax.cond(jnp.any(penalized), lambda: _penalize(logits, md, pending), lambda: logits)
+
+
+def _penalize(logits: jax.Array, md: SamplingMetadata, pending: jax.Array | None) -> jax.Array:
+    """apply_penalties' work, on every row (W > 0)."""
+    num_rows, vocab = logits.shape
+    ids = md.penalty_token_ids
     live = ids >= 0
     counts = md.penalty_output_counts
     if pending is not None:
@@ -215,7 +230,12 @@ def _apply_bans(x: jax.Array, banned: jax.Array) -> jax.Array:
     if banned.shape[1] == 0:
         return x
     rows = jnp.arange(num_rows)[:, None]
-    return x.at[rows, jnp.where(banned >= 0, banned, vocab)].set(-jnp.inf, mode="drop")
+    # Skipped at run time when no row bans anything (the lists' batch of another row's needs).
+    return lax.cond(
+        jnp.any(banned >= 0),
+        lambda: x.at[rows, jnp.where(banned >= 0, banned, vocab)].set(-jnp.inf, mode="drop"),
+        lambda: x,
+    )
 
 
 def _sample_random(x: jax.Array, md: SamplingMetadata, fast_top_k: int, draw: str) -> jax.Array:

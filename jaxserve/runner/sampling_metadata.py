@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+from jaxserve.runner.neutral_lists import NeutralLists
 from jaxserve.runner.penalty_lists import PenaltyLists
 from jaxserve.runner.token_constraints import ALL_ALLOWED, ConstraintRows, bitmask_words
 from jaxserve.sampling_constraints import MAX_LOGIT_BIAS_TOKENS
@@ -168,7 +169,10 @@ class SamplingInputs:
         self._penalties = PenaltyLists(n, self.penalty_capacity)
         self._num_banned = np.zeros(n, np.int32)
         self._banned = np.zeros((n, self.ban_width), np.int32)
-        self._constraints = ConstraintRows(vocab_size)
+        # The list variant's neutral lists, made once per row count (neutral_lists.py; the
+        # runner swaps them for their device copies: NeutralLists.on_device).
+        self.neutral = NeutralLists(self.penalty_capacity, self.ban_width)
+        self._constraints = ConstraintRows(vocab_size, self.neutral)
         self.num_mask_words = self._constraints.num_words  # M of a token bitmask row
 
     # ----- per-request updates (host, once per request or per token) -----
@@ -346,9 +350,18 @@ class SamplingInputs:
             bias_ids = np.full((padded_rows, 0), -1, np.int32)
             bias_values = np.zeros((padded_rows, 0), np.float32)
             return ids, counts, banned, bitmask, bias_ids, bias_values
-        width = self.penalty_capacity
-        ids, counts = _widen(ids, width, -1), _widen(counts, width, 0)
-        banned = _widen(banned, self.ban_width, -1)
+        if ids.shape[1]:
+            ids, counts = (
+                _widen(ids, self.penalty_capacity, -1),
+                _widen(counts, self.penalty_capacity, 0),
+            )
+        else:  # no penalty row: the batch's lists are there for another row's needs
+            neutral = self.neutral.host(padded_rows)
+            ids, counts = neutral.penalty_token_ids, neutral.penalty_output_counts
+        if banned.shape[1]:
+            banned = _widen(banned, self.ban_width, -1)
+        else:
+            banned = self.neutral.host(padded_rows).banned_token_ids
         return (ids, counts, banned, *self._constraints.gather(idx, step_masks))
 
     def _gather_ban_lists(self, idx: np.ndarray, pos: np.ndarray) -> np.ndarray:

@@ -73,6 +73,7 @@ class StepCalls:
         """The sample half after ``forward`` (run_forward's result; a StagedForward: the fused
         step, forward and sample at once): (sampler output, tokens emitted per segment, prompt
         logprobs), on device; its samples are recorded for the next step."""
+        sampling_md = self.sampling.neutral.on_device(sampling_md)  # sent once (neutral_lists)
         if isinstance(forward, StagedForward):
             return self._run_fused(batch, forward.prompt_targets, sampling_md, trace)
         logits, plp, pending, draft_q = forward

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxserve.runner.neutral_lists import NeutralLists
 from jaxserve.sampling_constraints import MAX_LOGIT_BIAS_TOKENS
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured.bitmask import ALL_ALLOWED, bitmask_words, token_bitmask
@@ -43,14 +44,17 @@ class ConstraintRows:
 
     Args:
         vocab_size: V, the model's logits width.
+        neutral: where a batch without a bias takes its bias arrays (neutral_lists.py); None:
+            fresh ones each step.
     """
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, neutral: NeutralLists | None = None) -> None:
         self.vocab_size = vocab_size
         self.num_words = bitmask_words(vocab_size)
         self.bias_width = MAX_LOGIT_BIAS_TOKENS
         self._allowed: dict[int, np.ndarray] = {}  # slot -> u32[M]
         self._bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # slot -> (i32[k], f32[k])
+        self._neutral = neutral
 
     def set(self, slot: int, params: SamplingParams) -> None:
         """Take ``slot``'s constraints from its request's params (none: the slot is free).
@@ -100,25 +104,36 @@ class ConstraintRows:
         every row of a slot."""
         num_rows = slots.shape[0]
         bitmask = np.full((num_rows, self.num_words), ALL_ALLOWED, np.uint32)
-        bias_ids = np.full((num_rows, self.bias_width), -1, np.int32)
-        bias_values = np.zeros((num_rows, self.bias_width), np.float32)
+        slot_list = slots.tolist()
+        allowed = self._allowed
         seen: dict[int, int] = {}  # slot -> its rows so far (a 2-D mask's row index)
-        for row, slot in enumerate(slots.tolist()):
+        for row, slot in enumerate(slot_list):
             # The engine's step mask already holds the request's allowed ids (and may allow
             # only EOS where nothing else is left: structured/step_masks.py).
             mask = step_masks.get(slot)
             if mask is not None and mask.ndim == 2:
                 j = seen[slot] = seen.get(slot, -1) + 1
                 mask = mask[j]
-            elif mask is None:
-                mask = self._allowed.get(slot)
+            elif mask is None and allowed:
+                mask = allowed.get(slot)
             if mask is not None:
                 bitmask[row] = mask
-            bias = self._bias.get(slot)
-            if bias is not None:
-                bias_ids[row, : bias[0].size] = bias[0]
-                bias_values[row, : bias[1].size] = bias[1]
-        return bitmask, bias_ids, bias_values
+        return bitmask, *self._gather_biases(slot_list)
+
+    def _gather_biases(self, slot_list: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(bias ids i32[R, NB] (-1 pads), bias values f32[R, NB]) of the rows' slots; for a
+        batch without a bias, the neutral pair of ``neutral`` where there is one (no fill)."""
+        num_rows = len(slot_list)
+        biased = [(row, self._bias[s]) for row, s in enumerate(slot_list) if s in self._bias]
+        if not biased and self._neutral is not None:
+            rows = self._neutral.host(num_rows)
+            return rows.bias_token_ids, rows.bias_values
+        bias_ids = np.full((num_rows, self.bias_width), -1, np.int32)
+        bias_values = np.zeros((num_rows, self.bias_width), np.float32)
+        for row, (ids, values) in biased:
+            bias_ids[row, : ids.size] = ids
+            bias_values[row, : values.size] = values
+        return bias_ids, bias_values
 
 
 def apply_token_constraints(

@@ -33,4 +33,7 @@ def test_demo_model_every_mode(tmp_path):
     # Masks are built only for constrained rows; overlapped, after the forward is dispatched.
     assert rows[(1.0, "overlapped")]["masks_ms_per_step"] > 0.0
     assert rows[(0.0, "overlapped")]["masks_ms_per_step"] == 0.0
+    # CPU per step, all threads (os.times: 10 ms ticks, may read 0) and the engine thread's.
+    assert all(r["cpu_ms_per_step"] >= 0.0 for r in rows.values())
+    assert all(r["engine_thread_cpu_ms_per_step"] > 0.0 for r in rows.values())
     assert result["recompilations_after_warmup"] == []
