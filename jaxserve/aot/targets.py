@@ -232,6 +232,7 @@ def chip_facts(target: AcceleratorTarget) -> dict[str, object]:
     facts: dict[str, object] = dict(platform=target.platform, device_kind=target.device_kind)
     if target.platform == "gpu":
         facts["gpu_generation"] = gpu_generation(target.compute_capability)
+        facts["compute_capability"] = target.compute_capability
         facts["num_cores"] = target.num_sms
         # ptxas is the installed CUDA's, wherever the GPU is: its known bugs apply
         facts["cuda_runtime_version"] = cuda_runtime_version()

@@ -23,7 +23,7 @@ from jaxserve.runner.kv_cache import device_memory_bytes
 class Machine:
     """mesh: the 1-D "tp" mesh (sharding.make_mesh), of attached or compile-only devices.
     chip: the Target fields that describe the chip (ops.device_facts' keys: platform,
-        device_kind, gpu_generation, num_cores, cuda_runtime_version).
+        device_kind, gpu_generation, num_cores, cuda_runtime_version, compute_capability).
     memory_bytes: memory of one device to plan with; None: ask the attached device's allocator
         (kv_cache.device_memory_bytes).
     attached: the devices are this process's, so kernels can run on them (the plan's

@@ -113,12 +113,15 @@ class ExecutionPlan:
         out = dataclasses.asdict(self)
         out["attention"] = self.attention.name
         out["attention_interpret"] = self.attention.interpret
+        out["attention_soft_fp8"] = self.attention.soft_fp8
         out["attention_refused"] = list(self.attention_refused)
         return out
 
     def summary(self) -> str:
         chip = self.device_kind + (f", {self.gpu_generation}" if self.gpu_generation else "")
         mode = " (interpret mode)" if self.attention.interpret else ""
+        if self.attention.soft_fp8:
+            mode += " (e4m3 pages converted with integer ops)"
         return (
             f"platform={self.platform} ({chip}), attention={self.attention.name}{mode}, "
             f"sampler_draw={self.sampler_draw}, dtype={self.dtype}, "

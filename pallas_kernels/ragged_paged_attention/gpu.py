@@ -21,7 +21,10 @@ a small jnp combine step (flash decoding), for long contexts at small batch.
 
 FP8 pages (kv_quant.py) are loaded as FP8 and cast to q's dtype in the program; k_scale joins
 sm_scale on the scores and v_scale multiplies the f32 accumulator, both read from a small
-f32[2] input (ones when no scales are given), so a new scale never recompiles.
+f32[2] input (ones when no scales are given), so a new scale never recompiles. With soft_fp8
+(GPUs below compute capability 8.9, which cannot convert float8_e4m3fn: kv_quant.py) e4m3 pages
+enter the call as their bytes (a bitcast, no copy) and the program converts each loaded tile
+with integer ops (kv_quant.e4m3fn_from_bits).
 
 Lowering: Triton compiler params select the Triton lowering (Mosaic GPU is the default since
 jax 0.9 and would reject this kernel). On CPU, interpret=True runs the same body in XLA.
@@ -188,6 +191,7 @@ def _gpu_call(
         "num_stages",
         "interpret",
         "num_cores",
+        "soft_fp8",
     ),
 )
 def ragged_paged_attention_gpu(
@@ -209,6 +213,7 @@ def ragged_paged_attention_gpu(
     num_stages: int | None = None,
     interpret: bool = False,
     num_cores: int | None = None,
+    soft_fp8: bool = False,
     k_scale: jax.Array | None = None,  # f32[] (kv_quant.py; None: 1)
     v_scale: jax.Array | None = None,  # f32[]
 ) -> jax.Array:  # [T, N, H]
@@ -217,6 +222,8 @@ def ragged_paged_attention_gpu(
     Tuning arguments left at None come from default_gpu_config, for a GPU of num_cores
     streaming multiprocessors (None: DEFAULT_NUM_CORES; the execution plan passes the real
     count). interpret=True runs the kernel body in XLA (any backend, slow): the CPU test path.
+    soft_fp8=True converts float8_e4m3fn pages with integer ops instead of the cast GPUs below
+    sm_89 lack (the execution plan sets it from the target's compute capability).
 
     Raises:
         ValueError: bad shapes/dtypes/options (validation.py), or shapes Triton cannot tile:
@@ -242,6 +249,9 @@ def ragged_paged_attention_gpu(
         kv_tile=config.kv_tile,
         num_splits=config.num_kv_splits,
     )
+    if soft_fp8 and k_pages.dtype == jnp.float8_e4m3fn:
+        k_pages = jax.lax.bitcast_convert_type(k_pages, jnp.uint8)
+        v_pages = jax.lax.bitcast_convert_type(v_pages, jnp.uint8)
     result = _gpu_call(kernel, q, k_pages, block_tables.shape[0], config, interpret)(
         kv_lens, block_tables, cu_q_lens, num_seqs, q, k_pages, v_pages,
         scales_or_ones(k_scale, v_scale),

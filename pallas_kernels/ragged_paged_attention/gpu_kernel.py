@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from jaxserve.pallas_kernels.ragged_paged_attention.kv_quant import e4m3fn_from_bits
+
 try:  # Triton lowering: deprecated from jax 0.11, so guard the import.
     from jax.experimental.pallas import triton as pltriton
 except ImportError:  # pragma: no cover - depends on the installed jax
@@ -164,8 +166,8 @@ def _tile_step(tile, carry, *, q, pages, where, dims: _Dims, score_scale, soft_c
     )
     page_ids = jnp.clip(block_tables_ref[seq_c, page_idx], 0, dims.num_pages - 1)
     # Pages in the compute dtype from here on (FP8 pages are cast after the load).
-    k = k_pages_ref[kv_head, page_ids, :, :].reshape(kv_tile, head_dim).astype(q.dtype)
-    v = v_pages_ref[kv_head, page_ids, :, :].reshape(kv_tile, head_dim).astype(q.dtype)
+    k = _to_compute(k_pages_ref[kv_head, page_ids, :, :].reshape(kv_tile, head_dim), q.dtype)
+    v = _to_compute(v_pages_ref[kv_head, page_ids, :, :].reshape(kv_tile, head_dim), q.dtype)
     s = (
         jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         * score_scale
@@ -185,6 +187,14 @@ def _tile_step(tile, carry, *, q, pages, where, dims: _Dims, score_scale, soft_c
         p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
     )  # [M, H]
     return alpha[:, None] * acc + pv, m_next, l_next
+
+
+def _to_compute(tile, dtype):
+    """A loaded KV tile in the compute dtype: uint8 tiles are float8_e4m3fn bytes, converted
+    with integer ops (gpu.py's soft_fp8: GPUs below sm_89), anything else cast."""
+    if tile.dtype == jnp.uint8:
+        return e4m3fn_from_bits(tile).astype(dtype)
+    return tile.astype(dtype)
 
 
 def _store(refs, state, blk: _Block, head_slice, split, dims: _Dims, num_splits: int) -> None:

@@ -28,6 +28,8 @@ class AttentionImpl:
     kernel: the key of its KernelSpec in KERNELS.
     interpret: run the Pallas kernel in interpret mode (tests off its platform).
     num_cores: GPU streaming multiprocessors, for the GPU kernels' tuning (None: a default).
+    soft_fp8: convert float8_e4m3fn pages with integer ops (Target.converts_e4m3 is False:
+        GPUs below sm_89); the kernels that take the option (Triton) read it.
     mesh, axis: under tensor parallelism, the mesh and its axis; the kernel then runs per
         device inside shard_map, on the device's query heads and their KV heads.
     """
@@ -36,6 +38,7 @@ class AttentionImpl:
     kernel: str
     interpret: bool = False
     num_cores: int | None = None
+    soft_fp8: bool = False
     mesh: Mesh | None = None
     axis: str | None = None
 

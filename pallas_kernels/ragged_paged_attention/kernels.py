@@ -38,7 +38,7 @@ from jaxserve.pallas_kernels.ragged_paged_attention.target import (
 from jaxserve.pallas_kernels.ragged_paged_attention.tpu import ragged_paged_attention_tpu
 
 # The static options an AttentionImpl may hand a kernel (KernelSpec.options names a subset).
-IMPL_OPTIONS = ("interpret", "num_cores")
+IMPL_OPTIONS = ("interpret", "num_cores", "soft_fp8")
 
 
 def _never(_: Target) -> str | None:
@@ -152,7 +152,7 @@ KERNELS: dict[str, KernelSpec] = {
         ("gpu",),
         gpu_generations=(BLACKWELL, HOPPER, AMPERE),
         interpretable=True,
-        options=("interpret", "num_cores"),
+        options=("interpret", "num_cores", "soft_fp8"),
         available=_triton_available,
     ),
     "mosaic_tpu": KernelSpec(

@@ -19,6 +19,11 @@ Why the scale is applied where it is: the attention of a query row is
 scores by ``k_scale`` together with ``sm_scale`` (or the f32 queries, before their dot) and
 their f32 output by ``v_scale``, so no scaled copy of K or V is ever made; the pages
 themselves are cast from fp8 to the compute dtype right after they are loaded (or gathered).
+
+GPUs below compute capability 8.9 (Ampere: sm_80, sm_86) have no float8_e4m3fn conversion
+instruction, and Triton refuses to emit one there (float8_e5m2 it converts with a shift). On
+them the Triton kernel reads e4m3 pages as their bytes and converts them with integer ops
+(``e4m3fn_from_bits``), exactly, as vLLM's CUDA kernels do on those GPUs.
 """
 
 from __future__ import annotations
@@ -53,6 +58,30 @@ def dequantize(pages: jax.Array, scale: jax.Array | float | None) -> jax.Array:
     """f32 values of loaded (or gathered) pages: pages.astype(f32) * scale (None: 1)."""
     x = pages.astype(jnp.float32)
     return x if scale is None else x * scale
+
+
+E4M3_BIAS = 7  # float8_e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinity
+_F32_BIAS = 127
+
+
+def e4m3fn_from_bits(bits: jax.Array) -> jax.Array:
+    """f32 values of float8_e4m3fn bytes (uint8), with integer ops only: exactly
+    ``bits.view(float8_e4m3fn).astype(float32)`` (normals, subnormals, signed zeros; S.1111.111
+    is NaN, with its sign), for GPUs without an e4m3 conversion (module docstring).
+
+    A normal (exponent e > 0) is re-biased into an f32's fields; a subnormal (e = 0) is its
+    mantissa m times 2^-9 (exact in f32), so no f32 subnormal is ever formed (a GPU may flush
+    those); the sign bit is OR-ed in last, so -0 stays -0."""
+    b = bits.astype(jnp.int32)
+    exponent = (b >> 3) & 0xF
+    mantissa = b & 0x7
+    normal_bits = ((exponent + (_F32_BIAS - E4M3_BIAS)) << 23) | (mantissa << 20)
+    normal = jax.lax.bitcast_convert_type(normal_bits, jnp.float32)
+    subnormal = mantissa.astype(jnp.float32) * jnp.float32(2.0 ** (1 - E4M3_BIAS - 3))
+    magnitude = jnp.where(exponent == 0, subnormal, normal)
+    magnitude = jnp.where((b & 0x7F) == 0x7F, jnp.float32(jnp.nan), magnitude)
+    signed = jax.lax.bitcast_convert_type(magnitude, jnp.int32) | ((b & 0x80) << 24)
+    return jax.lax.bitcast_convert_type(signed, jnp.float32)
 
 
 def scales_or_ones(k_scale: jax.Array | None, v_scale: jax.Array | None) -> jax.Array:

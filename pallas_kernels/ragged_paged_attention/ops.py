@@ -26,12 +26,15 @@ from jaxserve.pallas_kernels.ragged_paged_attention.target import (
 
 
 def device_facts(device: jax.Device) -> dict[str, object]:
-    """platform ("cpu" | "gpu" | "tpu"), gpu_generation, device_kind, num_cores and
-    cuda_runtime_version of a device (the Target fields that describe the chip)."""
+    """platform ("cpu" | "gpu" | "tpu"), gpu_generation, device_kind, num_cores,
+    cuda_runtime_version and compute_capability of a device (the Target fields that describe
+    the chip)."""
     platform = "gpu" if device.platform in ("gpu", "cuda", "rocm") else device.platform
     facts: dict[str, object] = dict(platform=platform, device_kind=device.device_kind)
     if platform == "gpu":
-        facts["gpu_generation"] = gpu_generation(getattr(device, "compute_capability", None))
+        capability = getattr(device, "compute_capability", None)
+        facts["gpu_generation"] = gpu_generation(capability)
+        facts["compute_capability"] = None if capability is None else str(capability)
         facts["num_cores"] = getattr(device, "core_count", None)
         if device.platform != "rocm":
             facts["cuda_runtime_version"] = cuda_runtime_version()

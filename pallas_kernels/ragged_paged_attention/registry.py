@@ -22,7 +22,9 @@ raises a ValueError that lists the ones that can.
 
 An FP8 KV cache (kv_quant.py) is read by reference, xla, pallas_triton and pallas_tpu; the
 C++ row kernel ("cpu", f32 pages only) and Mosaic GPU (WGMMA on bf16 / f16 SMEM tiles) are
-refused for it, so "auto" takes xla on the CPU and Triton on Hopper.
+refused for it, so "auto" takes xla on the CPU and Triton on Hopper. On GPUs below sm_89
+(Target.converts_e4m3) the Triton kernel reads float8_e4m3fn pages as bytes and converts them
+with integer ops (AttentionImpl.soft_fp8); float8_e5m2 it converts natively everywhere.
 """
 
 from __future__ import annotations
@@ -187,7 +189,8 @@ def _resolve(
         backend = KERNELS[kernel].backend
         reason = refusal(backend, kernel, target)
         if reason is None:
-            return AttentionImpl(backend, kernel, num_cores=target.num_cores), ""
+            soft_fp8 = target.kv_dtype == "float8_e4m3fn" and not target.converts_e4m3
+            return AttentionImpl(backend, kernel, num_cores=target.num_cores, soft_fp8=soft_fp8), ""
         reasons.append(reason)
     if allow_interpret:
         for kernel in NAMES[name]:

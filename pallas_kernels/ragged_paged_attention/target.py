@@ -34,6 +34,7 @@ class Target:
     device_kind: str = ""  # e.g. "NVIDIA H200", for messages
     num_cores: int | None = None  # GPU streaming multiprocessors, for kernel tuning
     cuda_runtime_version: int | None = None  # e.g. 12090, of the attached GPU's jax plugin
+    compute_capability: str | None = None  # CUDA's, e.g. "8.0" (None: not an NVIDIA GPU)
     tensor_parallel_size: int = 1
     kv_cache_dtype: str | None = None  # of the KV pages: None (= dtype) or FP8_KV_DTYPES
 
@@ -50,6 +51,19 @@ class Target:
     def kv_dtype(self) -> str:
         """The KV pages' dtype name."""
         return self.kv_cache_dtype or self.dtype
+
+    @property
+    def converts_e4m3(self) -> bool:
+        """Whether the chip converts float8_e4m3fn natively: everything but NVIDIA GPUs below
+        compute capability 8.9 (Ampere's sm_80 / sm_86), where Triton cannot emit the cast and
+        the Triton kernel converts e4m3 pages with integer ops instead (kv_quant.py)."""
+        if self.platform != "gpu" or self.compute_capability is None:
+            return True
+        major, _, minor = self.compute_capability.partition(".")
+        try:
+            return (int(major), int(minor or 0)) >= (8, 9)
+        except ValueError:
+            return True
 
     @property
     def where(self) -> str:
