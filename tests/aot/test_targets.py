@@ -112,6 +112,21 @@ def test_the_plan_of_a_target_comes_from_its_facts(name, attention, generation) 
 def test_fp8_kv_on_hopper_takes_triton() -> None:
     plan = _plan("h100", kv_cache_dtype="fp8")
     assert plan.attention.name == "pallas_triton" and plan.kv_cache_dtype == "float8_e4m3fn"
+    assert not plan.attention.soft_fp8
+
+
+@pytest.mark.parametrize(
+    ("name", "kv", "soft"),
+    [("a100-80g", "fp8", True), ("a100-80g", "fp8_e4m3", True), ("a100-80g", "fp8_e5m2", False),
+     ("l4", "fp8", False), ("h200", "fp8", False)],
+)  # fmt: skip
+def test_e4m3_pages_are_converted_in_software_below_sm89(name, kv, soft) -> None:
+    """The plan follows the target's compute capability (A100: 8.0, L4: 8.9), not the
+    attached device: Triton has no e4m3 conversion below sm_89."""
+    plan = _plan(name, kv_cache_dtype=kv)
+    assert plan.attention.name == "pallas_triton" and plan.attention.soft_fp8 is soft
+    assert plan.as_dict()["attention_soft_fp8"] is soft
+    assert ("integer ops" in plan.summary()) is soft
 
 
 def test_a_gpu_plans_with_the_allocators_share_a_tpu_with_its_hbm(monkeypatch) -> None:

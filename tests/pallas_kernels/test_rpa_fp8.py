@@ -24,8 +24,12 @@ from jaxserve.pallas_kernels.ragged_paged_attention import (
     write_kv,
 )
 from jaxserve.pallas_kernels.ragged_paged_attention.kernels import mosaic_gpu_kernel
-from jaxserve.pallas_kernels.ragged_paged_attention.kv_quant import dequantize, quantize
-from jaxserve.pallas_kernels.ragged_paged_attention.target import HOPPER
+from jaxserve.pallas_kernels.ragged_paged_attention.kv_quant import (
+    dequantize,
+    e4m3fn_from_bits,
+    quantize,
+)
+from jaxserve.pallas_kernels.ragged_paged_attention.target import AMPERE, HOPPER
 
 E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
 # Relative rounding error of a normal value: half a unit in the last place (3 / 2 mantissa
@@ -36,6 +40,8 @@ K_SCALE, V_SCALE = np.float32(0.5), np.float32(3.0)  # numpy: importing compiles
 KERNELS = {
     "xla": ragged_paged_attention_chunked,
     "gpu": functools.partial(ragged_paged_attention_gpu, interpret=True),
+    # e4m3 pages read as bytes and converted with integer ops (GPUs below sm_89)
+    "gpu_soft": functools.partial(ragged_paged_attention_gpu, interpret=True, soft_fp8=True),
     "tpu": functools.partial(ragged_paged_attention_tpu, interpret=True),
 }
 
@@ -56,6 +62,21 @@ def test_round_trip_is_within_half_a_step_and_saturates(dtype, scale, values) ->
     clipped = np.clip(np.asarray(x), -limit, limit)
     bound = np.abs(clipped) * REL_ERROR[dtype] + ABS_STEP[dtype] * scale
     assert (np.abs(back - clipped) <= bound * (1 + 1e-6)).all()
+
+
+def test_e4m3_bytes_convert_exactly_with_integer_ops() -> None:
+    """Every one of the 256 float8_e4m3fn bit patterns (normals, subnormals, +-0, +-NaN)
+    converts to the f32 bits of jnp's own cast, and to the same bf16 / f16 values."""
+    bits = np.arange(256, dtype=np.uint8)
+    want = jnp.asarray(bits).view(E4M3).astype(jnp.float32)
+    got = jax.jit(e4m3fn_from_bits)(jnp.asarray(bits))
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32))
+    assert np.isnan(np.asarray(got)).sum() == 2 and np.signbit(np.asarray(got)[0x80])
+    for dtype in (jnp.bfloat16, jnp.float16):
+        np.testing.assert_array_equal(
+            np.asarray(got.astype(dtype)).view(np.uint16),
+            np.asarray(jnp.asarray(bits).view(E4M3).astype(dtype)).view(np.uint16),
+        )
 
 
 def test_write_kv_stores_quantized_tokens_at_their_slots() -> None:
@@ -91,12 +112,13 @@ def _fp8_inputs(shape, dtype, kv_dtype):
         ("xla", cases.SHAPES[1], jnp.float32, E4M3),
         ("xla", cases.SHAPES[3], jnp.bfloat16, E5M2),
         ("gpu", cases.SHAPES[1], jnp.float32, E4M3),
+        ("gpu_soft", cases.SHAPES[1], jnp.bfloat16, E4M3),
         pytest.param("gpu", cases.SHAPES[3], jnp.bfloat16, E4M3, marks=pytest.mark.slow),
         ("tpu", cases.SHAPES[1], jnp.bfloat16, E4M3),
         pytest.param("tpu", cases.SHAPES[3], jnp.float32, E5M2, marks=pytest.mark.slow),
     ],
-    ids=["xla-f32-e4m3", "xla-bf16-e5m2", "gpu-f32-e4m3", "gpu-bf16-e4m3", "tpu-bf16-e4m3",
-         "tpu-f32-e5m2"],
+    ids=["xla-f32-e4m3", "xla-bf16-e5m2", "gpu-f32-e4m3", "gpu_soft-bf16-e4m3", "gpu-bf16-e4m3",
+         "tpu-bf16-e4m3", "tpu-f32-e5m2"],
 )  # fmt: skip
 def test_kernel_reads_fp8_pages_like_the_reference(kernel, shape, dtype, kv_dtype) -> None:
     full, fp8 = _fp8_inputs(shape, dtype, kv_dtype)
@@ -163,6 +185,23 @@ def test_registry_refuses_what_cannot_read_fp8_pages(kv: str) -> None:
         with pytest.raises(ValueError, match="pallas_mosaic_gpu cannot read an FP8 KV cache"):
             select_attention("pallas_mosaic_gpu", _target("gpu", kv, gpu_generation=HOPPER))
     assert select_attention("auto", _target("tpu", kv))[0].name == "pallas_tpu"
+
+
+@pytest.mark.parametrize(
+    ("capability", "kv", "soft"),
+    [("8.0", "float8_e4m3fn", True), ("8.6", "float8_e4m3fn", True),
+     ("8.9", "float8_e4m3fn", False), ("9.0", "float8_e4m3fn", False),
+     ("8.0", "float8_e5m2", False), (None, "float8_e4m3fn", False)],
+)  # fmt: skip
+def test_triton_converts_e4m3_in_software_below_sm89(capability, kv, soft) -> None:
+    """Triton cannot emit the e4m3 cast below compute capability 8.9 (XLA's Triton pipeline
+    aborts the process): the Triton kernel is told to convert the bytes itself there."""
+    generation = HOPPER if capability == "9.0" else AMPERE
+    target = _target("gpu", kv, gpu_generation=generation, compute_capability=capability)
+    impl, _ = select_attention("auto", target)
+    assert impl.name == "pallas_triton" and impl.soft_fp8 is soft
+    plain = _target("gpu", None, gpu_generation=AMPERE, compute_capability="8.0")
+    assert not select_attention("auto", plain)[0].soft_fp8, "only FP8 pages are converted"
 
 
 def test_kernels_that_cannot_read_fp8_pages_raise() -> None:
