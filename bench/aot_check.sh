@@ -66,13 +66,18 @@ for pair in $targets; do
   name="${model_name}_${target}_tp${tp}${AOT_NAME_SUFFIX:-}"
   echo "== $name"
   start=$(date +%s)
+  rm -f "$out/$name.json"
   # shellcheck disable=SC2086
   "$python" -m jaxserve.cli compile --model "$model" --target "$target" \
     --tensor-parallel-size "$tp" --max-model-len 8192 "${bucket_args[@]}" ${AOT_EXTRA_ARGS:-} \
     --json "$out/$name.json" > "$out/$name.log" 2>&1
   rc=$?
   echo "   exit $rc in $(( $(date +%s) - start )) s (log: $out/$name.log)"
-  grep -v -e '^WARNING' -e 'Source Location' -e 'libtpu_init' -e '^E0000' -e 'Failed to find host' \
+  if [ ! -f "$out/$name.json" ]; then  # ended before its report: a compiler's fatal error
+    echo "   no report: the process ended while $(grep '^compiling ' "$out/$name.log" | tail -n 1)"
+    grep -m 1 -E 'Fatal Error|^F[0-9]{4} ' "$out/$name.log" | cut -c 1-300
+  fi
+  grep -v -e '^WARNING' -e '^compiling ' -e 'Source Location' -e 'libtpu_init' -e '^E0000' -e 'Failed to find host' \
     "$out/$name.log" | tail -n 12
   [ -f "$out/$name.json" ] && reports+=("$out/$name.json")
 done

@@ -40,6 +40,7 @@ def compile_engine(
     decode_context: int = DEFAULT_DECODE_CONTEXT,
     on_result: Callable[[BucketResult], None] | None = None,
     output: str | None = None,
+    on_start: Callable[[str], None] | None = None,
 ) -> CompileReport:
     """Compile the engine of ``config`` for ``target`` (no weights, no device) and report.
 
@@ -48,6 +49,7 @@ def compile_engine(
             engine's; None: all of them. The block copies are always compiled.
         decode_context: the context length (tokens) of the decode prediction.
         on_result: called with each compilation's result as it finishes (progress).
+        on_start: called with each compilation's label before it starts (compiler.compile_job).
         output: a folder to write the executables to (runner/executable_store.py's format,
             keyed by the engine's fields on the target), for LLM(precompiled=output) there.
 
@@ -71,7 +73,7 @@ def compile_engine(
         keep = None if store is None else _saver(store, job)
         is_draft = any(job.compiles is c for c in draft_counters)
         with nullcontext() if store is None else store.fresh_compiles():
-            result = compile_job(job, mesh, draft=is_draft, on_compiled=keep)
+            result = compile_job(job, mesh, draft=is_draft, on_compiled=keep, on_start=on_start)
         results.append(result)
         if on_result is not None:
             on_result(result)

@@ -168,12 +168,17 @@ def compile_job(
     mesh: jax.sharding.Mesh,
     draft: bool = False,
     on_compiled: Callable[[Any], None] | None = None,
+    on_start: Callable[[str], None] | None = None,
 ) -> BucketResult:
     """Lower and compile one job for ``mesh``'s devices (``draft``: a draft model's job); a
-    failure is a result, not raised. ``on_compiled`` gets the compiled executable (jaxserve
-    compile --output keeps it)."""
+    failure the compiler raises is a result, not raised. ``on_compiled`` gets the compiled
+    executable (jaxserve compile --output keeps it); ``on_start`` the job's label before it
+    is lowered (a compiler that aborts the process, XLA's LOG(FATAL), cannot be caught: the
+    last label started names the culprit)."""
     facts = describe_job(job, draft)
     facts["resident_arg_bytes"] = resident_arg_bytes(job)
+    if on_start is not None:
+        on_start(BucketResult(ok=False, **facts).label)
     start = time.perf_counter()
     try:
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):

@@ -17,11 +17,19 @@ Exit status: 0 everything compiled and fits, 1 a compilation failed, the compile
 not fit the target or the KV pages do not alias, 2 bad input (an unknown target, with the
 known ones listed; a bad flag; a model that cannot be read) or a target whose compiler is not
 installed (with what to install).
+
+A compiler error is a failed row of the table. A compiler that ends the whole process instead
+cannot be caught in it: XLA's fatal errors (e.g. "LLVM Fatal Error while compiling Triton
+kernel", which exits with status 1) leave no report, only the compiler's message on stderr. So
+each compilation is announced on stderr as it starts ("compiling step T=64 R=64 B=512"): the
+last announcement names the culprit, and --token-buckets compiles the other buckets, or that
+one alone. On a fatal signal (SIGSEGV, SIGABRT) faulthandler adds the Python stack.
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import sys
@@ -98,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
 
     to_stdout = args.json == "-"
     progress = None if to_stdout else lambda r: print(bucket_line(r.as_dict()), flush=True)
+    if not faulthandler.is_enabled() and sys.__stderr__ is not None:
+        faulthandler.enable(file=sys.__stderr__)  # a crash in a compiler shows the stack
     try:
         config = EngineConfig.from_kwargs(model=args.model, **engine_kwargs(args))
         report = compile_engine(
@@ -107,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
             decode_context=args.decode_context,
             on_result=progress,
             output=args.output,
+            on_start=_announce,
         )
     except DoesNotFit as e:  # the engine would refuse it there: a finding, not bad input
         print(f"jaxserve compile: {e}", file=sys.stderr)
@@ -115,6 +126,11 @@ def run(args: argparse.Namespace) -> int:
         return fail("compile", str(e))
     _emit(report.as_dict(), args.json)
     return EXIT_OK if report.ok else EXIT_FAILED
+
+
+def _announce(label: str) -> None:
+    """Name each compilation on stderr before it starts (see the module docstring)."""
+    print(f"compiling {label}", file=sys.stderr, flush=True)
 
 
 def _compile_only_process() -> None:

@@ -110,6 +110,9 @@ def test_a_tiny_moe_with_a_sliding_window_and_fp8_kv_compiles_for_v6e_1(tmp_path
     _check_compiled(report, tp=1)
     assert report["plan"]["kv_cache_dtype"] == "float8_e4m3fn"
     assert report["memory_plan"]["architecture"] == "MixtralForCausalLM"
+    # each compilation named on stderr before it starts (a fatal compiler error leaves only that)
+    announced = [line for line in output.splitlines() if line.startswith("compiling ")]
+    assert announced == [f"compiling {b['label']}" for b in report["buckets"]]
 
 
 def test_a_draft_models_steps_compile_for_v5e_4_with_tensor_parallelism(tmp_path, capsys):

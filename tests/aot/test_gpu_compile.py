@@ -109,8 +109,13 @@ def test_a_tiny_engine_with_fp8_kv_compiles_for_an_a100(tmp_path, capsys) -> Non
               "--kv-cache-dtype", "fp8"]  # fmt: skip
     rc = main(["compile", "--model", write_tiny_llama(tmp_path / "m"), "--target", "a100-80g",
                *engine, "--token-buckets", "8", "--json", str(out)])  # fmt: skip
-    assert rc == 0, capsys.readouterr()
+    err = capsys.readouterr().err
+    assert rc == 0, err
     report = json.loads(out.read_text())
+    # each compilation named on stderr before it starts: all that a fatal compiler error
+    # (this one's, before the fix: "LLVM Fatal Error while compiling Triton kernel") leaves
+    announced = [line for line in err.splitlines() if line.startswith("compiling ")]
+    assert announced == [f"compiling {b['label']}" for b in report["buckets"]]
     plan = report["plan"]
     assert plan["kv_cache_dtype"] == "float8_e4m3fn" and plan["attention"] == "pallas_triton"
     assert plan["attention_soft_fp8"] is True
