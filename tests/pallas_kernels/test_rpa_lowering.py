@@ -77,6 +77,11 @@ GPU_CASES = [
     ("mha", (128, 8, 8, 64, 16, jnp.float16), dict(block_q=16, kv_tile=64)),
     ("decode-bf16-fp8-e4m3-pages", (8, 32, 8, 128, 16, jnp.bfloat16, jnp.float8_e4m3fn), {}),
     ("prefill-bf16-fp8-e5m2-pages", (512, 32, 8, 128, 16, jnp.bfloat16, jnp.float8_e5m2), {}),
+    (  # e4m3 bytes converted with integer ops, as below sm_89 (kv_quant.e4m3fn_from_bits)
+        "decode-bf16-fp8-e4m3-bytes",
+        (8, 32, 8, 128, 16, jnp.bfloat16, jnp.float8_e4m3fn),
+        dict(soft_fp8=True),
+    ),
 ]
 
 
