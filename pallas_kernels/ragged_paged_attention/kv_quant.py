@@ -23,7 +23,8 @@ themselves are cast from fp8 to the compute dtype right after they are loaded (o
 GPUs below compute capability 8.9 (Ampere: sm_80, sm_86) have no float8_e4m3fn conversion
 instruction, and Triton refuses to emit one there (float8_e5m2 it converts with a shift). On
 them the Triton kernel reads e4m3 pages as their bytes and converts them with integer ops
-(``e4m3fn_from_bits``), exactly, as vLLM's CUDA kernels do on those GPUs.
+(``e4m3fn_from_bits``), exactly: what CUDA's own fp8 types, which vLLM's kernels use, do
+in software there.
 """
 
 from __future__ import annotations
