@@ -44,10 +44,11 @@ def format_report(report: dict[str, Any]) -> str:
 def header_lines(report: dict[str, Any]) -> list[str]:
     """The model, the target and the plan."""
     target, plan = report["target"], report["plan"]
+    soft = " (e4m3 pages converted with integer ops)" if plan.get("attention_soft_fp8") else ""
     return [
         f"jaxserve compile: {report['model']} for {target['name']} ({target['device_kind']}, "
         f"{_size(target['memory_bytes'])} per chip)",
-        f"plan: attention={plan['attention']}, dtype={plan['dtype']}, "
+        f"plan: attention={plan['attention']}{soft}, dtype={plan['dtype']}, "
         f"kv_cache_dtype={plan['kv_cache_dtype']}, tensor_parallel_size="
         f"{plan['tensor_parallel_size']}, KV pool {report['memory_plan']['num_kv_blocks']} blocks",
     ]
