@@ -73,8 +73,9 @@ for pair in $targets; do
     --json "$out/$name.json" > "$out/$name.log" 2>&1
   rc=$?
   echo "   exit $rc in $(( $(date +%s) - start )) s (log: $out/$name.log)"
-  if [ ! -f "$out/$name.json" ]; then  # ended before its report: a compiler's fatal error
-    echo "   no report: the process ended while $(grep '^compiling ' "$out/$name.log" | tail -n 1)"
+  last=$(grep '^compiling ' "$out/$name.log" | tail -n 1)
+  if [ ! -f "$out/$name.json" ] && [ -n "$last" ]; then  # ended mid-compile: a fatal error
+    echo "   no report: the process ended while $last"
     grep -m 1 -E 'Fatal Error|^F[0-9]{4} ' "$out/$name.log" | cut -c 1-300
   fi
   grep -v -e '^WARNING' -e '^compiling ' -e 'Source Location' -e 'libtpu_init' -e '^E0000' -e 'Failed to find host' \
