@@ -55,12 +55,9 @@ import argparse
 import json
 import os
 import platform
-import re
-import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -69,75 +66,23 @@ sys.path.insert(0, str(HERE))
 import _startup_vllm as vllm_side  # noqa: E402
 import throughput  # noqa: E402
 from _machine import git_state  # noqa: E402
-from _startup_child import CHILD  # noqa: E402
+from _startup_goals import goals  # noqa: E402
 from _startup_phases import phases  # noqa: E402
 from _startup_presets import FEATURE_PROMPTS, FEATURES, MIXED, PRESETS, Preset  # noqa: E402
+from _startup_procs import (  # noqa: E402
+    cache_files,
+    child_env,
+    fresh_names,
+    run_child,
+    summary_counts,
+    summary_line,
+)
 from _startup_report import print_report  # noqa: E402
 from _startup_server import server_start  # noqa: E402
 
 RESULTS = HERE / "results" / "startup.json"
 EXPERIMENTS = ("demo", "construct", "workers", "features", "phases", "server", "demo57m")
-CACHE_ENV = "JAXSERVE_COMPILATION_CACHE_DIR"  # jaxserve/runner/compile_cache.py ENV_VAR
 DEMO_INPUT = HERE.parent / "examples" / "prompts.jsonl"  # README's first command reads it
-
-
-def child_env(cache_dir: str) -> dict[str, str]:
-    """The environment with jaxserve's cache folder set and jax's own cache settings removed."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not (k.startswith("JAX_") and ("COMPILATION_CACHE" in k or "PERSISTENT_CACHE" in k))
-    }
-    env[CACHE_ENV] = cache_dir
-    return env
-
-
-def run_child(spec: dict, cache_dir: str, timeout: float = 1800) -> dict:
-    """One fresh process; its RESULT, with wall_s (spawn to exit), import_s (spawn to jaxserve
-    imported) and the stdout lines before the result."""
-    spawn = time.time()
-    proc = subprocess.run(
-        [sys.executable, "-c", CHILD, json.dumps(spec)],
-        capture_output=True,
-        text=True,
-        env=child_env(cache_dir),
-        timeout=timeout,
-    )
-    wall = time.time() - spawn
-    lines = proc.stdout.splitlines()
-    result = next((x for x in reversed(lines) if x.startswith("RESULT ")), None)
-    if proc.returncode != 0 or result is None:
-        raise RuntimeError(
-            f"{spec['mode']} process failed (rc {proc.returncode}):\n"
-            f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-        )
-    out = json.loads(result[len("RESULT ") :])
-    if out["cache_dir"] != cache_dir:
-        raise RuntimeError(f"the child used cache {out['cache_dir']!r}, not {cache_dir!r}")
-    out["wall_s"] = wall
-    out["spawn"] = spawn
-    out["import_s"] = out["times"]["imported"] - spawn
-    out["stdout"] = [x for x in lines if not x.startswith("RESULT ")]
-    return out
-
-
-def _cache_files(folder: str) -> dict:
-    files = [p for p in Path(folder).rglob("*") if p.is_file()]
-    return {"files": len(files), "bytes": sum(p.stat().st_size for p in files)}
-
-
-def _fresh_names(proc: dict) -> dict[str, int]:
-    return dict(Counter(proc["fresh_names"]).most_common())
-
-
-def _summary_line(stdout: list[str]) -> str | None:
-    """The CLI summary's compilations line ('engine: ... N compilations (M more loaded ...)')."""
-    return next((x.strip() for x in stdout if x.startswith("engine:")), None)
-
-
-def _summary_counts(line: str | None) -> tuple[int, int] | None:
-    m = re.search(r"(\d+) compilations \((\d+) more loaded", line or "")
-    return (int(m[1]), int(m[2])) if m else None
 
 
 # ---- the experiments -------------------------------------------------------------------------
@@ -146,7 +91,7 @@ def _summary_counts(line: str | None) -> tuple[int, int] | None:
 def _compact(run: dict, keys: tuple[str, ...]) -> dict:
     out = {k: run[k] for k in keys if k in run}
     proc = run["process"]
-    out["process"] = {**proc, "fresh_names": _fresh_names(proc)}
+    out["process"] = {**proc, "fresh_names": fresh_names(proc)}
     return out
 
 
@@ -166,12 +111,12 @@ def demo(preset: Preset, flags: tuple[str, ...] | None = None, token_ids: bool =
             run = run_child({"mode": "demo", "argv": argv}, cache)
             if run["rc"] != 0:
                 raise RuntimeError(f"jaxserve generate exited {run['rc']}: {run['stdout'][-5:]}")
-            line = _summary_line(run["stdout"])
-            if _summary_counts(line) != (run["engine"]["fresh"], run["engine"]["cache_hits"]):
+            line = summary_line(run["stdout"])
+            if summary_counts(line) != (run["engine"]["fresh"], run["engine"]["cache_hits"]):
                 raise RuntimeError(f"the CLI summary {line!r} disagrees with {run['engine']}")
             compact = _compact(run, ("wall_s", "import_s", "engine", "warmup", "weights_s"))
             compact["summary_line"] = line
-            compact["cache_after"] = _cache_files(cache)
+            compact["cache_after"] = cache_files(cache)
             runs.append(compact)
     first, second = runs
     return {
@@ -229,7 +174,7 @@ def construct(preset: Preset, model: str, repeats: int = 2) -> dict:
             print(f"  construct process {i + 1}/2 ...", flush=True)
             run = run_child({"mode": "construct", "engine": engine}, cache)
             compact = _compact(run, keys)
-            compact["cache_after"] = _cache_files(cache)
+            compact["cache_after"] = cache_files(cache)
             runs.append(compact)
         order = []
         for r in range(repeats):  # a linear drift hits both alike
@@ -265,7 +210,7 @@ def workers(preset: Preset, model: str, num_workers: int, repeats: int) -> dict:
             run = run_child({"mode": "workers", "engine": engine, "workers": w}, cache)
         compact = _compact(run, ("wall_s", "construct_s", "warmup_s", "engine"))
         proc = run["warmup_process"]
-        compact["warmup_process"] = {**proc, "fresh_names": _fresh_names(proc)}
+        compact["warmup_process"] = {**proc, "fresh_names": fresh_names(proc)}
         runs[w].append(compact)
     mean = {w: sum(r["warmup_s"] for r in rs) / len(rs) for w, rs in runs.items()}
     return {
@@ -297,7 +242,7 @@ def features(preset: Preset) -> dict:
         )
     rows = run["features"]
     for row in rows.values():
-        row["process"]["fresh_names"] = _fresh_names(row["process"])
+        row["process"]["fresh_names"] = fresh_names(row["process"])
     return {
         "engine": preset.feature_engine,
         "prompts": prompts,
@@ -309,70 +254,6 @@ def features(preset: Preset) -> dict:
 
 
 # ---- report --------------------------------------------------------------------------------
-
-
-def _goal(text: str, value, threshold, op: str, note: str = "") -> dict:
-    passed = {"<=": value <= threshold, ">=": value >= threshold, "==": value == threshold}[op]
-    out = {"goal": text, "value": value, "threshold": threshold, "op": op, "passed": passed}
-    if note:
-        out["note"] = note
-    return out
-
-
-def goals(report: dict) -> dict:
-    """The goals of the experiments that ran."""
-    out = {}
-    if "demo" in report:
-        d = report["demo"]
-        first, second = (run["wall_s"] for run in d["runs"])
-        out["demo_first_wall"] = _goal(
-            "README's first command: first process <= 30 s wall", first, 30.0, "<="
-        )
-        out["demo_second_wall"] = _goal(
-            "README's first command: second process <= 8 s wall", second, 8.0, "<="
-        )
-        out["demo_second_wall_ratio"] = _goal(
-            "demo: second process wall <= 1/3 of the first", d["wall_ratio"], 1 / 3, "<="
-        )
-        out["demo_second_fresh_compilations"] = _goal(
-            "demo: 0 fresh compilations in the second process (engine count)",
-            d["runs"][1]["engine"]["fresh"], 0, "==",
-        )  # fmt: skip
-    if "construct" in report:
-        out["construct_second_ratio"] = _goal(
-            "LLM(warmup=True) construction: second process <= 25% of the first",
-            report["construct"]["construct_ratio"], 0.25, "<=",
-        )  # fmt: skip
-    if "workers" in report:
-        w = report["workers"]
-        on_cpu = report["machine"]["jax_backend"] == "cpu"
-        note = (
-            f"a CPU with {w['cpu_count']} cores: XLA's CPU compiler already uses them for one "
-            "compilation, ~1x expected; the goal is for accelerators"
-        )
-        out["concurrent_warmup_speedup"] = _goal(
-            f"first warm-up: workers={w['workers']} at least 2x faster than workers=1",
-            w["speedup"], 2.0, ">=", note=note if on_cpu else "",
-        )  # fmt: skip
-    if "features" in report:
-        out["feature_compilations_after_warmup"] = _goal(
-            "every SamplingParams feature: 0 compilations (fresh or cached) after warm-up",
-            report["features"]["total_after_warmup"], 0, "==",
-        )  # fmt: skip
-    if "server" in report:
-        for name, srv in report["server"].items():
-            out[f"server_{name}_restart_ratio"] = _goal(
-                f"{name}: restarted server's first token, background warm-up on <= 0.5x off",
-                srv["summary"]["restart_ratio"], 0.5, "<=",
-            )  # fmt: skip
-            out[f"server_{name}_same_tokens"] = _goal(
-                f"{name}: the same greedy tokens with and without background warm-up",
-                int(srv["same_tokens"]), 1, "==",
-            )  # fmt: skip
-    big = report.get("phases", {}).get("models", {}).get("57m")
-    if big is not None:
-        out.update(vllm_side.goals(big, report["phases"]["vllm"], _goal))
-    return out
 
 
 def _phase_models(preset: Preset, model: str) -> dict[str, dict]:
