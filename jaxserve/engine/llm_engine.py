@@ -76,12 +76,9 @@ class CheckedRequest:
 
 
 class LLMEngine:
-    """The engine of docs/architecture.md. ``LLMEngine(model=..., **same_kwargs_as_LLM)``.
-
-    ``warmup_for`` (jaxserve's; LLM and AsyncLLM pass it on): a job's requests
-    (job_preview.JobPreview), whose shapes compile while the weights load (warmup="job" only:
-    job_preview.check_warmup_for).
-    """
+    """The engine of docs/architecture.md. ``LLMEngine(model=..., **same_kwargs_as_LLM)``;
+    ``warmup_for`` (jaxserve's, passed on by LLM and AsyncLLM; warmup="job" only): a job's
+    requests (job_preview.JobPreview), whose shapes compile while the weights load."""
 
     def __init__(
         self, model: str = "tiny-random-llama", *, warmup_for: JobPreview | None = None, **kwargs

@@ -351,10 +351,8 @@ class SamplingInputs:
             bias_values = np.zeros((padded_rows, 0), np.float32)
             return ids, counts, banned, bitmask, bias_ids, bias_values
         if ids.shape[1]:
-            ids, counts = (
-                _widen(ids, self.penalty_capacity, -1),
-                _widen(counts, self.penalty_capacity, 0),
-            )
+            width = self.penalty_capacity
+            ids, counts = _widen(ids, width, -1), _widen(counts, width, 0)
         else:  # no penalty row: the batch's lists are there for another row's needs
             neutral = self.neutral.host(padded_rows)
             ids, counts = neutral.penalty_token_ids, neutral.penalty_output_counts
