@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# One prepared device check on ONE NVIDIA H200, in under 8 minutes of wall time:
+# One prepared device check on ONE NVIDIA H100 or H200, in under 10 minutes of wall time:
 #   1. the kernel grid natively on the GPU (pytest --platform gpu -m gpu tests/pallas_kernels),
 #   2. decode attention bandwidth of every GPU implementation the registry runs
 #      (bench/attention_kernel.py --preset h200-decode: batch 64 x 4096, bf16, pages of 16 and
 #      32, against a device-to-device copy measured in the same run),
-#   3. end to end on a Llama-3-8B-shaped bf16 checkpoint (bench/gpu_e2e.py --preset llama3-8b):
+#   3. the issues' first device checks: `jaxserve compile --output` for this chip's target,
+#      deviceless, then LLM(precompiled=...) on the chip (bench/precompiled_check.py, the 1M
+#      preset); n-gram and oracle speculation against plain decoding at batch 1 and 16 and the
+#      verification step's cost (bench/spec_decode.py, the 57M preset),
+#   4. end to end on a Llama-3-8B-shaped bf16 checkpoint (bench/gpu_e2e.py --preset llama3-8b):
 #      cold and warm start, output tok/s on 512 ShareGPT-like requests, transformers
 #      `generate` on the same GPU, the ratio.
 # Outputs go to $OUT if set, else ./gpu_check_out: one log per stage, the junit XML, the
@@ -13,8 +17,8 @@
 #
 # Time budget. Every stage runs under `timeout` for min(its cap, what is left of the total
 # minus what the later stages are guaranteed), so the stages together stay inside
-# GPU_CHECK_TOTAL_S (460 s) even when each one runs to its limit; the summary adds about a
-# second, `timeout -k` at most 5 s per stage that ignores SIGTERM. A stage that times out leaves
+# GPU_CHECK_TOTAL_S (580 s on a GPU, 460 on the CPU) even when each one runs to its limit; the
+# summary adds about a second, `timeout -k` at most 5 s per stage that ignores SIGTERM. A stage that times out leaves
 # its partial output (the benchmarks rewrite their JSON after every row or phase; the test
 # counts come from the per-test log lines when pytest did not get to write its XML) and the
 # script goes on to the next. Unused time flows to the end-to-end stage.
@@ -22,12 +26,14 @@
 #   stage                                                      cap (s)   estimate, H200 (*)
 #   0  pip install -e . (only if jaxserve does not import)        60      ~10
 #      device probe (jax, the GPU, library versions)              45      ~10
-#   -  the 16 GB checkpoint of stage 3, written in the background during stages 1-2 (numpy,
-#      no torch model; disk and one CPU core only; stage 3 waits for it if needed)  ~20-60
+#   -  the 16 GB checkpoint of stage 4, written in the background during stages 1-3 (numpy,
+#      no torch model; disk and one CPU core only; stage 4 waits for it if needed)  ~20-60
 #   1  kernel grid, 4 pytest-xdist workers sharing the GPU        90      ~40-80
 #      then the tests named *bandwidth* alone (timing asserts)    25      ~10
 #   2  attention bandwidth, 3 backends x 2 page sizes             45      ~20-40
-#   3  end to end: everything left, at least                     270      ~240-330
+#   3  precompiled: compile, load, compile again (3 processes)    75      ~40-60
+#      spec_decode: 5 engines of the 57M model, 1 and 16 at once  110      ~60-100
+#   4  end to end: everything left, at least                     270      ~240-330
 #      (bench/gpu_e2e.py --budget-s <that - 10>, three processes with their own deadlines):
 #        cold: the rest after the reserves below: load 16 GB (~30-45 s) + compile every bucket
 #          (10 token buckets x 2 sampler variants = 20 compilations; it stops compiling when
@@ -35,11 +41,12 @@
 #        transformers: reserve 75, cap 90: load (~25 s) + generate on the first 64 requests,
 #          stopped by generate(max_time) at its deadline;
 #        warm: reserve 60, then whatever is left: load + every bucket from the cache.
-#   4  summary.json and the tables                                          ~1
+#   5  summary.json and the tables                                          ~1
 #   (*) estimates from CPU measurements (disk ~0.3 GB/s, bf16 transposes ~0.3 GB/s on a 2-core
-#       VM) and typical H200 figures: no H200 has run this script yet; its summary.json says.
+#       VM) and typical H200 figures; the first device run's (an H100, 2026-12-05) are in
+#       docs/benchmarks.md.
 #
-# Environment: OUT, PYTHON (default python3), GPU_CHECK_TOTAL_S (460), GPU_CHECK_CACHE (where the
+# Environment: OUT, PYTHON (default python3), GPU_CHECK_TOTAL_S (above), GPU_CHECK_CACHE (where the
 # checkpoint lives, default bench/.cache/gpu_e2e: not under $OUT, it is 16 GB),
 # GPU_CHECK_PYTEST_WORKERS (4 on GPU when pytest-xdist is installed; 0 = one serial run),
 # GPU_CHECK_KEEP_COMPILE_CACHE=1 (keep $OUT/jax_compile_cache, removed by default: large).
@@ -54,7 +61,7 @@ out="$(cd "$out" && pwd)"
 export PYTHONUNBUFFERED=1
 python=${PYTHON:-python3}
 platform=${GPU_CHECK_PLATFORM:-gpu}
-total=${GPU_CHECK_TOTAL_S:-460}
+if [ "$platform" = cpu ]; then total=${GPU_CHECK_TOTAL_S:-460}; else total=${GPU_CHECK_TOTAL_S:-580}; fi
 cache=${GPU_CHECK_CACHE:-bench/.cache/gpu_e2e}
 if [ "$platform" = cpu ]; then
   attention_preset=${GPU_CHECK_ATTENTION_PRESET:-cpu-smoke}
@@ -63,9 +70,14 @@ else
   attention_preset=${GPU_CHECK_ATTENTION_PRESET:-h200-decode}
   e2e_preset=${GPU_CHECK_E2E_PRESET:-llama3-8b}
 fi
-# Seconds guaranteed to the stages after each one (their minimum).
+# Seconds guaranteed to the stages after each one (their minimum). The two issue checks
+# (precompiled, spec_decode) run on a GPU only (GPU_CHECK_EXTRAS=1 / 0 to choose): the CPU run
+# (tests/bench) keeps to the rest.
 reserve_attention=45
 reserve_e2e=270
+extras=${GPU_CHECK_EXTRAS:-$([ "$platform" = gpu ] && echo 1 || echo 0)}
+reserve_extras=0
+if [ "$extras" = 1 ]; then reserve_extras=120; fi
 
 start=$(date +%s)
 stages="$out/stages.tsv"
@@ -113,14 +125,14 @@ stage() {
 
 # 0. Install (offline, no deps) if this machine has not yet; then what jax sees.
 if ! "$python" -c "import jaxserve.pallas_kernels" 2>/dev/null; then
-  stage install 60 $((reserve_attention + reserve_e2e + 90)) \
+  stage install 60 $((reserve_attention + reserve_extras + reserve_e2e + 90)) \
     "$python" -m pip install -q --no-deps --no-build-isolation -e .
   if ! "$python" -c "import jaxserve.pallas_kernels"; then
     echo "jaxserve does not import after pip install -e .: see $out/install.txt"
     exit 2
   fi
 fi
-stage probe 45 $((reserve_attention + reserve_e2e + 90)) "$python" - "$out/devices.json" "$platform" <<'PY'
+stage probe 45 $((reserve_attention + reserve_extras + reserve_e2e + 90)) "$python" - "$out/devices.json" "$platform" <<'PY'
 import importlib.metadata as md
 import json
 import sys
@@ -171,13 +183,13 @@ if [ -z "$workers" ]; then
 fi
 pytest_args=(--platform "$platform" -m gpu tests/pallas_kernels -v -rs -p no:cacheprovider)
 if [ "$workers" -gt 0 ]; then
-  stage kernel_tests 90 $((reserve_attention + reserve_e2e + 25)) \
+  stage kernel_tests 90 $((reserve_attention + reserve_extras + reserve_e2e + 25)) \
     env XLA_PYTHON_CLIENT_PREALLOCATE=false "$python" -m pytest "${pytest_args[@]}" \
     -n "$workers" -k "not bandwidth" --junitxml="$out/pytest_gpu.xml"
-  stage kernel_tests_bandwidth 25 $((reserve_attention + reserve_e2e)) \
+  stage kernel_tests_bandwidth 25 $((reserve_attention + reserve_extras + reserve_e2e)) \
     "$python" -m pytest "${pytest_args[@]}" -k bandwidth --junitxml="$out/pytest_gpu_bandwidth.xml"
 else
-  stage kernel_tests 115 $((reserve_attention + reserve_e2e)) \
+  stage kernel_tests 115 $((reserve_attention + reserve_extras + reserve_e2e)) \
     "$python" -m pytest "${pytest_args[@]}" --junitxml="$out/pytest_gpu.xml"
 fi
 
@@ -186,9 +198,21 @@ attention_args=(--preset "$attention_preset" --out "$out/attention_kernel.json")
 if [ -n "${GPU_CHECK_ATTENTION_BACKENDS:-}" ]; then
   attention_args+=(--backends "$GPU_CHECK_ATTENTION_BACKENDS")
 fi
-stage attention 45 "$reserve_e2e" "$python" bench/attention_kernel.py "${attention_args[@]}"
+stage attention 45 $((reserve_extras + reserve_e2e)) "$python" bench/attention_kernel.py \
+  "${attention_args[@]}"
 
-# 3. End to end: the checkpoint first (normally written by now), then everything left.
+# 3. The issues' first device checks (GPU only, unless GPU_CHECK_EXTRAS says otherwise): executables compiled deviceless for this
+# chip's target load into an engine on it (bench/precompiled_check.py); speculative decoding
+# against plain decoding, and the cost of a verification step (bench/spec_decode.py).
+if [ "$extras" = 1 ]; then
+  stage precompiled 75 $((70 + reserve_e2e)) "$python" bench/precompiled_check.py \
+    --preset quick --out "$out/precompiled.json"
+  stage spec_decode 110 "$reserve_e2e" "$python" bench/spec_decode.py --batch-sizes 1,16 \
+    --workloads repetitive --methods ngram,ngram-auto,oracle --no-sampled-drafts \
+    --output "$out/spec_decode.json"
+fi
+
+# 4. End to end: the checkpoint first (normally written by now), then everything left.
 s=$(date +%s)
 wait "$ckpt_pid"
 record checkpoint_wait $? $(($(date +%s) - s)) "$ckpt_limit"
@@ -199,7 +223,7 @@ stage e2e "$e2e_limit" 0 "$python" bench/gpu_e2e.py --preset "$e2e_preset" --cac
   ${GPU_CHECK_E2E_ARGS:-}
 if [ "${GPU_CHECK_KEEP_COMPILE_CACHE:-0}" != 1 ]; then rm -rf "$out/jax_compile_cache"; fi
 
-# 4. The summary: summary.json and the tables.
+# 5. The summary: summary.json and the tables.
 "$python" - "$out" "$total" "$(($(date +%s) - start))" "$platform" <<'PY'
 import json
 import re
@@ -309,6 +333,25 @@ written = load("e2e_checkpoint.json")
 if written and "checkpoint_wait" in stages:
     stages["checkpoint_wait"]["checkpoint"] = written.get("checkpoint")
 
+pre = load("precompiled.json")
+if pre and "precompiled" in stages:
+    keys = ("ready_s", "compilations", "cache_hits", "refused", "error", "plan")
+    stages["precompiled"].update(
+        ok=pre.get("ok"),
+        target=pre.get("target"),
+        compile={k: v for k, v in (pre.get("compile") or {}).items() if k != "stderr_tail"},
+        **{n: {k: (pre.get(n) or {}).get(k) for k in keys} for n in ("loaded", "compiled")},
+    )
+
+spec = load("spec_decode.json")
+if spec and "spec_decode" in stages:
+    stages["spec_decode"].update(
+        rows=[{k: r.get(k) for k in ("workload", "batch", "engine", "output_tok_s", "ratio",
+                                      "acceptance", "steps", "proposer_share")}
+              for r in spec.get("rows", [])],
+        verification_cost=spec.get("verification_cost"),
+    )
+
 e2e = load("e2e.json")
 if e2e and "e2e" in stages:
     stages["e2e"].update(
@@ -342,6 +385,15 @@ for name, st in stages.items():
                   f"skipped {c['skipped']}")
     elif name == "attention" and st.get("backends"):
         result = f"copy {fmt((st.get('copy_Bps') or 0) / 1e9)} GB/s"
+    elif name == "precompiled" and "ok" in st:
+        lo = st.get("loaded") or {}
+        result = (f"ok {st['ok']}: {st.get('target')}, loaded with {lo.get('compilations')} "
+                  f"compilations, {lo.get('cache_hits')} hits {lo.get('refused') or ''}")
+    elif name == "spec_decode" and st.get("rows"):
+        cost = st.get("verification_cost") or {}
+        result = " ".join(f"{r['engine']}@{r['batch']} {fmt(r['ratio'], '.2f')}x"
+                          for r in st["rows"])
+        result += f"; verify {fmt(cost.get('ratio'), '.2f')}x a decode step"
     elif name == "e2e" and st.get("summary"):
         s = st["summary"]
         result = (f"jaxserve {fmt(s.get('jaxserve_output_tokens_per_s'))} tok/s, "

@@ -250,6 +250,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="skip the verification-step cost and the sampled-drafts runs",
     )
     p.add_argument(
+        "--no-sampled-drafts",
+        dest="sampled_drafts",
+        action="store_false",
+        help="with the extras, skip the sampled-drafts runs (the verification cost only)",
+    )
+    p.add_argument(
         "--step-costs",
         action="store_true",
         help="also the plain engine's decode steps' device time by token count",
@@ -285,7 +291,12 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{'workload':<11}{'batch':>6} {'engine':<13}{'tok/s':>9}{'x plain':>9}"
           f"{'steps':>7}{'drafts':>8}{'accept':>8}{'propose%':>9}"
           "  policy steps by drafts/decode | best arm by batch bucket", flush=True)  # fmt: skip
-    plain, rows = LLM(str(folder), **engine_kw), []
+    suffix = "" if args.preset == "default" else f"_{args.preset}"
+    out = Path(args.output) if args.output else RESULTS / f"spec_decode{suffix}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report = {"preset": args.preset, "k": K, "max_tokens": max_tokens, "repeats": args.repeats,
+              "rows": [], "complete": False}  # fmt: skip
+    plain = LLM(str(folder), **engine_kw)
     if args.methods:
         specs = {name: specs[name] for name in args.methods.split(",")}
     for name, spec in specs.items():  # one method's engine at a time (memory maps)
@@ -294,29 +305,33 @@ def main(argv: list[str] | None = None) -> dict:
             n = batch * args.requests_per_slot
             workloads = {w: _prompts(w, n, vocab, max_len, seed=batch)
                          for w in args.workloads.split(",")}  # fmt: skip
-            rows += _measure(plain, name, llm, workloads, batch, params, args.repeats)
+            report["rows"] += _measure(plain, name, llm, workloads, batch, params, args.repeats)
+            out.write_text(json.dumps(report, indent=1))  # so far: a run cut short keeps it
         del llm
     del plain
-    report = {"preset": args.preset, "k": K, "max_tokens": max_tokens, "repeats": args.repeats,
-              "rows": rows}  # fmt: skip
     if args.step_costs:
         report["step_ms_by_tokens"] = _step_costs(folder, engine_kw, vocab, max_len)
     if args.extras:
-        cost = _verification_cost(folder, engine_kw, vocab, max_len)
+        _extras(args, report, folder, draft_folder, engine_kw, vocab, max_len)
+    report["complete"] = True
+    out.write_text(json.dumps(report, indent=1))
+    return report
+
+
+def _extras(args, report, folder, draft_folder, engine_kw, vocab, max_len) -> None:
+    """The verification step's cost, and (unless --no-sampled-drafts) sampled drafts' acceptance."""
+    cost = _verification_cost(folder, engine_kw, vocab, max_len)
+    report["verification_cost"] = cost
+    print(
+        f"\nbatch 1: a verification step of {1 + K} tokens takes {cost['ratio']:.2f}x a "
+        f"one-token decode step ({cost['spec_ms']:.2f} vs {cost['plain_ms']:.2f} ms, device)",
+        flush=True,
+    )
+    if args.sampled_drafts:
         report["sampled_drafts"] = _sampled_drafts(
             {"draft=target": str(folder), "draft-small": str(draft_folder)},
             folder, engine_kw, vocab, max_len,
         )  # fmt: skip
-        report["verification_cost"] = cost
-        print(
-            f"\nbatch 1: a verification step of {1 + K} tokens takes {cost['ratio']:.2f}x a "
-            f"one-token decode step ({cost['spec_ms']:.2f} vs {cost['plain_ms']:.2f} ms, device)"
-        )
-    suffix = "" if args.preset == "default" else f"_{args.preset}"
-    out = Path(args.output) if args.output else RESULTS / f"spec_decode{suffix}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
-    return report
 
 
 if __name__ == "__main__":

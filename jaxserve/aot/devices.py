@@ -40,6 +40,11 @@ def install_hint(platform: str) -> str:
     return f'pip install "jaxserve[{extra}]" (that is, pip install {pinned})'
 
 
+# jax's CUDA plugins, any of which compiles for a GPU target: "jax[cuda12]" (what the extra
+# installs) or "jax[cuda13]" (jax 0.11's GPU machines ship it).
+CUDA_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin")
+
+
 def compiler_missing(target: AcceleratorTarget) -> str | None:
     """Why this process cannot compile for ``target`` (with what to install), or None."""
     if target.platform == "tpu":
@@ -49,7 +54,7 @@ def compiler_missing(target: AcceleratorTarget) -> str | None:
                 f"installed: {install_hint('tpu')}"
             )
         return None
-    if importlib.util.find_spec("jax_cuda12_plugin") is None:
+    if not any(importlib.util.find_spec(m) is not None for m in CUDA_PLUGINS):
         return (
             f"compiling for {target.name} needs the CUDA compiler (jax's CUDA 12 plugin and the "
             f"CUDA libraries, ~5 GB), which is not installed: {install_hint('gpu')}"

@@ -37,16 +37,16 @@ def test_more_devices_than_the_target_has_exits_2(tmp_path, capsys) -> None:
     assert rc == 2 and "between 1 and the 4 chips of v5e-4, got 8" in err
 
 
-def _without(monkeypatch, module: str) -> None:
-    """As if ``module`` were not installed (devices.compiler_missing looks it up)."""
+def _without(monkeypatch, *modules: str) -> None:
+    """As if ``modules`` were not installed (devices.compiler_missing looks them up)."""
     real = importlib.util.find_spec
     monkeypatch.setattr(
-        devices.importlib.util, "find_spec", lambda n, *a: None if n == module else real(n, *a)
+        devices.importlib.util, "find_spec", lambda n, *a: None if n in modules else real(n, *a)
     )
 
 
 def test_a_gpu_target_without_its_compiler_says_what_to_install(tmp_path, capsys, monkeypatch):
-    _without(monkeypatch, "jax_cuda12_plugin")
+    _without(monkeypatch, *devices.CUDA_PLUGINS)
     rc, err = _compile(capsys, "--model", write_tiny_llama(tmp_path), "--target", "h100")
     assert rc == 2 and "compiling for h100 needs the CUDA compiler" in err
     assert 'pip install "jaxserve[cuda12]"' in err and "jax[cuda12]==" in err
