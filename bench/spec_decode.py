@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -131,7 +132,12 @@ def _measure(plain, name, llm, workloads, batch, params, repeats: int = 1) -> li
                                            policy="always")  # fmt: skip
                 llm.engine.core.spec = SpecDecoder(config, proposer=oracle)
             seconds, tokens, delta = _run(llm, prompts, params, batch)
-            assert tokens == reference, f"{name} changed a greedy token"
+            differ = [_divergence(t, r) for t, r in zip(tokens, reference, strict=True)]
+            differ = [d for d in differ if d is not None]
+            if differ:  # reported, and the exit status says so (see _divergence)
+                print(f"! {name} at batch {batch}: {len(differ)} of {len(prompts)} requests' "
+                      f"greedy tokens differ from plain's, first at token {min(differ)}",
+                      flush=True)  # fmt: skip
             ratios.append(base_s / seconds)
             times.append(seconds)
         drafts = delta["spec_decode_num_draft_tokens"]
@@ -143,9 +149,26 @@ def _measure(plain, name, llm, workloads, batch, params, repeats: int = 1) -> li
             acceptance=delta["spec_decode_num_accepted_tokens"] / drafts if drafts else None,
             proposer_share=delta["spec_decode_proposer_seconds"] / seconds,
             steps_per_length=delta["steps_per_length"], best_arm=delta["best_arm"],
+            greedy_mismatches=len(differ), first_divergence=min(differ, default=None),
         ))  # fmt: skip
         _print_row(rows[-1])
     return rows
+
+
+def _divergence(tokens: list[int], reference: list[int]) -> int | None:
+    """The index of the first token where ``tokens`` leaves ``reference`` (None: equal).
+
+    Speculation keeps greedy output exactly when the target's logits for a position do not
+    depend on how many tokens the step scores: true in float32 on the CPU (every test checks
+    it), not in bf16 on a GPU, where a step of 5 tokens a request runs other matmul shapes
+    (other tilings, other summation orders) than a one-token decode and a near-tie between
+    the top two logits can flip (the first H100 run: batch 16 of the 57M random model). The
+    plain engine's own output changes with its batch's shapes in the same way."""
+    if tokens == reference:
+        return None
+    pairs = enumerate(zip(tokens, reference, strict=False))
+    return next((i for i, (a, b) in pairs if a != b),
+                min(len(tokens), len(reference)))  # fmt: skip
 
 
 def _print_row(r: dict) -> None:
@@ -335,4 +358,6 @@ def _extras(args, report, folder, draft_folder, engine_kw, vocab, max_len) -> No
 
 
 if __name__ == "__main__":
-    main()
+    rows = main()["rows"]
+    # A greedy token that speculation changed fails the run (after it has measured everything).
+    sys.exit(1 if any(r["greedy_mismatches"] for r in rows) else 0)

@@ -28,37 +28,47 @@ from jaxserve.checkpoints_tools.interrupt import sigint_guard
 AddParser = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
 
 
-def lazy_subcommand(module: str) -> AddParser:
-    """A subcommand whose module is imported only when the parser is built."""
-    return lambda subparsers: importlib.import_module(module).add_parser(subparsers)
+def lazy_subcommand(module: str, command: str | None = None) -> AddParser:
+    """A subcommand whose module is imported only when the parser is built; ``command``, its
+    name on the command line, lets a run of it import its own module alone."""
+
+    def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+        importlib.import_module(module).add_parser(subparsers)
+
+    add_parser.command = command  # type: ignore[attr-defined]
+    return add_parser
 
 
 # One entry per subcommand, in --help order.
 SUBCOMMANDS: list[AddParser] = [
-    lazy_subcommand("jaxserve.cli.generate"),
-    lazy_subcommand("jaxserve.cli.convert"),
-    lazy_subcommand("jaxserve.cli.plan"),
-    lazy_subcommand("jaxserve.cli.compile"),
-    lazy_subcommand("jaxserve.cli.serve"),
-    lazy_subcommand("jaxserve.cli.router"),
-    lazy_subcommand("jaxserve.cli.run_batch"),
-    lazy_subcommand("jaxserve.cli.score"),
-]
+    lazy_subcommand(f"jaxserve.cli.{module}", command)
+    for module, command in (
+        ("generate", "generate"), ("convert", "convert"), ("plan", "plan"),
+        ("compile", "compile"), ("serve", "serve"), ("router", "router"),
+        ("run_batch", "run-batch"), ("score", "score"),
+    )
+]  # fmt: skip
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The parser of every subcommand; or, when ``argv`` starts with one's name, of that one
+    alone, so that a run imports only its own module (``jaxserve compile`` and ``plan`` never
+    load the server's web stack: on a machine without it they still work)."""
     parser = argparse.ArgumentParser(
         prog="jaxserve", description="jaxserve: LLM inference on JAX/XLA"
     )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add_parser in SUBCOMMANDS:
+    first = argv[0] if argv else None
+    chosen = [a for a in SUBCOMMANDS if first and getattr(a, "command", None) == first]
+    for add_parser in chosen or SUBCOMMANDS:
         add_parser(subparsers)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``jaxserve`` script; returns the exit code."""
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv).parse_args(argv)
     try:
         with sigint_guard():
             return args.run(args)

@@ -266,13 +266,14 @@ class ExecutableStore:
     ) -> None:
         """Keep ``compiled`` (a jax.stages.Compiled) for the next process; a failure is logged,
         never raised (the engine runs on without it). Nothing is saved in a read-only one, nor
-        an XLA:CPU executable jax loaded from its persistent cache (``from_cache``): it
-        serializes without its kernels' object code (module docstring)."""
+        an XLA:CPU executable XLA did not compile in this call (``from_cache``: jax loaded it
+        from its persistent cache, or its in-memory cache returned one this process had, maybe
+        so loaded): it would serialize without its kernels' object code (module docstring)."""
         if self.read_only:
             return
         if from_cache and self.fields.get("backend") == "cpu":
-            logger.info("%s: not saved to the executable store: loaded from jax's compilation "
-                        "cache, not compiled (compiled next time)", name)  # fmt: skip
+            logger.info("%s: not saved to the executable store: not compiled here (loaded from "
+                        "jax's compilation cache; compiled next time)", name)  # fmt: skip
             return
         path = self._path(name, signature)
         try:

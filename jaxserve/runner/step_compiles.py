@@ -93,8 +93,9 @@ class StepCompiles:
 
     def save_after_run(self, sig: Signature, compiled: Any, from_cache: bool = False) -> None:
         """Keep a compiled executable for the store until it has run (save_ran): only what
-        warm-up ran is kept. ``from_cache``: jax loaded it from its persistent cache, so the
-        store does not save it (ExecutableStore.save)."""
+        warm-up ran is kept. ``from_cache``: XLA did not compile it here (jax loaded it from its
+        persistent cache or had it in memory), so the store does not save it on the CPU
+        (ExecutableStore.save)."""
         self._unsaved.append((sig, compiled, from_cache))
 
     def save_ran(self, ran: bool = True) -> None:
@@ -225,14 +226,20 @@ class Lowered:
             before = CompileEvents.in_thread()
             with nullcontext() if compiles.store is None else compiles.store.fresh_compiles():
                 compiled = self.lowered.compile()
-            loaded = CompileEvents.in_thread().since(before).cache_hits  # from jax's cache
+            events = CompileEvents.in_thread().since(before)
+            loaded = events.cache_hits  # from jax's persistent cache
             hits = self.cache_hits + loaded
+            # XLA compiled it here only if some compilation event was not a cache load: with
+            # none at all, jax's in-memory cache handed back an executable this process already
+            # had (another engine of the same shapes), perhaps one loaded from the persistent
+            # cache, which on the CPU serializes without its object code.
+            compiled_here = events.compilations > events.cache_hits
         except BaseException:
             self.discard()
             raise
         self.lowered = self.call = None  # the StableHLO module is no longer needed
         if compiles.store is not None:
-            compiles.save_after_run(self.sig, compiled, from_cache=loaded > 0)
+            compiles.save_after_run(self.sig, compiled, from_cache=not compiled_here)
         compiles._compiled(self.sig, hits > 0, ahead_of_time=True)
 
     def discard(self) -> None:

@@ -168,8 +168,11 @@ def _tile_step(tile, carry, *, q, pages, where, dims: _Dims, score_scale, soft_c
     # Pages in the compute dtype from here on (FP8 pages are cast after the load).
     k = _to_compute(k_pages_ref[kv_head, page_ids, :, :].reshape(kv_tile, head_dim), q.dtype)
     v = _to_compute(v_pages_ref[kv_head, page_ids, :, :].reshape(kv_tile, head_dim), q.dtype)
+    precision = _dot_precision()
     s = (
-        jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        jax.lax.dot_general(
+            q, k, (((1,), (1,)), ((), ())), precision, preferred_element_type=jnp.float32
+        )
         * score_scale
     )  # [M, W]
     if soft_cap is not None:
@@ -184,9 +187,28 @@ def _tile_step(tile, carry, *, q, pages, where, dims: _Dims, score_scale, soft_c
     p = jnp.where(mask, jnp.exp(s - m_next[:, None]), 0.0)
     l_next = alpha * l_prev + p.sum(axis=1)
     pv = jax.lax.dot_general(
-        p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        p.astype(v.dtype),
+        v,
+        (((1,), (0,)), ((), ())),
+        precision,
+        preferred_element_type=jnp.float32,
     )  # [M, H]
     return alpha[:, None] * acc + pv, m_next, l_next
+
+
+# jax_default_matmul_precision values that ask for full float32 products.
+_FULL_F32 = ("highest", "float32", "F32_F32_F32")
+
+
+def _dot_precision() -> jax.lax.Precision | None:
+    """The tile products' precision, as jax's default matmul precision sets it for XLA's own
+    matmuls (read at trace time): full float32 under ``jax.default_matmul_precision("highest")``
+    (Triton's IEEE dot), else Triton's default, TF32 for float32 operands on sm_80+ (what XLA's
+    default gives a float32 model's other matmuls there). bf16 and fp16 operands multiply
+    exactly either way."""
+    return (
+        jax.lax.Precision.HIGHEST if jax.config.jax_default_matmul_precision in _FULL_F32 else None
+    )
 
 
 def _to_compute(tile, dtype):

@@ -68,6 +68,21 @@ def test_gpu_kernels_compile_for_their_targets(target_name, kernel, shape) -> No
     assert compiled.out_info.shape == (SHAPES[shape][0], 32, 128)
 
 
+@pytest.mark.parametrize("precision", ["default", "highest"])
+def test_triton_float32_compiles_in_either_precision(precision) -> None:
+    """A float32 model's attention: TF32 tile products by default, IEEE ones under
+    jax.default_matmul_precision("highest") (gpu_kernel._dot_precision); both compile."""
+    require_compiler("h100")
+    mesh = Mesh(np.array(compile_only_devices("h100", 1)), ("x",))
+    fn = jax.jit(functools.partial(ragged_paged_attention_gpu, sm_scale=0.1))
+    with (
+        jax.default_matmul_precision(precision),
+        jax.sharding.use_abstract_mesh(mesh.abstract_mesh),
+    ):
+        compiled = fn.lower(*_specs(mesh, 64, 32, 8, 128, 16, jnp.float32)).compile()
+    assert compiled.out_info.dtype == jnp.float32
+
+
 @pytest.mark.parametrize("kv_dtype", ["float8_e4m3fn", "float8_e5m2"])
 def test_triton_reads_fp8_pages_on_an_a100(kv_dtype) -> None:
     """sm_80 has no e4m3 conversion (XLA's Triton pipeline aborts the process on one): the

@@ -273,6 +273,21 @@ def test_help_lists_plan_without_importing_jax() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+def test_a_subcommand_run_imports_only_its_own_module() -> None:
+    """`jaxserve compile` / `plan` build their own parser alone: the server's web stack (pydantic,
+    fastapi) is never imported, so they work where it is not installed (as on a GPU image)."""
+    code = (
+        "import sys\n"
+        "from jaxserve import cli\n"
+        "for name in ('compile', 'plan'):\n"
+        "    assert name in cli.build_parser([name, '--help']).format_help()\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('pydantic', 'fastapi'))\n"
+        "assert not bad, bad[:5]\n"
+        "assert 'serve' in cli.build_parser(['--help']).format_help()\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 def test_8bit_weights_take_one_byte_each_plus_scales(
     llama3: str, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -928,13 +928,25 @@ def test_native_decode_batch64_4k_bandwidth() -> None:
     if peak is None:
         pytest.skip(f"no HBM peak on record for {kind}")
     args = _decode_batch(64, 4096)
-    fn = jax.jit(functools.partial(ragged_paged_attention_mosaic_gpu, sm_scale=128**-0.5))
-    jax.block_until_ready(fn(*args))
+    kernel = functools.partial(ragged_paged_attention_mosaic_gpu, sm_scale=128**-0.5)
+    inner = 10
+
+    @jax.jit
+    def chained(q, *rest):
+        # `inner` dependent calls in one program, as bench/attention_kernel.py times them: the
+        # device's time, not the host's dispatch of separate calls (timed that way, the first
+        # H100 run measured 1.44 TB/s where the bench measured 1.88 for the same batch).
+        for _ in range(inner):
+            out = kernel(q, *rest)
+            q = q + (out[:1, :1, :1].astype(jnp.float32) * 1e-30).astype(q.dtype)
+        return out
+
+    jax.block_until_ready(chained(*args))
     times = []
-    for _ in range(5):  # batches of 10 back-to-back calls amortise the dispatch
+    for _ in range(5):
         start = time.perf_counter()
-        jax.block_until_ready([fn(*args) for _ in range(10)])
-        times.append((time.perf_counter() - start) / 10)
+        jax.block_until_ready(chained(*args))
+        times.append((time.perf_counter() - start) / inner)
     kv_bytes = 64 * 4096 * 8 * 128 * 2 * 2  # K and V of every context token, bf16
     achieved = kv_bytes / min(times)
     assert achieved >= 0.5 * peak, (

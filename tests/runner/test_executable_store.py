@@ -116,6 +116,33 @@ def test_what_the_store_saves_was_compiled_not_loaded_from_jax_cache(tmp_path):
     np.testing.assert_array_equal(store.load("f", sig)(x), x * 3 + 1)  # its code came along
 
 
+def test_an_executable_this_process_already_had_is_not_saved(tmp_path):
+    """Two engines of the same shapes in one process (a notebook, a benchmark): the first's
+    block copy is a persistent cache hit; the second lowers the same jitted function, and jax's
+    in-memory cache hands back that loaded executable with no compilation event at all. The
+    store must not save it either (it did: the next process failed, "Function ... not
+    found")."""
+    from jaxserve.runner.compile_cache import enable_compilation_cache
+    from jaxserve.runner.step_compiles import StepCompiles, signature
+
+    if enable_compilation_cache() is None:
+        pytest.skip("the persistent compilation cache is off")
+    fn = _same_program()  # one function object, as a module-level jitted step
+    x = jnp.arange(6, dtype=jnp.float32)
+    args, names = (x,), ("x",)
+    fn.lower(*args).compile()  # in jax's persistent cache now (or already)
+    jax.clear_caches()
+    first = StepCompiles("first")
+    first.lower(fn, args, names).compile()  # loaded from the persistent cache
+    assert first.num_cache_hits == 1
+    store = ExecutableStore.for_engine(str(tmp_path), _fields())
+    second = StepCompiles("second")
+    second.use_store(store)
+    second.lower(fn, args, names).compile()  # jax's in-memory cache: the loaded one
+    second.save_ran()
+    assert store.num_saved == 0 and not store.has("second", signature(args, names, {}))
+
+
 SCRIPT = """
 import json, logging, sys
 logging.basicConfig(level=logging.INFO)
