@@ -7,7 +7,8 @@
 #   3. the issues' first device checks: `jaxserve compile --output` for this chip's target,
 #      deviceless, then LLM(precompiled=...) on the chip (bench/precompiled_check.py, the 1M
 #      preset); n-gram and oracle speculation against plain decoding at batch 1 and 16 and the
-#      verification step's cost (bench/spec_decode.py, the 57M preset),
+#      verification step's cost, and plain against itself at batch 16 and 1 (bench/spec_decode.py,
+#      the 57M preset),
 #   4. end to end on a Llama-3-8B-shaped bf16 checkpoint (bench/gpu_e2e.py --preset llama3-8b):
 #      cold and warm start, output tok/s on 512 ShareGPT-like requests, transformers
 #      `generate` on the same GPU, the ratio.
@@ -208,7 +209,7 @@ if [ "$extras" = 1 ]; then
   stage precompiled 75 $((70 + reserve_e2e)) "$python" bench/precompiled_check.py \
     --preset quick --out "$out/precompiled.json"
   stage spec_decode 110 "$reserve_e2e" "$python" bench/spec_decode.py --batch-sizes 1,16 \
-    --workloads repetitive --methods ngram,ngram-auto,oracle --no-sampled-drafts \
+    --workloads repetitive --methods ngram,ngram-auto,oracle --no-sampled-drafts --plain-variance \
     --output "$out/spec_decode.json"
 fi
 
@@ -350,6 +351,7 @@ if spec and "spec_decode" in stages:
                                       "acceptance", "steps", "proposer_share")}
               for r in spec.get("rows", [])],
         verification_cost=spec.get("verification_cost"),
+        plain_batch_variance=spec.get("plain_batch_variance"),
     )
 
 e2e = load("e2e.json")
@@ -394,6 +396,8 @@ for name, st in stages.items():
         result = " ".join(f"{r['engine']}@{r['batch']} {fmt(r['ratio'], '.2f')}x"
                           for r in st["rows"])
         result += f"; verify {fmt(cost.get('ratio'), '.2f')}x a decode step"
+        result += "".join(f"; plain@{v['batch']} vs @1: {v['differ']}/{v['requests']} differ"
+                          for v in st.get("plain_batch_variance") or [])
     elif name == "e2e" and st.get("summary"):
         s = st["summary"]
         result = (f"jaxserve {fmt(s.get('jaxserve_output_tokens_per_s'))} tok/s, "

@@ -171,6 +171,25 @@ def _divergence(tokens: list[int], reference: list[int]) -> int | None:
                 min(len(tokens), len(reference)))  # fmt: skip
 
 
+def _plain_variance(plain, args, vocab: int, max_len: int, params) -> list[dict]:
+    """The plain engine against itself: each batch size's prompts served at that concurrency
+    and one at a time, and the requests whose greedy tokens differ. Speculation cannot keep
+    tokens that the batch's own shapes change (_divergence): this is that bound."""
+    rows = []
+    for batch in (b for b in (int(b) for b in args.batch_sizes.split(",")) if b > 1):
+        for workload in args.workloads.split(","):
+            prompts = _prompts(workload, batch * args.requests_per_slot, vocab, max_len, batch)
+            _, together, _ = _run(plain, prompts, params, batch)
+            _, alone, _ = _run(plain, prompts, params, 1)
+            differ = [d for d in map(_divergence, together, alone) if d is not None]
+            first = min(differ, default=None)
+            rows.append(dict(workload=workload, batch=batch, requests=len(prompts),
+                             differ=len(differ), first_divergence=first))  # fmt: skip
+            print(f"plain at batch {batch} against one at a time ({workload}): {len(differ)} of "
+                  f"{len(prompts)} requests' greedy tokens differ", flush=True)  # fmt: skip
+    return rows
+
+
 def _print_row(r: dict) -> None:
     acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
     head = f"{r['workload']:<11}{r['batch']:>6} {r['engine']:<13}{r['output_tok_s']:>9.1f}"
@@ -279,6 +298,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="with the extras, skip the sampled-drafts runs (the verification cost only)",
     )
     p.add_argument(
+        "--plain-variance",
+        action="store_true",
+        help="also the plain engine against itself: each batch's prompts at that concurrency "
+        "and one at a time (greedy tokens that differ: batch variance)",
+    )
+    p.add_argument(
         "--step-costs",
         action="store_true",
         help="also the plain engine's decode steps' device time by token count",
@@ -331,6 +356,8 @@ def main(argv: list[str] | None = None) -> dict:
             report["rows"] += _measure(plain, name, llm, workloads, batch, params, args.repeats)
             out.write_text(json.dumps(report, indent=1))  # so far: a run cut short keeps it
         del llm
+    if args.plain_variance:
+        report["plain_batch_variance"] = _plain_variance(plain, args, vocab, max_len, params)
     del plain
     if args.step_costs:
         report["step_ms_by_tokens"] = _step_costs(folder, engine_kw, vocab, max_len)
