@@ -33,7 +33,7 @@
 #      then the tests named *bandwidth* alone (timing asserts)    25      ~10
 #   2  attention bandwidth, 3 backends x 2 page sizes             45      ~20-40
 #   3  precompiled: compile, load, compile again (3 processes)    75      ~40-60
-#      spec_decode: 5 engines of the 57M model, 1 and 16 at once  110      ~60-100
+#      spec_decode: 6 engines of the 57M model, 1 and 16 at once  130      ~80-130
 #   4  end to end: everything left, at least                     270      ~240-330
 #      (bench/gpu_e2e.py --budget-s <that - 10>, three processes with their own deadlines):
 #        cold: the rest after the reserves below: load 16 GB (~30-45 s) + compile every bucket
@@ -208,7 +208,7 @@ stage attention 45 $((reserve_extras + reserve_e2e)) "$python" bench/attention_k
 if [ "$extras" = 1 ]; then
   stage precompiled 75 $((70 + reserve_e2e)) "$python" bench/precompiled_check.py \
     --preset quick --out "$out/precompiled.json"
-  stage spec_decode 110 "$reserve_e2e" "$python" bench/spec_decode.py --batch-sizes 1,16 \
+  stage spec_decode 130 "$reserve_e2e" "$python" bench/spec_decode.py --batch-sizes 1,16 \
     --workloads repetitive --methods ngram,ngram-auto,oracle --no-sampled-drafts --plain-variance \
     --output "$out/spec_decode.json"
 fi

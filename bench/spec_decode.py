@@ -345,6 +345,8 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"preset": args.preset, "k": K, "max_tokens": max_tokens, "repeats": args.repeats,
               "rows": [], "complete": False}  # fmt: skip
     plain = LLM(str(folder), **engine_kw)
+    if args.plain_variance:  # first: the bound on the rows below (and cheap)
+        report["plain_batch_variance"] = _plain_variance(plain, args, vocab, max_len, params)
     if args.methods:
         specs = {name: specs[name] for name in args.methods.split(",")}
     for name, spec in specs.items():  # one method's engine at a time (memory maps)
@@ -356,8 +358,6 @@ def main(argv: list[str] | None = None) -> dict:
             report["rows"] += _measure(plain, name, llm, workloads, batch, params, args.repeats)
             out.write_text(json.dumps(report, indent=1))  # so far: a run cut short keeps it
         del llm
-    if args.plain_variance:
-        report["plain_batch_variance"] = _plain_variance(plain, args, vocab, max_len, params)
     del plain
     if args.step_costs:
         report["step_ms_by_tokens"] = _step_costs(folder, engine_kw, vocab, max_len)
