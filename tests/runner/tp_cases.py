@@ -6,12 +6,12 @@ XLA_FLAGS must hold --xla_force_host_platform_device_count=8 before jax starts, 
 separate process; test_tensor_parallel.py runs it once and checks the JSON it writes:
 
     parity[family][tp]      greedy tokens, param/KV specs and local shard shapes at the family's
-                            TP_SIZES (llama at 1, 2 and 4, the others at 1 and one more);
+                            TP_SIZES (1 and one more; llama's K < tp is maps' tp 8);
                             for llama at tp 1 and 2 also "seeded": seeded sampled tokens; at
                             tp 2 (warmed up) also "compiles": step compilations in warm-up, then
                             step traces and XLA backend compiles while serving
-    builtin                 tiny-random-llama's greedy tokens on one device (tp_multihost.py's
-                            reference: its 4-device mesh over two processes must give them)
+    llama_checkpoint        the llama folder: tp_multihost.py's model (its 4-device mesh over
+                            two processes must give parity["llama"][1]'s tokens)
     orbax                   tokens and param shardings of an Orbax checkpoint restored at tp 2
     spec                    llama at tp 2 with speculative decoding, drafts from an oracle that
                             knows tp 1's tokens: greedy and seeded tokens, drafts verified and
@@ -20,7 +20,8 @@ separate process; test_tensor_parallel.py runs it once and checks the JSON it wr
                             checked against a regex and allowed ids); spec["draft_model"]:
                             the same with llama as its own draft model, sharded at tp 2
     maps                    memory maps and executables of llama warmed up at tp 8 with table
-                            widths bucketed (runner/map_budget.py), and its greedy tokens
+                            widths bucketed (runner/map_budget.py), its greedy tokens, param/KV
+                            specs and local shard shapes (K = 2 < tp: KV replicated)
     transfer                a JaxTransferConnector producer and consumer at tp 2 each, on
                             disjoint devices (tp_transfer_case.py): the pulled blocks' bits
     kernels[family][backend]  at tp 2 under shard_map, each per-device attention for llama (xla,
@@ -52,19 +53,19 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "qwen2": dict(num_key_value_heads=4, tie_word_embeddings=True),
     "qwen3": dict(num_key_value_heads=8),
 }
-# llama at tp 1, 2 and 4 (K == tp at 2, K < tp at 4; its tp 8 tokens are checked by run_maps'
-# warmed-up engine); one more for each other family, the case its K or vocabulary adds (each
-# engine costs ~12 s of compiling on 8 CPU devices):
-# mistral K < tp with a replicated vocabulary, qwen2 K == tp with tied embeddings, qwen3 K > tp.
-TP_SIZES = {"llama": (1, 2, 4), "mistral": (1, 2), "qwen2": (1, 4), "qwen3": (1, 4)}
+# llama at tp 1 and 2 (K == tp; its K < tp is run_maps' warmed-up engine at tp 8, tokens and
+# layout); one more for each other family, the case its K or vocabulary adds (each engine
+# costs a few seconds of compiling on 8 CPU devices): mistral K < tp with a replicated
+# vocabulary, qwen2 K == tp with tied embeddings, qwen3 K > tp.
+TP_SIZES = {"llama": (1, 2), "mistral": (1, 2), "qwen2": (1, 4), "qwen3": (1, 4)}
 COMMON = dict(num_attention_heads=8, head_dim=16)
 # run_kernels' per-device attentions under shard_map at tp 2.
 KERNEL_CASES = {"llama": ("xla", "cpu", "pallas"), "qwen3": ("pallas",)}
 ENGINE = dict(
     dtype="float32",
     # One page per sequence: one table width, so each engine compiles its step once per token
-    # bucket (4, 8, 16), or twice (greedy and sampled); the 19 prompt tokens of a batch still
-    # take two steps (chunked).
+    # bucket, or twice (greedy and sampled); the 18 prompt tokens of a batch still take two
+    # steps (chunked: PROMPT_LENS).
     block_size=16,
     num_kv_blocks=8,
     max_num_seqs=4,
@@ -74,9 +75,23 @@ ENGINE = dict(
 )
 
 
+# A batch's prompts take two steps at 16 tokens a step: 16 tokens (the last prompt chunked),
+# then its last 2 beside 2 decodes, so every later step decodes 3 rows (token bucket 4). That
+# prompt starts decoding a step after the others: with one token fewer it ends with them, and
+# no 1-row tail step compiles buckets of its own (an engine's greedy run compiles 4 step
+# executables instead of 8: 16 and 4 tokens, each forward and sample).
+PROMPT_LENS = (9, 3, 6)
+MAX_TOKENS = (6, 6, 5)
+
+
 def _prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(n)] for n in (9, 3, 7)]
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in PROMPT_LENS]
+
+
+def greedy_params() -> list[SamplingParams]:
+    """One per prompt of _prompts (MAX_TOKENS)."""
+    return [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
 
 
 def _spec(x: jax.Array) -> list[Any]:
@@ -105,16 +120,16 @@ def _layout(llm: LLM) -> dict[str, Any]:
 
 
 def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    outs = llm.generate(prompts, greedy_params(), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
 
 
 def _seeded(llm: LLM) -> list[list[int]]:
     params = [
         SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=6, ignore_eos=True),
         SamplingParams(temperature=1.2, top_k=20, seed=8, max_tokens=6, ignore_eos=True),
-        SamplingParams(temperature=0.7, min_p=0.05, seed=9, max_tokens=6, ignore_eos=True),
-    ]
+        SamplingParams(temperature=0.7, min_p=0.05, seed=9, max_tokens=5, ignore_eos=True),
+    ]  # MAX_TOKENS
     outs = llm.generate(_prompts(512, seed=1), params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
 
@@ -203,16 +218,16 @@ def run_parity(work: pathlib.Path) -> dict[str, Any]:
 
 
 def _hf_greedy(folder: pathlib.Path, prompts: list[list[int]]) -> list[dict[str, list]]:
-    """transformers' greedy tokens (6 per prompt) with the top-2 logit margin at each step."""
+    """transformers' greedy tokens (MAX_TOKENS) with the top-2 logit margin at each step."""
     import torch
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     out = []
     with torch.no_grad():
-        for prompt in prompts:
+        for prompt, max_tokens in zip(prompts, MAX_TOKENS, strict=True):
             ids, tokens, margins = list(prompt), [], []
-            for _ in range(6):
+            for _ in range(max_tokens):
                 top2 = torch.topk(model(torch.tensor([ids])).logits[0, -1], 2)
                 tokens.append(int(top2.indices[0]))
                 margins.append(float(top2.values[0] - top2.values[1]))
@@ -315,14 +330,9 @@ def run_kernels(work: pathlib.Path) -> dict[str, Any]:
 
 
 def multihost_prompts() -> list[list[int]]:
-    """The prompts of tp_multihost.py, for the built-in tiny-random-llama (V = 1024)."""
-    return _prompts(1024, seed=3)
-
-
-def run_builtin() -> list[list[int]]:
-    """tiny-random-llama's greedy tokens on one device: what the two processes of
-    tp_multihost.py (2 devices each, one 4-device mesh) must reproduce."""
-    return _greedy(LLM("tiny-random-llama", **ENGINE), multihost_prompts())
+    """The prompts of tp_multihost.py: parity["llama"]'s, so its tp 1 tokens are the reference
+    that the two processes (2 devices each, one 4-device mesh) must reproduce."""
+    return _prompts(512)
 
 
 def run_orbax(work: pathlib.Path) -> dict[str, Any]:
@@ -372,8 +382,8 @@ MAPS_ENGINE = {
 
 
 def run_maps(work: pathlib.Path) -> dict[str, Any]:
-    """Memory maps, executables and greedy tokens of a warmed-up engine at tp 8 (issue 29,
-    item 18: tp 4 with warm-up died of too many maps; tp 8 holds more)."""
+    """Memory maps, executables, greedy tokens and layout of a warmed-up engine at tp 8 (issue
+    29, item 18: tp 4 with warm-up died of too many maps; tp 8 holds more)."""
     before = _num_maps()
     llm = LLM(str(work / "llama"), tensor_parallel_size=8, **MAPS_ENGINE)
     stats = llm.get_stats()
@@ -384,6 +394,7 @@ def run_maps(work: pathlib.Path) -> dict[str, Any]:
         "attention": stats["plan"]["attention"],
         "width_buckets": list(llm.engine.runner.buckets.width_buckets),
         "tokens": _greedy(llm, _prompts(512)),
+        "layout": _layout(llm),
     }
 
 
@@ -399,7 +410,7 @@ def main() -> None:
         "parity": parity,
         "spec": run_spec(work, parity),
         "kernels": run_kernels(work),
-        "builtin": run_builtin(),
+        "llama_checkpoint": str(work / "llama"),
         "orbax": run_orbax(work),
         "fp8_calibration": run_fp8_calibration(work),
         "maps": run_maps(work),
