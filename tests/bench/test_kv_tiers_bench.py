@@ -52,14 +52,17 @@ def test_host_tier_and_preemption_workloads_on_tiny_sizes() -> None:
     parts only (same outputs everywhere, the tier serves prefix hits, swaps happen)."""
     from _kv_tier_workloads import host_tier_workload, preemption_workload
 
+    # Steps of 32 tokens: fewer buckets to compile in each of the six engines than 64 (the
+    # 64-token first turns still take two chunks).
     host = host_tier_workload(
         num_conversations=3, num_turns=2, first_turn_tokens=64, turn_tokens=16,
-        output_tokens=4, max_num_batched_tokens=64, warmup=False,
+        output_tokens=4, max_num_batched_tokens=32, warmup=False,
     )  # fmt: skip
     assert host["same_outputs"]
     assert host["with"]["prefix_hit_rate"] > host["without"]["prefix_hit_rate"]
+    # 16 output tokens, not 48: still 3x the pool, so every mode preempts (swap and auto swap).
     swap = preemption_workload(
-        num_requests=8, prompt_tokens=32, output_tokens=48, max_num_batched_tokens=64, warmup=False
+        num_requests=8, prompt_tokens=32, output_tokens=16, max_num_batched_tokens=32, warmup=False
     )
     assert swap["same_outputs"] and "auto_vs_best_fixed" in swap
     assert swap["swap"]["num_preemptions"] > 0 and swap["swap"]["num_swap_preemptions"] > 0

@@ -11,6 +11,11 @@ import pytest
 from jaxserve import LLM, SamplingParams
 
 ENGINE = dict(block_size=8, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
+# The whole module on one xdist worker, in the group tests/conftest.py gives the users of the
+# module-scoped ``llm``: the speculative engine, of the same fields, then loads the steps it
+# shares with ``llm`` from the session's compilation cache instead of compiling them on the
+# other worker at the same time.
+pytestmark = pytest.mark.xdist_group("module:tests/engine/test_job_warmup.py")
 
 
 @pytest.fixture(scope="module")

@@ -52,10 +52,10 @@ def _records(path) -> dict:
     }
 
 
-def _run_batch_args(tmp_path, inp, out) -> list[str]:
-    cache = tmp_path / "xla"  # shared by the runs of a test: the later ones load, not compile
-    return ["run-batch", "-i", str(inp), "-o", str(out), "--no-progress", *ENGINE,
-            "--compilation-cache-dir", str(cache)]  # fmt: skip
+def _run_batch_args(inp, out, engine=ENGINE) -> list[str]:
+    """The runs use the session's compilation cache (tests/conftest.py; the processes a test
+    starts inherit it): a later run of a configuration loads its steps, not compiles them."""
+    return ["run-batch", "-i", str(inp), "-o", str(out), "--no-progress", *engine]
 
 
 @pytest.mark.slow
@@ -84,7 +84,7 @@ def test_every_line_is_answered_and_a_rerun_has_nothing_to_do(tmp_path, capsys):
             _completion("bad-schema", "x", response_format=BAD_SCHEMA),
         ],
     )  # fmt: skip
-    assert cli.main(_run_batch_args(tmp_path, inp, out)) == 0
+    assert cli.main(_run_batch_args(inp, out)) == 0
     records = _records(out)
     assert len(_results(out)) == len(records) == 13
     ok = {k: r for k, r in records.items() if r["response"] and r["response"]["status_code"] == 200}
@@ -109,20 +109,28 @@ def test_every_line_is_answered_and_a_rerun_has_nothing_to_do(tmp_path, capsys):
     # The greedy text is what LLM.generate gives (the same engine, the same handlers' params).
     from jaxserve import LLM, SamplingParams
 
-    llm = LLM(MODEL, warmup=False, max_model_len=128, num_kv_blocks=96, block_size=8)
+    llm = LLM(
+        MODEL,
+        warmup=False,
+        max_model_len=128,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        num_kv_blocks=96,
+        block_size=8,
+    )  # ENGINE's: it loads the steps run-batch compiled
     (expected,) = llm.generate(
         "The quick brown fox", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False
     )
     assert ok["text"]["response"]["body"]["choices"][0]["text"] == expected.outputs[0].text
     capsys.readouterr()
-    assert cli.main(_run_batch_args(tmp_path, inp, out)) == 0
+    assert cli.main(_run_batch_args(inp, out)) == 0
     assert "nothing to do: all 13 requests" in capsys.readouterr().out
 
 
 def test_a_repeated_custom_id_is_refused_before_anything_runs(tmp_path, capsys):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write(inp, [_completion("a", "x"), _completion("b", "y"), _completion("a", "z")])
-    assert cli.main(_run_batch_args(tmp_path, inp, out)) == 2
+    assert cli.main(_run_batch_args(inp, out)) == 2
     assert "in.jsonl:3: custom_id 'a' repeats line 1" in capsys.readouterr().err
     assert not out.exists()
 
@@ -132,7 +140,7 @@ def test_a_job_killed_twice_ends_with_every_line_once(tmp_path):
     """200 lines; SIGKILL at 2 random moments, each time resumed; then compared with an
     uninterrupted run of the same job. Two kills take the paths that matter: a kill mid-write,
     a resume, a kill of a resumed run, a final resume (each further kill is one more process
-    start, about 8 s of the suite, for the same paths)."""
+    start for the same paths)."""
     rng = random.Random(0)
     inp = tmp_path / "in.jsonl"
     prompts = [[rng.randrange(3, 1000) for _ in range(rng.randrange(4, 40))] for _ in range(200)]
@@ -140,21 +148,25 @@ def test_a_job_killed_twice_ends_with_every_line_once(tmp_path):
         inp,
         [_completion(f"r{i}", p, max_tokens=rng.randrange(2, 12)) for i, p in enumerate(prompts)],
     )
-    command = [sys.executable, "-m", "jaxserve.cli"]
-    # The runs share a compilation cache, as resumed runs of a job do by default (the suite
-    # turns the cache off elsewhere, to count compilations).
-    env = dict(
-        os.environ, JAX_PLATFORMS="cpu", JAXSERVE_COMPILATION_CACHE_DIR=str(tmp_path / "xla")
-    )
+    # Fewer shapes than ENGINE's (T <= 16, 8 blocks a row): fewer steps to compile, and to trace
+    # in each process; the longest request (39 + 11 tokens) still takes several prefill chunks.
+    engine = list(ENGINE)
+    engine[engine.index("--max-model-len") + 1] = "64"
+    engine[engine.index("--max-num-batched-tokens") + 1] = "16"
+
+    def args(out) -> list[str]:  # the runs share a compilation cache, as a job's do by default
+        return _run_batch_args(inp, out, engine)
+
     reference = tmp_path / "reference.jsonl"  # in this process: no interpreter to start
-    assert cli.main(_run_batch_args(tmp_path, inp, reference)) == 0
+    assert cli.main(args(reference)) == 0
     out = tmp_path / "out.jsonl"
+    command = [sys.executable, "-m", "jaxserve.cli", *args(out)]
     kills = 0
     deadline = time.monotonic() + 600
     while kills < 2 and time.monotonic() < deadline:
         before = len(out.read_text().splitlines()) if out.exists() else 0
         target = before + rng.randrange(1, 30)  # kill once this many lines are out, or so
-        proc = subprocess.Popen([*command, *_run_batch_args(tmp_path, inp, out)], env=env,
+        proc = subprocess.Popen(command, env=dict(os.environ, JAX_PLATFORMS="cpu"),
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
         try:
             while proc.poll() is None and time.monotonic() < deadline:
@@ -169,8 +181,8 @@ def test_a_job_killed_twice_ends_with_every_line_once(tmp_path):
         if proc.returncode == 0:
             break  # it finished before the kill came
     assert kills == 2
-    subprocess.run([*command, *_run_batch_args(tmp_path, inp, out)], env=env, check=True,
-                   capture_output=True, timeout=600)  # fmt: skip
+    assert len(out.read_text().splitlines()) <= 200  # header and records: lines are left
+    assert cli.main(args(out)) == 0  # the final resume, in this process
     ids = [r["custom_id"] for r in _results(out)]
     assert len(ids) == 200 and sorted(ids) == sorted(f"r{i}" for i in range(200))
 
@@ -197,7 +209,7 @@ def test_speculative_decoding_does_not_change_a_batch_job(tmp_path):
     bodies = []
     for name, extra in (("plain", []), ("spec", ["--speculative-config", spec])):
         out = tmp_path / f"{name}.jsonl"
-        assert cli.main([*_run_batch_args(tmp_path, inp, out), *extra]) == 0
+        assert cli.main([*_run_batch_args(inp, out), *extra]) == 0
         records = _records(out)
         assert {r["response"]["status_code"] for r in records.values()} == {200}
         bodies.append({k: r["response"]["body"] for k, r in records.items()})
@@ -235,7 +247,7 @@ def test_a_batch_job_warms_up_only_its_own_shapes(tmp_path, monkeypatch):
         {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions", "body": chat},
         _completion("bad", "x", temperature=-1),
     ])  # fmt: skip
-    args = [a for a in _run_batch_args(tmp_path, inp, out) if a != "--no-warmup"]
+    args = [a for a in _run_batch_args(inp, out) if a != "--no-warmup"]
     assert cli.main(args) == 0
     ((stats, runner),) = seen
     assert stats["recompilations"] == []

@@ -13,6 +13,7 @@ import pytest
 from jaxserve import LLMEngine, SamplingParams
 from jaxserve.runner.compile_cache import CompileEvents
 from jaxserve.runner.input_batch import PreparedBatch
+from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.step_compiles import Compilation, StepCompiles, compile_concurrently
 from jaxserve.sampling_params import MAX_BANNED_STOP_TOKEN_IDS
 
@@ -29,50 +30,29 @@ def _expected_compilations(engine: LLMEngine) -> int:
 
 
 @pytest.mark.slow
-def test_warmup_is_on_by_default():
+def test_warmup_is_on_by_default_and_runs_each_step_once_writing_only_the_null_block(
+    monkeypatch,
+):
+    """The default engine warms up at construction: every step of its set compiled, each run
+    once, on rows that attend over the null block only (one engine for both: a whole warm-up
+    of this engine is most of a test's time)."""
+    ran, widths = [], []
+    real_run = ModelRunner.run_prepared
+
+    def run(self, batch, md, *a):
+        ran.append(batch)
+        widths.append(
+            (len(batch.draft_ids), md.penalty_token_ids.shape[1], md.banned_token_ids.shape[1])
+        )
+        return real_run(self, batch, md, *a)
+
+    monkeypatch.setattr(ModelRunner, "run_prepared", run)
     engine = LLMEngine("tiny-random-llama", **ENGINE)
     stats = engine.get_stats()
     compiled = stats["num_compilations"] + stats["num_compilation_cache_hits"]
     assert compiled == _expected_compilations(engine)
     assert all(c.warmed_up for c in engine.runner.step_compiles())
-    cold = LLMEngine("tiny-random-llama", warmup=False, **ENGINE)
-    assert cold.get_stats()["num_compilations"] == 0
-    assert not cold.runner.forward_compiles.warmed_up
-
-
-@pytest.mark.slow
-def test_concurrent_warmup_compiles_each_shape_once_and_the_engine_reuses_them():
-    engine = LLMEngine("tiny-random-llama", warmup=False, **ENGINE)
     runner = engine.runner
-    assert runner.warmup(workers=3) == _expected_compilations(engine)
-    # Compiled in the threads, then run by the calls without tracing or compiling again.
-    assert runner.warmup(workers=3) == 0
-    before = runner.num_compilations + runner.num_compilation_cache_hits
-    engine.add_request("a", [5, 6, 7, 8, 9], SamplingParams(max_tokens=6, logprobs=2, n=2))
-    engine.add_request("b", list(range(3, 30)), SamplingParams(presence_penalty=0.5, max_tokens=4))
-    while engine.has_unfinished_requests():
-        engine.step()
-    stats = engine.get_stats()
-    assert runner.num_compilations + runner.num_compilation_cache_hits == before
-    assert stats["recompilations"] == []
-
-
-@pytest.mark.slow
-def test_warmup_runs_each_step_once_writing_only_the_null_block(monkeypatch):
-    engine = LLMEngine("tiny-random-llama", warmup=False, **ENGINE)
-    runner = engine.runner
-    ran, widths = [], []
-    real_run = runner.run_prepared
-
-    def run(batch, md, *a):
-        ran.append(batch)
-        widths.append(
-            (len(batch.draft_ids), md.penalty_token_ids.shape[1], md.banned_token_ids.shape[1])
-        )
-        return real_run(batch, md, *a)
-
-    monkeypatch.setattr(runner, "run_prepared", run)
-    runner.warmup()
     shapes = runner.buckets.all_shapes()
     # Every forward shape and every (R, sampler variant) ran, each step running a new one
     # (fused: every (shape, sampler variant), each once).
@@ -101,6 +81,27 @@ def test_warmup_runs_each_step_once_writing_only_the_null_block(monkeypatch):
         for pages in (np.asarray(k_pages), np.asarray(v_pages)):
             assert not pages[:, 1:].any()
             assert pages[:, 0].any()  # the padding tokens' K and V went there
+    monkeypatch.undo()
+    cold = LLMEngine("tiny-random-llama", warmup=False, **ENGINE)
+    assert cold.get_stats()["num_compilations"] == 0
+    assert not cold.runner.forward_compiles.warmed_up
+
+
+@pytest.mark.slow
+def test_concurrent_warmup_compiles_each_shape_once_and_the_engine_reuses_them():
+    engine = LLMEngine("tiny-random-llama", warmup=False, **ENGINE)
+    runner = engine.runner
+    assert runner.warmup(workers=3) == _expected_compilations(engine)
+    # Compiled in the threads, then run by the calls without tracing or compiling again.
+    assert runner.warmup(workers=3) == 0
+    before = runner.num_compilations + runner.num_compilation_cache_hits
+    engine.add_request("a", [5, 6, 7, 8, 9], SamplingParams(max_tokens=6, logprobs=2, n=2))
+    engine.add_request("b", list(range(3, 30)), SamplingParams(presence_penalty=0.5, max_tokens=4))
+    while engine.has_unfinished_requests():
+        engine.step()
+    stats = engine.get_stats()
+    assert runner.num_compilations + runner.num_compilation_cache_hits == before
+    assert stats["recompilations"] == []
 
 
 @pytest.mark.parametrize(
