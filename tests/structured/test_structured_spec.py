@@ -17,6 +17,7 @@ import pytest
 from test_structured_generate import CODE, CONFIG, DIGITS, FLAG, PERSON, _tagged
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.checkpoints_tools.testing import write_tiny_hf_checkpoint
 from jaxserve.spec_decode import SpecDecoder
 from jaxserve.speculative_config import SpeculativeConfig
 
@@ -207,16 +208,21 @@ def test_preemption_with_drafts_keeps_each_matcher_in_step(plain, spec):
     assert spec.get_stats()["num_preemptions"] > before
 
 
-@pytest.mark.slow  # an engine of its own
-def test_a_draft_models_drafts_are_checked_greedy_exact_and_sampled_valid(plain):
-    """The demo model as its own draft (the module's plain engine gives the tokens without
-    speculation, its shapes the target's)."""
-    draft = {"method": "draft_model", "model": "tiny-random-llama", "num_speculative_tokens": 3,
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("spec-structured")
+    return str(write_tiny_hf_checkpoint(root / "target", "llama", num_hidden_layers=2))
+
+
+@pytest.mark.slow  # two engines of their own
+def test_a_draft_models_drafts_are_checked_greedy_exact_and_sampled_valid(target):
+    draft = {"method": "draft_model", "model": target, "num_speculative_tokens": 3,
              "policy": "always"}  # fmt: skip
+    small = {**CONFIG, "max_num_seqs": 4}
     prompts = ["Hi", "Describe a person:", "Pick one"] * 2
     greedy = _grammar_params(temperature=0.0)
-    want = _run(plain, prompts, greedy)
-    llm = LLM("tiny-random-llama", speculative_config=draft, **CONFIG)
+    want = _run(LLM(target, **small), prompts, greedy)
+    llm = LLM(target, speculative_config=draft, **small)
     assert _run(llm, prompts, greedy) == want
     stats = llm.get_stats()
     assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"] > 0
