@@ -18,6 +18,11 @@ STRESS = dict(
 )  # fmt: skip
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=20, ignore_eos=True)
+# Twice the prompts, twice as long: more than even the roomy pool holds (preemption).
+LONG = {
+    "greedy": SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+    "seeded": SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=40, ignore_eos=True),
+}
 _SHARED = [21, 22, 23, 24, 25, 26, 27, 28]
 
 
@@ -38,8 +43,9 @@ def _prompts() -> list[list[int]]:
     return randoms + [_SHARED + [1, 2], _SHARED + [3], [7, 8] * 6]
 
 
-def _run(llm: LLM, params) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params, use_tqdm=False)
+def _run(llm: LLM, params, prompts: list[list[int]] | None = None) -> list[list[int]]:
+    prompts = _prompts() if prompts is None else prompts
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert_nothing_held(llm.engine)
     return [o.outputs[0].token_ids for o in outs]
 
@@ -51,8 +57,8 @@ def _draft_config(model: str) -> dict:
 
 @pytest.fixture(scope="module")
 def roomy(models) -> LLM:
-    """The target as its own draft, with room in the pool (the fault tests reuse it: each
-    leaves it serving)."""
+    """The target as its own draft, with room in the pool for _prompts() (LONG's load
+    overfills it; the fault tests reuse it: each leaves it serving)."""
     return LLM(models[0], speculative_config=_draft_config(models[0]),
                **{**STRESS, "num_kv_blocks": 40})  # fmt: skip
 
@@ -60,10 +66,13 @@ def roomy(models) -> LLM:
 @pytest.fixture(scope="module")
 def reference(models):
     plain = LLM(models[0], **STRESS)
-    return {"greedy": _run(plain, GREEDY), "seeded": _run(plain, SEEDED)}
+    out = {"greedy": _run(plain, GREEDY), "seeded": _run(plain, SEEDED)}
+    for name, params in LONG.items():
+        out[f"{name} long"] = _run(plain, params, _prompts() * 2)
+    return out
 
 
-def test_the_target_as_its_own_draft_is_always_right(models, roomy, reference):
+def test_the_target_as_its_own_draft_is_always_right(roomy, reference):
     # With room in the pool every draft is right: k + 1 tokens a step wherever the budget and
     # the length limits allow k drafts.
     before = roomy.get_stats()
@@ -73,12 +82,16 @@ def test_the_target_as_its_own_draft_is_always_right(models, roomy, reference):
         for key in ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
     )
     assert accepted == drafts > 0
-    # A tight pool preempts, and drops lookahead slots (some drafts then miss): same tokens.
-    tight = LLM(models[0], speculative_config=_draft_config(models[0]), **STRESS)
-    assert _run(tight, GREEDY) == reference["greedy"]
-    assert _run(tight, SEEDED) == reference["seeded"]
-    stats = tight.get_stats()
-    assert stats["num_preemptions"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
+    # More than the pool holds preempts, and drops lookahead slots (some drafts then miss):
+    # same tokens. (The same engine: a smaller pool would compile every step again.)
+    before = roomy.get_stats()
+    for name, params in LONG.items():
+        assert _run(roomy, params, _prompts() * 2) == reference[f"{name} long"]
+    preempted, accepted = (
+        roomy.get_stats()[key] - before[key]
+        for key in ("num_preemptions", "spec_decode_num_accepted_tokens")
+    )
+    assert preempted > 0 and accepted > 0
 
 
 def test_a_smaller_draft_changes_no_token(models, reference):
@@ -118,8 +131,9 @@ def test_nothing_compiles_after_warmup_with_a_draft_model(models):
     """A draft of other shapes than the target (one layer): its proposal and its own block
     copies are warmed up, and an unseeded random request's sampled drafts (their q buffers,
     the general-q rule) and constrained requests' drafts compile nothing more."""
+    # Budget 16 (4 rows of k + 1) and pages of 16: 24 programs to warm up instead of 26.
     engine = LLMEngine(
-        models[0], num_kv_blocks=48, block_size=8, max_num_seqs=4, max_num_batched_tokens=32,
+        models[0], num_kv_blocks=24, block_size=16, max_num_seqs=4, max_num_batched_tokens=16,
         max_model_len=64, speculative_config=_draft_config(models[1]),
     )  # fmt: skip
     before = engine.get_stats()

@@ -1,13 +1,13 @@
 """Tensor-parallel MoE run, as a script in a fresh process with 4 simulated CPU devices.
 
-    python tests/models/moe_tp_cases.py WORK_DIR RESULTS.json
+    python tests/models/moe_tp_cases.py CHECKPOINT RESULTS.json
 
 XLA_FLAGS must hold --xla_force_host_platform_device_count=4 before jax starts, hence a
-separate process; test_moe.py runs it and checks the JSON it writes: for tp 1, 2 and 4, the
-greedy tokens of a tiny Mixtral (4 experts, top-2, expert F = 32) and the spec and device 0's
-shard shape of layer 0's experts_gate, experts_down and router; and under "int8" the same
-model quantized to int8 on load, one prefill's logits at tp 2 against tp 1 and its experts'
-scales' layout.
+separate process; test_moe.py writes the checkpoint (transformers and torch are imported there,
+not here), runs this and checks the JSON it writes: for tp 1, 2 and 4, the greedy tokens of a
+tiny Mixtral (4 experts, top-2, expert F = 32) and the spec and device 0's shard shape of layer
+0's experts_gate, experts_down and router; and under "int8" the same model quantized to int8 on
+load, one prefill's logits at tp 2 against tp 1 and its experts' scales' layout.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.checkpoints_tools import load_hf_checkpoint
-from jaxserve.checkpoints_tools.testing import write_tiny_hf_checkpoint
 from jaxserve.models import AttentionMetadata, get_model
 from jaxserve.models.causal_lm import TP_AXIS
 
@@ -85,8 +84,7 @@ def _quantized_tp(folder: pathlib.Path, seq: list[int]) -> dict[str, object]:
     }
 
 
-def main(work: pathlib.Path, out: pathlib.Path) -> None:
-    folder = write_tiny_hf_checkpoint(work / "mixtral", "mixtral", with_tokenizer=False)
+def main(folder: pathlib.Path, out: pathlib.Path) -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (9, 3, 7)]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -99,7 +97,7 @@ def main(work: pathlib.Path, out: pathlib.Path) -> None:
             block_size=16,
             num_kv_blocks=8,
             max_num_seqs=4,
-            max_num_batched_tokens=16,
+            max_num_batched_tokens=24,  # the 19 prompt tokens in one step: 2 step shapes
             max_model_len=16,
             warmup=False,
         )

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxserve.checkpoints_tools.testing import write_tiny_hf_checkpoint
 from jaxserve.models import ModelArchConfig
 from jaxserve.models.moe import GROUPED_IMPLS, MoE, grouped_swiglu, route, tile_rows
 from jaxserve.runner.xla_flags import CPU_YNN_FUSION_FLAG
@@ -129,6 +130,7 @@ def test_tensor_parallel_moe_tokens_match_one_device(tmp_path):
     """tp 1, 2, 4 on simulated CPU devices: the experts' F axis sharded, the router replicated,
     the same greedy tokens; int8 experts' logits at tp 2 as at tp 1, scales sharded with F."""
     pytest.importorskip("torch")  # the checkpoint is written with transformers
+    folder = write_tiny_hf_checkpoint(tmp_path / "mixtral", "mixtral", with_tokenizer=False)
     env = dict(os.environ)
     flags = " ".join(f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f)
     env["XLA_FLAGS"] = f"{flags} {CPU_YNN_FUSION_FLAG} --xla_force_host_platform_device_count=4"
@@ -136,7 +138,7 @@ def test_tensor_parallel_moe_tokens_match_one_device(tmp_path):
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     out = tmp_path / "results.json"
     proc = subprocess.run(
-        [sys.executable, str(HERE / "moe_tp_cases.py"), str(tmp_path), str(out)],
+        [sys.executable, str(HERE / "moe_tp_cases.py"), str(folder), str(out)],
         env=env,
         capture_output=True,
         text=True,
