@@ -15,10 +15,19 @@ import pytest
 
 from jaxserve import cli
 
-ENGINE = [
-    "--no-warmup", "--max-model-len", "128", "--max-num-seqs", "8",
-    "--max-num-batched-tokens", "64", "--num-kv-blocks", "96", "--block-size", "8",
-]  # fmt: skip
+ENGINE_KW = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64,
+                 num_kv_blocks=96, block_size=8)  # fmt: skip
+
+
+def _flags(**engine) -> list[str]:
+    """run-batch's engine flags for LLM arguments ``engine`` (no warm-up)."""
+    return [
+        "--no-warmup",
+        *(a for k, v in engine.items() for a in (f"--{k.replace('_', '-')}", str(v))),
+    ]
+
+
+ENGINE = _flags(**ENGINE_KW)
 MODEL = "tiny-random-llama"
 
 
@@ -109,15 +118,7 @@ def test_every_line_is_answered_and_a_rerun_has_nothing_to_do(tmp_path, capsys):
     # The greedy text is what LLM.generate gives (the same engine, the same handlers' params).
     from jaxserve import LLM, SamplingParams
 
-    llm = LLM(
-        MODEL,
-        warmup=False,
-        max_model_len=128,
-        max_num_seqs=8,
-        max_num_batched_tokens=64,
-        num_kv_blocks=96,
-        block_size=8,
-    )  # ENGINE's: it loads the steps run-batch compiled
+    llm = LLM(MODEL, warmup=False, **ENGINE_KW)  # ENGINE's: it loads the steps run-batch compiled
     (expected,) = llm.generate(
         "The quick brown fox", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False
     )
@@ -150,9 +151,7 @@ def test_a_job_killed_twice_ends_with_every_line_once(tmp_path):
     )
     # Fewer shapes than ENGINE's (T <= 16, 8 blocks a row): fewer steps to compile, and to trace
     # in each process; the longest request (39 + 11 tokens) still takes several prefill chunks.
-    engine = list(ENGINE)
-    engine[engine.index("--max-model-len") + 1] = "64"
-    engine[engine.index("--max-num-batched-tokens") + 1] = "16"
+    engine = _flags(**{**ENGINE_KW, "max_model_len": 64, "max_num_batched_tokens": 16})
 
     def args(out) -> list[str]:  # the runs share a compilation cache, as a job's do by default
         return _run_batch_args(inp, out, engine)
