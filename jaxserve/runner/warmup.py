@@ -101,6 +101,9 @@ def warm_up(runner: ModelRunner, what: WarmupSet, workers: int) -> int:
     Returns the number of compilations this caused (fresh or loaded from the cache);
     compilations outside warm-up are explained in the log (step_compiles.py).
     """
+    not_run = _not_run_fused if runner.fused_compiles is not None else _not_run
+    if runner.warmed and not any(not_run(set(runner.warmed), what)):
+        return 0  # every step and block copy of ``what`` ran before (so compiled): nothing new
     before = runner.num_compilations + runner.num_compilation_cache_hits
     compile_set(runner, what, workers)
     run_set(runner, what)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLMEngine, SamplingParams
+from jaxserve.runner import warmup
 from jaxserve.runner.compile_cache import CompileEvents
 from jaxserve.runner.input_batch import PreparedBatch
 from jaxserve.runner.model_runner import ModelRunner
@@ -88,12 +89,16 @@ def test_warmup_is_on_by_default_and_runs_each_step_once_writing_only_the_null_b
 
 
 @pytest.mark.slow
-def test_concurrent_warmup_compiles_each_shape_once_and_the_engine_reuses_them():
+def test_concurrent_warmup_compiles_each_shape_once_and_the_engine_reuses_them(monkeypatch):
     engine = LLMEngine("tiny-random-llama", warmup=False, **ENGINE)
     runner = engine.runner
     assert runner.warmup(workers=3) == _expected_compilations(engine)
-    # Compiled in the threads, then run by the calls without tracing or compiling again.
-    assert runner.warmup(workers=3) == 0
+    # Compiled in the threads, then run by the calls without tracing or compiling again; a
+    # warm-up whose steps all ran before returns at once (LLM.generate's per-job warm-up on a
+    # warm engine), without building a compilation.
+    with monkeypatch.context() as m:
+        m.setattr(warmup, "compilations", lambda *a: pytest.fail("compilations rebuilt"))
+        assert runner.warmup(workers=3) == 0
     before = runner.num_compilations + runner.num_compilation_cache_hits
     engine.add_request("a", [5, 6, 7, 8, 9], SamplingParams(max_tokens=6, logprobs=2, n=2))
     engine.add_request("b", list(range(3, 30)), SamplingParams(presence_penalty=0.5, max_tokens=4))
