@@ -1,7 +1,8 @@
-"""`jaxserve compile` of tiny engines with the real TPU compiler (libtpu, deviceless): a dense
-one with a host KV tier for v6e-1, one with a draft model for v5e-4 with tensor parallelism 4
-(the Mosaic kernel inside shard_map, the target's forward and the draft's), a mixture of
-experts with a sliding window and an FP8 KV cache for v6e-1.
+"""`jaxserve compile` of tiny engines with the real TPU compiler (libtpu, deviceless): a mixture
+of experts with a sliding window, an FP8 KV cache and a host KV tier for v6e-1, and a dense one
+with a draft model for v5e-4 with tensor parallelism 4 (the Mosaic kernel inside shard_map,
+the target's forward and the draft's; tests/aot/test_tpu_kernel_compile.py compiles the kernel
+on bf16 pages for v6e-1).
 Every compilation warm-up would run there compiles, the donated KV pages alias, the memory
 fits, and the report carries the plan, the memory and a roofline. One token bucket each, to
 stay fast. Skipped without libtpu (``pip install "jaxserve[tpu]"``)."""
@@ -66,18 +67,21 @@ def _check_compiled(report: dict, tp: int, draft: bool = False) -> None:
     assert report["predicted"]["decode"]["tokens_per_s"] > 0
 
 
-def test_a_tiny_engine_with_a_host_kv_tier_compiles_for_v6e_1(tmp_path, capsys) -> None:
-    """With --kv-offloading-size the tier's gather (pages -> host) and scatter (host ->
-    pages) at every padded size compile too; the scatter gives the donated pages back in
-    place, the gather donates none. With --output every executable is serialized."""
+def test_a_tiny_moe_with_fp8_kv_and_a_host_kv_tier_compiles_for_v6e_1(tmp_path, capsys):
+    """A mixture of experts with a sliding window and an FP8 KV cache. With
+    --kv-offloading-size the tier's gather (pages -> host) and scatter (host -> pages) at every
+    padded size compile too; the scatter gives the donated pages back in place, the gather
+    donates none. With --output every executable is serialized."""
     folder = tmp_path / "precompiled"
     rc, report, output = _compile(
-        tmp_path, capsys, "v6e-1", "--kv-offloading-size", "0.01", "--token-buckets", "8",
-        "--output", str(folder),
+        tmp_path, capsys, "v6e-1", "--kv-cache-dtype", "fp8", "--kv-offloading-size", "0.01",
+        "--token-buckets", "8", "--output", str(folder), config=TINY_MIXTRAL,
     )  # fmt: skip
     assert rc == 0, output
     _check_compiled(report, tp=1)
     assert report["target"]["device_kind"] == "TPU v6 lite"
+    assert report["plan"]["kv_cache_dtype"] == "float8_e4m3fn"
+    assert report["memory_plan"]["architecture"] == "MixtralForCausalLM"
     assert "verdict: OK" in output and "predicted decode (roofline)" in output
     buckets = report["buckets"]
     pool = report["memory_plan"]["num_kv_blocks"] * report["memory_plan"]["kv_bytes_per_block"]
@@ -88,25 +92,14 @@ def test_a_tiny_engine_with_a_host_kv_tier_compiles_for_v6e_1(tmp_path, capsys) 
     assert all(b["donated_bytes"] == 0 for b in to_host)
     assert all(b["donated_bytes"] == pool for b in from_host)
     assert "copy from host n=64" in output
+    # each compilation named on stderr before it starts (a fatal compiler error leaves only that)
+    announced = [line for line in output.splitlines() if line.startswith("compiling ")]
+    assert announced == [f"compiling {b['label']}" for b in buckets]
     # --output: every executable serialized, keyed for a v6e-1 (LLM(precompiled=...) there).
     manifest = json.loads((folder / "manifest.json").read_text())
     assert manifest["fields"]["backend"] == "tpu"
     assert manifest["fields"]["devices"] == "1 x TPU v6 lite"
     assert len(list(folder.glob("*.bin"))) == len(buckets)
-
-
-def test_a_tiny_moe_with_a_sliding_window_and_fp8_kv_compiles_for_v6e_1(tmp_path, capsys):
-    rc, report, output = _compile(
-        tmp_path, capsys, "v6e-1", "--kv-cache-dtype", "fp8", "--token-buckets", "8",
-        config=TINY_MIXTRAL,
-    )  # fmt: skip
-    assert rc == 0, output
-    _check_compiled(report, tp=1)
-    assert report["plan"]["kv_cache_dtype"] == "float8_e4m3fn"
-    assert report["memory_plan"]["architecture"] == "MixtralForCausalLM"
-    # each compilation named on stderr before it starts (a fatal compiler error leaves only that)
-    announced = [line for line in output.splitlines() if line.startswith("compiling ")]
-    assert announced == [f"compiling {b['label']}" for b in report["buckets"]]
 
 
 def test_a_tiny_engine_with_a_draft_model_compiles_for_v5e_4_with_tensor_parallelism(
