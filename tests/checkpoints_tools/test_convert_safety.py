@@ -125,10 +125,11 @@ hf_loader.load_hf_checkpoint = load_with_ctrl_c_in_gc
 """
 
 
+# Through `jaxserve convert` only: both entry points run the same run_convert under the same
+# guard, and the jaxlib-import test above runs each of them into the interrupted exit.
 @pytest.mark.slow
-@pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
-def test_ctrl_c_dropped_by_a_gc_callback_still_stops_the_conversion(hf_dir, tmp_path, entry):
-    proc = _wrapped(_CTRL_C_INSIDE_GC_CALLBACK, hf_dir, tmp_path / "orbax", entry)
+def test_ctrl_c_dropped_by_a_gc_callback_still_stops_the_conversion(hf_dir, tmp_path):
+    proc = _wrapped(_CTRL_C_INSIDE_GC_CALLBACK, hf_dir, tmp_path / "orbax", "jaxserve")
     # Raised inside the callback it would be dropped with "Exception ignored": the guard raises
     # it again once the callback returned (loading went on a moment), and it stopped the run.
     assert "Exception ignored" not in proc.stderr and "loading on" in proc.stderr, proc.stderr
