@@ -28,7 +28,8 @@ is trimmed after the step.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 
 from jaxserve.core.sched.output import SchedulerOutput
 from jaxserve.outputs import ModelRunnerOutput
@@ -38,7 +39,7 @@ from jaxserve.request import Request
 def cut_drafts(
     drafts: dict[str, list[int]],
     requests: dict[str, Request],
-    constrained: Iterable[str],
+    constrained: AbstractSet[str],
     sampled: Callable[[Request], bool],
 ) -> dict[str, list[int]]:
     """``drafts`` (req_id -> the next step's proposal) with each constrained request's
@@ -46,8 +47,9 @@ def cut_drafts(
     its grammar (RequestConstraints.num_draft_tokens); requests left with none are dropped.
     ``sampled(request)``: whether its drafts are sampled (never cut: module docstring)."""
     out = dict(drafts)
-    for rid in constrained:
-        proposal = drafts.get(rid)
+    for rid, proposal in drafts.items():  # the proposals, not every constrained request
+        if rid not in constrained:
+            continue
         req = requests.get(rid)
         if not proposal or req is None or req.constraints is None or sampled(req):
             continue

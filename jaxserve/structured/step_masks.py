@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 
 import numpy as np
 
@@ -19,7 +19,7 @@ logger = logging.getLogger("jaxserve")
 
 
 def with_token_masks(
-    so: SchedulerOutput, requests: dict[str, Request], constrained: Iterable[str]
+    so: SchedulerOutput, requests: dict[str, Request], constrained: AbstractSet[str]
 ) -> tuple[SchedulerOutput, dict[str, int]]:
     """``so`` with the mask of every scheduled request that has constraints and samples this
     step (its chunk reaches its last token); ``so`` itself when there is none. Also the dead
@@ -33,17 +33,19 @@ def with_token_masks(
 
 
 def sampling_constrained(
-    so: SchedulerOutput, requests: dict[str, Request], constrained: Iterable[str]
+    so: SchedulerOutput, requests: dict[str, Request], constrained: AbstractSet[str]
 ) -> list[Request]:
     """The requests of ``constrained`` that have constraints and sample in ``so``, asked
     right after it was scheduled (a step still in flight, async scheduling, counts as done:
     the request samples when this step's tokens reach its last one, placeholders included)."""
     sampling = []
-    scheduled = so.num_scheduled_tokens
-    for rid in constrained:
-        num = scheduled.get(rid)
+    # The step's requests (at most max_num_seqs), not every constrained one: a long queue of
+    # constrained requests costs a step nothing. The scheduler's order: deterministic rows.
+    for rid in so.num_scheduled_tokens:
+        if rid not in constrained:
+            continue
         req = requests.get(rid)
-        if num is None or req is None or req.constraints is None:
+        if req is None or req.constraints is None:
             continue
         # The scheduler counted this step's sample among the placeholders (step_batch.py).
         end = req.num_computed_tokens + req.num_inflight_tokens

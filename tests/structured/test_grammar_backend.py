@@ -243,13 +243,47 @@ def test_a_dead_end_after_a_draft_ends_the_request_only_when_its_row_is_reached(
                           num_inflight_tokens=2, num_output_placeholders=1,
                           is_finished=False)  # fmt: skip
     so = SchedulerOutput(num_scheduled_tokens={"r": 2}, scheduled_spec_decode_tokens={"r": [a]})
-    so, dead_ends = with_token_masks(so, {"r": req}, ["r"])
+    so, dead_ends = with_token_masks(so, {"r": req}, {"r"})
     rows = so.token_masks["r"]
     assert rows.shape == (2, words) and dead_ends == {"r": 1}
     assert list(_allowed(rows[0])) == [a] and list(_allowed(rows[1])) == [EOS]
     emitted = [EngineCoreOutput("r", [b])], [EngineCoreOutput("r", [a, EOS])]
     assert dead_ends_reached(emitted[0], dead_ends) == []  # the draft was rejected
     assert dead_ends_reached(emitted[1], dead_ends) == ["r"]
+
+
+class _MembershipOnly(frozenset):
+    """A set of constrained ids that may be asked about one id, not walked."""
+
+    def __iter__(self):
+        raise AssertionError("walked every constrained request")
+
+
+def test_a_steps_masks_look_at_its_scheduled_requests_not_every_constrained_one():
+    """A step's constrained rows come from the requests it scheduled (at most max_num_seqs),
+    in the scheduler's order: a queue of constrained requests costs each step nothing."""
+    from types import SimpleNamespace
+
+    from jaxserve.core.sched.output import SchedulerOutput
+    from jaxserve.structured.bitmask import bitmask_words, token_bitmask
+    from jaxserve.structured.draft_checks import cut_drafts
+    from jaxserve.structured.request_constraints import ConstraintSpec
+    from jaxserve.structured.step_masks import sampling_constrained
+
+    words = bitmask_words(V)
+    spec = ConstraintSpec(None, (), words, words, token_bitmask([7, 9], V))
+    reqs = {rid: SimpleNamespace(request_id=rid, constraints=spec.new_state(),
+                                 num_computed_tokens=4, num_tokens=5, num_inflight_tokens=1,
+                                 num_output_placeholders=1, output_token_ids=[])
+            for rid in ("q1", "b", "a", "q2", "c")}  # fmt: skip
+    so = SchedulerOutput(num_scheduled_tokens={"b": 1, "c": 1, "a": 1})  # q1, q2: queued
+    every = sampling_constrained(so, reqs, _MembershipOnly(reqs))
+    assert [r.request_id for r in every] == ["b", "c", "a"]
+    some = sampling_constrained(so, reqs, _MembershipOnly({"q1", "a", "b", "q2"}))
+    assert [r.request_id for r in some] == ["b", "a"]
+    # Drafts: only the proposals are looked at; one for a banned token is cut away.
+    cut = cut_drafts({"a": [7, 8], "c": [8]}, reqs, _MembershipOnly({"a"}), lambda r: False)
+    assert cut == {"a": [7], "c": [8]}
 
 
 GET = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
