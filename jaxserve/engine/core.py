@@ -255,7 +255,10 @@ class EngineCore:
         if not self._constrained:
             return so, {}, []
         requests = self.scheduler.requests
-        self._constrained.intersection_update(requests)
+        # Forget the step's finished (not a walk over the queue); a sweep if any slipped past.
+        self._constrained.difference_update(so.finished_req_ids)
+        if len(self._constrained) > len(requests):
+            self._constrained.intersection_update(requests)
         if masks_later:
             return so, {}, sampling_constrained(so, requests, self._constrained)
         return *with_token_masks(so, requests, self._constrained), []

@@ -257,3 +257,34 @@ def test_bad_constraints_fail_before_anything_is_queued(llm, params, match):
     assert not llm.engine.has_unfinished_requests()
     stats = llm.get_stats()
     assert stats["num_free_kv_blocks"] == stats["num_usable_kv_blocks"]
+
+
+def test_the_engine_forgets_each_constrained_request_as_it_ends_while_others_run(llm, monkeypatch):
+    """The engine core's set of constrained ids drops a request when it finishes or is
+    aborted (the step's finished ids), not by a walk over the queue each step: with an
+    unconstrained request still running, the set empties as the constrained ones end."""
+
+    class NoSweep(set):
+        def intersection_update(self, *others):
+            raise AssertionError("swept the constrained ids against every request")
+
+    engine = llm.engine
+    monkeypatch.setattr(engine.core, "_constrained", NoSweep(engine.core._constrained))
+    engine.add_request("long", "Hi", SamplingParams(max_tokens=40, ignore_eos=True, **GREEDY))
+    for rid, so in (("label", {"choice": ["yes", "no"]}), ("gone", {"json": PERSON})):
+        engine.add_request(rid, "Hi", SamplingParams(max_tokens=100, structured_outputs=so))
+    engine.step()
+    engine.abort_request("gone")
+    ended: set[str] = set()
+    for _ in range(20):
+        ended |= {o.request_id for o in engine.step() if o.finished}
+        if "label" in ended:
+            break
+    for _ in range(3):  # a later schedule hands the ended ids over (async: one step late)
+        if not engine.core._constrained:
+            break
+        ended |= {o.request_id for o in engine.step() if o.finished}
+    assert "label" in ended and "long" not in ended and engine.has_unfinished_requests()
+    assert not engine.core._constrained
+    while engine.has_unfinished_requests():
+        engine.step()
