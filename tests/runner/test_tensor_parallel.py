@@ -212,27 +212,22 @@ def test_fp8_kv_scales_calibrated_under_tp_are_one_devices(results):
     assert any(s != 1.0 for layer in scales["1"] for s in layer)  # computed, not the default
 
 
-def test_two_processes_share_one_mesh(results, tmp_path):
-    """jax.distributed on 127.0.0.1, gloo collectives: two processes of 2 CPU devices each run
-    one engine over a 4-device mesh and produce the single-process tokens."""
+# jax's gloo collectives give a peer 30 s to join a communicator (not configurable): on a
+# loaded 2-core machine (this pair of processes beside another test worker's compilations) one
+# process can reach the first collective that much later than the other. Only that error is
+# retried, once; any other failure, and the tokens, fail as they are.
+GLOO_LATE_PEER = "Gloo context initialization failed: DEADLINE_EXCEEDED"
+
+
+def _run_two_processes(results: dict, out: pathlib.Path) -> list[tuple[int, str]]:
+    """Both processes of tp_multihost.py on one coordinator; (return code, log) of each."""
     port = str(_free_port())
+    script, checkpoint = str(HERE / "tp_multihost.py"), results["llama_checkpoint"]
     procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(HERE / "tp_multihost.py"),
-                str(i),
-                port,
-                str(tmp_path / f"{i}"),
-                results["llama_checkpoint"],
-            ],
-            env=_env(2),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+        subprocess.Popen([sys.executable, script, str(i), port, str(out / f"{i}"), checkpoint],
+                         env=_env(2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for i in range(2)
-    ]
+    ]  # fmt: skip
     logs = []
     try:
         for proc in procs:
@@ -240,8 +235,17 @@ def test_two_processes_share_one_mesh(results, tmp_path):
     finally:
         for proc in procs:
             proc.kill()
-    for proc, log in zip(procs, logs, strict=True):
-        assert proc.returncode == 0, log[-3000:]
+    return [(proc.returncode, log) for proc, log in zip(procs, logs, strict=True)]
+
+
+def test_two_processes_share_one_mesh(results, tmp_path):
+    """jax.distributed on 127.0.0.1, gloo collectives: two processes of 2 CPU devices each run
+    one engine over a 4-device mesh and produce the single-process tokens."""
+    runs = _run_two_processes(results, tmp_path)
+    if any(code and GLOO_LATE_PEER in log for code, log in runs):
+        runs = _run_two_processes(results, tmp_path)
+    for code, log in runs:
+        assert code == 0, log[-3000:]
     expected = results["parity"]["llama"]["1"]["tokens"]  # one device's
     for i in range(2):
         seen = json.loads((tmp_path / f"{i}").read_text())
