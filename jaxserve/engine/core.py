@@ -18,19 +18,12 @@ from jaxserve.core.sched.output import SchedulerOutput
 from jaxserve.core.sched.scheduler import Scheduler
 from jaxserve.engine.run_ahead import RunAheadPolicy
 from jaxserve.engine.runner_protocol import Runner
-from jaxserve.outputs import EngineCoreOutput, ModelRunnerOutput
+from jaxserve.outputs import EngineCoreOutput
 from jaxserve.request import Request, RequestStatus
 from jaxserve.runner.step_trace import ReadyWatch, StepTrace
 from jaxserve.spec_decode import SpecDecoder
-from jaxserve.structured.draft_checks import cut_drafts, run_lengths
-from jaxserve.structured.step_masks import (
-    advance_matchers,
-    dead_ends_reached,
-    sampling_constrained,
-    token_masks,
-    with_finish_reasons,
-    with_token_masks,
-)
+from jaxserve.structured.constrained_requests import ConstrainedRequests
+from jaxserve.structured.step_masks import token_masks
 
 if TYPE_CHECKING:
     from jaxserve.engine.background_warmup import BackgroundWarmup
@@ -95,9 +88,9 @@ class EngineCore:
         self._learned_at = 0.0
         self.run_ahead_policy = run_ahead
         self._learned_decodes = False  # the last step learned was all one-token decodes
-        # Ids of the requests with constraints queued so far, less those gone (pruned each
-        # step): an engine without any pays nothing per step for structured outputs.
-        self._constrained: set[str] = set()
+        # The requests with constraints (their masks, drafts and matchers each step): an
+        # engine without any pays nothing per step for structured outputs.
+        self.constrained = ConstrainedRequests()
         # Whether a step ahead with constrained requests runs its forward half before the
         # step before is learned (its masks built meanwhile); False: it waits for that step,
         # as before the step was split (benchmarks compare the two: bench/structured.py).
@@ -162,7 +155,7 @@ class EngineCore:
         overlap_masks is off."""
         if self.spec is not None:
             return False
-        return self.overlap_masks or (not self._constrained and not prev.so.token_masks)
+        return self.overlap_masks or (not self.constrained and not prev.so.token_masks)
 
     def _dispatch(self, masks_later: bool = False) -> _Dispatched:
         """Schedule a step and start it on the runner without waiting for the device; with
@@ -170,7 +163,9 @@ class EngineCore:
         only (_dispatch_sample starts the rest once their masks can be built)."""
         trace = StepTrace() if self.step_tracer is not None else None
         t0 = time.perf_counter()
-        so, dead_ends, later = self._schedule(masks_later)
+        so, dead_ends, later = self.constrained.schedule(
+            self.scheduler.schedule(), self.scheduler.requests, masks_later
+        )
         t1 = time.perf_counter()
         if later:
             forward = self.runner.dispatch_forward(so, trace, [r.request_id for r in later])
@@ -213,7 +208,7 @@ class EngineCore:
         self.scheduler.observe_step(step.so.total_num_scheduled_tokens, seconds)
         num_scheduled = step.so.num_scheduled_tokens
         self._learned_decodes = step.so.total_num_scheduled_tokens == len(num_scheduled) > 0
-        outputs = self._update(step.so, runner_output, step.dead_ends)
+        outputs = self.constrained.update(self.scheduler, step.so, runner_output, step.dead_ends)
         if self.spec is not None:
             self._speculate(outputs, step.scheduled_at, step.so)
         if step.trace is not None:
@@ -241,51 +236,12 @@ class EngineCore:
         spec.observe_step(sum(len(o.new_token_ids) for o in outputs),
                           now - step_start + self._proposal_s, so.num_scheduled_tokens,
                           so.scheduled_spec_decode_tokens)  # fmt: skip
-        drafts = spec.propose(sched.running)
-        if drafts and self._constrained:  # checked against their constraints
-            drafts = cut_drafts(drafts, sched.requests, self._constrained, spec.drafts_sampled)
+        # checked against their constraints
+        drafts = self.constrained.cut_drafts(
+            spec.propose(sched.running), sched.requests, spec.drafts_sampled
+        )
         sched.set_spec_tokens(drafts, spec.max_step_tokens)
         self._proposal_s = time.perf_counter() - now
-
-    def _schedule(self, masks_later: bool = False) -> tuple[SchedulerOutput, dict, list]:
-        """The scheduler's step, with the token masks of its constrained requests and their
-        dead ends (which _update ends); with ``masks_later``, without masks but with the
-        constrained requests that sample, whose masks _dispatch_sample builds."""
-        so = self.scheduler.schedule()
-        if not self._constrained:
-            return so, {}, []
-        requests = self.scheduler.requests
-        # Forget the step's finished (not a walk over the queue); a sweep if any slipped past.
-        self._constrained.difference_update(so.finished_req_ids)
-        if len(self._constrained) > len(requests):
-            self._constrained.intersection_update(requests)
-        if masks_later:
-            return so, {}, sampling_constrained(so, requests, self._constrained)
-        return *with_token_masks(so, requests, self._constrained), []
-
-    def _update(
-        self, so: SchedulerOutput, runner_output: ModelRunnerOutput, dead_ends: dict[str, int]
-    ) -> list[EngineCoreOutput]:
-        """The scheduler learns the step (a constrained request's verified run cut at its
-        grammar's end); then constrained requests' matchers advance, and a request whose
-        grammar is complete finishes ("stop"), one whose matcher rejected a token, or that
-        reached a dead end, ends ("abort", logged)."""
-        requests = self.scheduler.requests
-        if so.token_masks and so.scheduled_spec_decode_tokens:
-            runner_output = run_lengths(so, runner_output, requests, dead_ends)
-        outputs = self.scheduler.update_from_output(so, runner_output)
-        if not so.token_masks:
-            return outputs
-        complete, failed = advance_matchers(outputs, requests)
-        # a dead end's EOS: not a stop
-        failed = list(dict.fromkeys(failed + dead_ends_reached(outputs, dead_ends)))
-        complete = [rid for rid in complete if rid not in failed]
-        if complete:
-            self.scheduler.finish_requests(complete, RequestStatus.FINISHED_STOPPED)
-        if failed:
-            self.scheduler.finish_requests(failed, RequestStatus.FINISHED_ABORTED)
-        reasons = dict.fromkeys(complete, "stop") | dict.fromkeys(failed, "abort")
-        return with_finish_reasons(outputs, reasons)
 
     # ---- requests ---------------------------------------------------------------------------
     def check_prompt_length(self, num_prompt_tokens: int) -> None:
@@ -301,8 +257,7 @@ class EngineCore:
                 parent = requests[0].request_id if i else None
                 self.scheduler.add_request(req, parent_req_id=parent)
                 added.append(req.request_id)
-                if req.constraints is not None:
-                    self._constrained.add(req.request_id)
+                self.constrained.add(req)
         except BaseException:
             self.scheduler.abort_requests(added)
             raise

@@ -269,7 +269,7 @@ def test_the_engine_forgets_each_constrained_request_as_it_ends_while_others_run
             raise AssertionError("swept the constrained ids against every request")
 
     engine = llm.engine
-    monkeypatch.setattr(engine.core, "_constrained", NoSweep(engine.core._constrained))
+    monkeypatch.setattr(engine.core.constrained, "ids", NoSweep(engine.core.constrained.ids))
     engine.add_request("long", "Hi", SamplingParams(max_tokens=40, ignore_eos=True, **GREEDY))
     for rid, so in (("label", {"choice": ["yes", "no"]}), ("gone", {"json": PERSON})):
         engine.add_request(rid, "Hi", SamplingParams(max_tokens=100, structured_outputs=so))
@@ -281,10 +281,10 @@ def test_the_engine_forgets_each_constrained_request_as_it_ends_while_others_run
         if "label" in ended:
             break
     for _ in range(3):  # a later schedule hands the ended ids over (async: one step late)
-        if not engine.core._constrained:
+        if not engine.core.constrained:
             break
         ended |= {o.request_id for o in engine.step() if o.finished}
     assert "label" in ended and "long" not in ended and engine.has_unfinished_requests()
-    assert not engine.core._constrained
+    assert not engine.core.constrained
     while engine.has_unfinished_requests():
         engine.step()
