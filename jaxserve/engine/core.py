@@ -23,7 +23,7 @@ from jaxserve.request import Request, RequestStatus
 from jaxserve.runner.step_trace import ReadyWatch, StepTrace
 from jaxserve.spec_decode import SpecDecoder
 from jaxserve.structured.constrained_requests import ConstrainedRequests
-from jaxserve.structured.step_masks import token_masks
+from jaxserve.structured.step_masks import with_masks_of
 
 if TYPE_CHECKING:
     from jaxserve.engine.background_warmup import BackgroundWarmup
@@ -183,11 +183,9 @@ class EngineCore:
         """The masks of ``step``'s constrained requests, from their matchers (now past the
         step before's tokens), and its sample half started with them."""
         t0 = time.perf_counter()
-        masks, step.dead_ends = token_masks(step.masks_for, step.so)
-        if masks:
-            step.so = dataclasses.replace(step.so, token_masks=masks)
+        step.so, step.dead_ends = with_masks_of(step.so, step.masks_for)
         t1 = time.perf_counter()
-        step.handle = self.runner.dispatch_sample(step.forward, masks)
+        step.handle = self.runner.dispatch_sample(step.forward, step.so.token_masks)
         step.forward, step.masks_for = None, []
         if step.trace is not None:
             step.trace.masks_s = t1 - t0

@@ -25,11 +25,17 @@ def with_token_masks(
     step (its chunk reaches its last token); ``so`` itself when there is none. Also the dead
     ends (``token_masks``). ``constrained``: the ids of the requests that may have
     constraints (the others are not looked at)."""
-    sampling = sampling_constrained(so, requests, constrained)
-    if not sampling:
-        return so, {}
+    return with_masks_of(so, sampling_constrained(so, requests, constrained))
+
+
+def with_masks_of(
+    so: SchedulerOutput, sampling: list[Request]
+) -> tuple[SchedulerOutput, dict[str, int]]:
+    """``so`` with the masks of ``sampling`` (token_masks), and their dead ends; ``so`` itself
+    when there is none (the masks of a step dispatched before its step before was learned are
+    built this way once it is: EngineCore._dispatch_sample)."""
     masks, dead_ends = token_masks(sampling, so)
-    return dataclasses.replace(so, token_masks=masks), dead_ends
+    return (dataclasses.replace(so, token_masks=masks) if masks else so), dead_ends
 
 
 def sampling_constrained(
