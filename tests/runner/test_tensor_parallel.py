@@ -231,7 +231,11 @@ def _run_two_processes(results: dict, out: pathlib.Path) -> list[tuple[int, str]
     logs = []
     try:
         for proc in procs:
-            logs.append(proc.communicate(timeout=240)[0])
+            try:
+                logs.append(proc.communicate(timeout=240)[0])
+            except subprocess.TimeoutExpired:  # a hung process: killed, its log kept
+                proc.kill()
+                logs.append("timed out after 240 s\n" + proc.communicate()[0])
     finally:
         for proc in procs:
             proc.kill()
