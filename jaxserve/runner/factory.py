@@ -31,6 +31,8 @@ import pathlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+import jax
+
 from jaxserve.checkpoints_tools import LoadedCheckpoint, TokenizerInfo, load_checkpoint
 from jaxserve.checkpoints_tools.tokenizer import load_tokenizer
 from jaxserve.config import EngineConfig
@@ -121,9 +123,11 @@ def build_runner(
             not fit (memory_plan.MemoryPlan.check: raised before any weight is read), a
             kv_offloading_size that holds no KV block or exceeds the machine's memory
             (kv_offload.host_kv_blocks, also before any weight is read), more
-            tensor-parallel devices than there are.
+            tensor-parallel devices than there are, a background warm-up on several
+            processes (_check_processes).
     """
     apply_cpu_workarounds()  # before jax starts its backends (make_mesh lists the devices)
+    _check_processes(config)
     cache_dir = enable_compilation_cache(config.runner.compilation_cache_dir)
     logger.info("compilation cache: %s", cache_dir or "off")
     # All but the attention kernel's self-check, which the weights do not depend on: it runs
@@ -224,12 +228,36 @@ def _checked_model(config: EngineConfig, unchecked: ResolvedModel) -> ResolvedMo
     return resolved
 
 
+def _check_processes(config: EngineConfig) -> None:
+    """Refuse what several processes of one mesh cannot do: their cross-process computations
+    must come in the same order in every process, and a background warm-up runs each stage
+    between two steps at a time each process finds for itself (engine/background_warmup.py).
+
+    Raises:
+        ValueError: enable_background_warmup=True with more than one jax process.
+    """
+    processes = jax.process_count()
+    if config.runner.enable_background_warmup and processes > 1:
+        raise ValueError(
+            f"enable_background_warmup=True with {processes} jax processes: each process would "
+            "run a warm-up stage between two steps at a time of its own, and the processes of "
+            "one mesh must run the same computations in the same order; pass "
+            "enable_background_warmup=False (the whole warm-up at construction)"
+        )
+
+
 def _weights_first(resolved: ResolvedModel) -> bool:
     """Whether the weights must load before the runner is built: an FP8 KV cache (its scales
-    may come from a calibration pass over the weights: kv_attachments.kv_scales_of), or a Hub
-    model (only its config.json is here yet, not the files that name its EOS ids)."""
+    may come from a calibration pass over the weights: kv_attachments.kv_scales_of), a Hub
+    model (only its config.json is here yet, not the files that name its EOS ids), or a mesh
+    over several processes. There every process must issue its cross-process computations in
+    the same order, and the load issues them (placing each weight checks that the processes
+    hold the same value; the finiteness check reduces over the mesh): in a thread of its own,
+    beside the calling thread's, their order would be each process's own timing, and two
+    processes that disagree wait on each other's collectives until gloo or the coordination
+    service times out."""
     fp8 = resolved.plan.kv_cache_dtype.startswith("float8")
-    return fp8 or resolved.source != resolved.config.model.model
+    return fp8 or resolved.source != resolved.config.model.model or jax.process_count() > 1
 
 
 def _with_tokenizer(resolved: ResolvedModel) -> LoadedCheckpoint:

@@ -39,7 +39,10 @@ process and feed every process the same requests: each runs the same host schedu
 jitted steps line up, and `jax.devices()` lists the devices of every process in the same
 order. Host inputs are numpy arrays identical in every process, which jit places into the
 replicated sharding; outputs are fully replicated, so every process reads the sampled tokens
-from its own devices. On CPU, jax.config.update("jax_cpu_collectives_implementation", "gloo")
+from its own devices. Every process must issue its cross-process computations in the same
+order, so the engine issues them from one thread: the weights load before the runner is built
+(factory._weights_first), and a background warm-up is refused (factory._check_processes).
+On CPU, jax.config.update("jax_cpu_collectives_implementation", "gloo")
 gives the cross-process collectives (tests/runner/test_tensor_parallel.py runs two processes on
 127.0.0.1 this way).
 """

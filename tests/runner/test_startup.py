@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import threading
 import time
+import types
 
 import jax
 import numpy as np
@@ -142,6 +143,20 @@ def test_a_server_compiles_while_its_weights_load_and_generates_the_same_tokens(
     assert events == []
     assert _generate(engine) == overlapped
     assert engine.get_stats()["recompilations"] == []
+
+
+def test_processes_of_one_mesh_load_first_and_refuse_a_background_warm_up(monkeypatch):
+    """The processes of one mesh must issue their collectives in the same order: the load (it
+    issues some) runs alone, before the runner is built, and a background warm-up (a stage
+    runs at each process's own time) is refused before anything is read or allocated."""
+    events = _record_events(monkeypatch)
+    # factory's view only: the mesh itself still sees this one process
+    monkeypatch.setattr(factory, "jax", types.SimpleNamespace(process_count=lambda: 2))
+    with pytest.raises(ValueError, match="enable_background_warmup=True with 2 jax processes"):
+        LLMEngine("tiny-random-llama", warmup=True, enable_background_warmup=True, **ENGINE)
+    engine = LLMEngine("tiny-random-llama", **ENGINE)
+    assert events == []  # the sequential start-up: no load thread
+    assert len(_generate(engine)) == 2
 
 
 @pytest.mark.slow
