@@ -27,6 +27,13 @@ class Matcher(Protocol):
         in an error state for good)."""
         ...
 
+    def accept_tokens(self, token_ids: list[int]) -> str | None:
+        """Advance past a step's accepted tokens, in turn: "error" at the first one the grammar
+        rejects, "stop" once it is complete (the tokens after that one not taken), else None.
+        accept_token and is_terminated token by token, in one call: the engine's per-step
+        path, once per constrained request."""
+        ...
+
     def num_valid(self, token_ids: list[int]) -> int:
         """How many leading tokens of ``token_ids`` the grammar would accept in turn from the
         current state (the state does not change)."""

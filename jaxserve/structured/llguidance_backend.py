@@ -89,6 +89,15 @@ class LLGuidanceMatcher:
     def accept_token(self, token_id: int) -> bool:
         return self._matcher.consume_token(token_id)
 
+    def accept_tokens(self, token_ids: list[int]) -> str | None:
+        matcher = self._matcher
+        for token in token_ids:
+            if not matcher.consume_token(token):
+                return "error"
+            if matcher.is_stopped():
+                return "stop"
+        return None
+
     def num_valid(self, token_ids: list[int]) -> int:
         return self._matcher.validate_tokens(token_ids)
 

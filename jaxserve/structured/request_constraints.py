@@ -102,14 +102,7 @@ class RequestConstraints:
         "error" (with the matcher's reason logged by the caller) when it rejected a token, and
         None otherwise."""
         matcher = self.matcher
-        if matcher is None:
-            return None
-        for token in token_ids:
-            if not matcher.accept_token(token):
-                return "error"
-            if matcher.is_terminated():
-                return "stop"
-        return None
+        return None if matcher is None else matcher.accept_tokens(token_ids)
 
     # ---- speculative drafts: tried tentatively, the matcher left as it was -------------------
 
