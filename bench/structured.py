@@ -9,7 +9,9 @@ when their JSON does, the others run with ignore_eos to the length the same requ
 runs the same schedule, so the rows differ only in the constraint. Output tok/s counts
 every generated token over the run's wall time, the best of ``--repeats`` rounds over every
 row (the machine's load drifts between rows); "vs 0%" is the ratio to the unconstrained row
-of the same mode.
+of the same mode, and "rounds" the median over the rounds of that ratio within each round (the
+two rows of a round run seconds apart, under the same load: the steadier estimate on a shared
+machine, where the best rounds of two rows may come from different moments).
 A second, traced pass of each row gives the host phases per step: "masks" is the
 building of the constrained requests' masks (in "schedule" where they are built right after
 scheduling), "update" includes advancing their matchers; "cpu ms" is the CPU time of that pass
@@ -256,9 +258,16 @@ def _report(rows: list[dict], fractions: list[float], modes: list[str]) -> None:
         base = by.get((0.0, r["mode"]))
         first = by[(r["fraction_constrained"], modes[0])]
         r["vs_unconstrained"] = r["output_tok_per_s"] / base["output_tok_per_s"] if base else None
+        # Round by round: the two rows of a round ran seconds apart, under the same load.
+        r["vs_unconstrained_rounds"] = (
+            float(np.median(np.divide(base["wall_s_repeats"], r["wall_s_repeats"])))
+            if base
+            else None
+        )
         r[f"vs_{modes[0]}"] = r["output_tok_per_s"] / first["output_tok_per_s"]
         r["same_tokens"] = r["token_ids"] == first["token_ids"]
-    print(f"{'constrained':>11} {'mode':>10} {'tok/s':>9} {'vs 0%':>6} {'vs ' + modes[0]:>14} "
+    print(f"{'constrained':>11} {'mode':>10} {'tok/s':>9} {'vs 0%':>6} {'rounds':>6} "
+          f"{'vs ' + modes[0]:>14} "
           f"{'same':>5} {'valid':>7} {'sched ms':>9} {'masks ms':>9} {'update ms':>9} "
           f"{'exec ms':>8} {'device ms':>9} {'idle ms':>8} {'cpu ms':>7} {'eng cpu':>7} "
           f"{'rows':>5} {'drafts':>7} {'accepted':>8}")  # fmt: skip
@@ -266,8 +275,10 @@ def _report(rows: list[dict], fractions: list[float], modes: list[str]) -> None:
         for m in modes:
             r = by[(f, m)]
             vs0 = "" if r["vs_unconstrained"] is None else f"{r['vs_unconstrained']:.2f}"
+            rounds = r["vs_unconstrained_rounds"]
+            rounds = "" if rounds is None else f"{rounds:.2f}"
             print(
-                f"{f:>10.0%} {m:>11} {r['output_tok_per_s']:>9.1f} {vs0:>6} "
+                f"{f:>10.0%} {m:>11} {r['output_tok_per_s']:>9.1f} {vs0:>6} {rounds:>6} "
                 f"{r[f'vs_{modes[0]}']:>14.2f} {'yes' if r['same_tokens'] else 'NO':>5} "
                 f"{r['constrained_valid']:>3}/{r['constrained']:<3} "
                 f"{r['schedule_ms_per_step']:>9.3f} {r['masks_ms_per_step']:>9.3f} "

@@ -36,4 +36,11 @@ def test_demo_model_every_mode(tmp_path):
     # CPU per step, all threads (os.times: 10 ms ticks, may read 0) and the engine thread's.
     assert all(r["cpu_ms_per_step"] >= 0.0 for r in rows.values())
     assert all(r["engine_thread_cpu_ms_per_step"] > 0.0 for r in rows.values())
+    # One round: the round's ratio is the rows' ratio; 1.0 for the unconstrained row itself.
+    for m in structured.MODES:
+        plain, constrained = rows[(0.0, m)], rows[(1.0, m)]
+        assert plain["vs_unconstrained_rounds"] == 1.0
+        ratio = plain["wall_s"] / constrained["wall_s"]
+        assert constrained["vs_unconstrained_rounds"] == pytest.approx(ratio)
+        assert constrained["vs_unconstrained"] == pytest.approx(ratio)
     assert result["recompilations_after_warmup"] == []
