@@ -21,7 +21,7 @@ import structured  # noqa: E402
 def test_demo_model_every_mode(tmp_path):
     out = tmp_path / "structured.json"
     args = ["--num-requests", "3", "--max-tokens", "8", "--prompt-len", "4", "--max-num-seqs",
-            "4", "--max-num-batched-tokens", "16", "--max-model-len", "32", "--repeats", "1",
+            "4", "--max-num-batched-tokens", "4", "--max-model-len", "32", "--repeats", "1",
             "--fractions", "0,1", "--output", str(out)]  # fmt: skip
     result = structured.main(args)
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
