@@ -123,7 +123,7 @@ def test_nothing_compiles_after_warmup():
         warmup=True,
         block_size=8,
         max_num_seqs=4,
-        max_num_batched_tokens=32,
+        max_num_batched_tokens=16,  # tests/runner/test_warmup.py's ENGINE: one set of steps
         max_model_len=64,
     )
     stats = engine.get_stats()

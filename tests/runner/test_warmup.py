@@ -18,8 +18,11 @@ from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.step_compiles import Compilation, StepCompiles, compile_concurrently
 from jaxserve.sampling_params import MAX_BANNED_STOP_TOKEN_IDS
 
+# Steps of up to 16 tokens: 6 forward shapes (17 compilations) instead of 32's 8 (19); longer
+# prompts (440 and 297 tokens below) take prefill chunks. tests/engine/test_llm.py's
+# test_nothing_compiles_after_warmup builds this engine too: the session's cache compiles it once.
 ENGINE = dict(
-    num_kv_blocks=48, block_size=8, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64
+    num_kv_blocks=48, block_size=8, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64
 )
 
 
