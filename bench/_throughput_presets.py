@@ -79,7 +79,7 @@ PRESETS = {
         baselines=("static", "nocache", "hf", "vllm"),  # a second vLLM start-up: over 3 min
         output="throughput_quick.json",
     ),
-    # For tests/bench: seconds, not minutes (4 compilations: T in {16}, B in {1, 2}).
+    # For tests/bench: seconds, not minutes (4 step shapes, T in {1, 4, 6, 8}: 16 programs).
     "smoke": Preset(
         model_name="llama-smoke",
         model=dict(
@@ -96,7 +96,7 @@ PRESETS = {
             block_size=16,
             num_kv_blocks=16,
             max_num_seqs=8,
-            max_num_batched_tokens=16,
+            max_num_batched_tokens=8,  # = max_num_seqs: the fewest buckets; prompts take chunks
             max_model_len=32,
         ),
         datasets=("sharegpt", "prefix"),
