@@ -40,7 +40,7 @@ PRESETS = {
             block_size=8,
             num_kv_blocks=64,
             max_num_seqs=8,
-            max_num_batched_tokens=16,  # few step shapes: the prompts (<= 40) take chunks
+            max_num_batched_tokens=8,  # = max_num_seqs: 4 step shapes; prompts (<= 40) take chunks
             max_model_len=128,
         ),
         num_requests=12,
