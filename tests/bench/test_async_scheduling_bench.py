@@ -21,7 +21,7 @@ import async_scheduling  # noqa: E402
 def test_demo_model_one_batch(tmp_path):
     out = tmp_path / "async.json"
     args = ["--models", "demo", "--batches", "2", "--max-tokens", "4", "--prompt-len", "4",
-            "--max-num-batched-tokens", "8"]  # fmt: skip
+            "--max-num-batched-tokens", "4"]  # fmt: skip
     results = async_scheduling.main([*args, "--cache", str(tmp_path), "--output", str(out)])
     (row,) = json.loads(out.read_text())["results"]
     assert row == json.loads(json.dumps(results[0]))
