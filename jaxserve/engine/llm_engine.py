@@ -107,7 +107,9 @@ class LLMEngine:
             self.config, runner, info.num_kv_blocks, info.host_tier, policy,
             warmup=self.background_warmup,
         )  # fmt: skip
-        self.structured = StructuredOutputs(self.tokenizer, info.vocab_size, info.eos_token_ids)
+        self.structured = StructuredOutputs(
+            self.tokenizer, info.vocab_size, info.eos_token_ids, info.plan.grammar_fill_threads
+        )
         self._states: dict[str, RequestState] = {}  # user request id -> state
         self._child_of: dict[str, tuple[str, int]] = {}  # scheduler id -> (user id, index)
         self._seed_rng = np.random.default_rng(self.config.model.seed)

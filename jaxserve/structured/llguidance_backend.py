@@ -12,7 +12,6 @@ model does.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterable
 
 import llguidance
@@ -23,21 +22,6 @@ from tokenizers import Tokenizer
 from jaxserve.structured.llguidance_tags import struct_tag_grammar
 
 _JSON_DEFAULTS = {"whitespace_flexible": False}
-# The batch fill's threads: half the CPUs this process may use, at least 2 and at most 8; none
-# (rows filled one by one on the engine's thread) on a single CPU. The caller waits for the
-# pool with the GIL released, so a pool of one thread would only hand the work over; two on a
-# 2-core machine measured best there (docs/benchmarks.md, "Structured outputs": the device
-# idled 0.04-0.14 ms before a constrained step against 0.19-0.24 filled row by row, and 0.16-0.20
-# with one thread). Beyond 4 CPUs half stays with the runtime (the device's launches, a CPU
-# backend's compute, the server's threads).
-_MAX_FILL_THREADS = 8
-
-
-def fill_threads() -> int:
-    """The batch fill's thread count on this machine; 0: none (see _MAX_FILL_THREADS)."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    cpus = cpus or 1
-    return 0 if cpus < 2 else min(_MAX_FILL_THREADS, max(2, cpus // 2))
 
 
 class LLGuidanceBatchFiller:
@@ -133,6 +117,9 @@ class LLGuidanceBackend:
         vocab_size: the model's logits width V (may exceed the tokenizer's vocabulary: the
             ids past it are never allowed).
         eos_token_ids: the ids that end generation; the grammar allows them once complete.
+        fill_threads: threads of its matchers' batch fill (a step's grammar rows in one call:
+            batch_fill.py); 0: none, the rows filled one by one on the caller's thread. The
+            engine takes the execution plan's (plan.GRAMMAR_FILL_THREADS).
     """
 
     name = "llguidance"
@@ -142,6 +129,7 @@ class LLGuidanceBackend:
         tokenizer: Tokenizer,
         vocab_size: int,
         eos_token_ids: Iterable[int],
+        fill_threads: int = 0,
     ):
         n_vocab = max(vocab_size, tokenizer.get_vocab_size(with_added_tokens=True))
         eos = sorted(eos_token_ids)
@@ -149,10 +137,11 @@ class LLGuidanceBackend:
             tokenizer.to_str(), n_vocab=n_vocab, eos_token=eos or None
         )
         self.bitmask_words = (n_vocab + 31) // 32
-        # Its matchers' batch fill (step_masks: the grammars' rows of a step in one call), on
-        # a machine with the CPUs for it (fill_threads).
-        threads = fill_threads()
-        self.batch_filler = LLGuidanceBatchFiller(self.bitmask_words, threads) if threads else None
+        if fill_threads < 0:
+            raise ValueError(f"LLGuidanceBackend: fill_threads must be >= 0, got {fill_threads}")
+        self.batch_filler = None
+        if fill_threads:
+            self.batch_filler = LLGuidanceBatchFiller(self.bitmask_words, fill_threads)
         # llguidance's special tokens (every added token, "special" or not: Qwen's <tool_call>
         # too), by their text: structural-tag triggers that name one (llguidance_tags.py).
         added = tokenizer.get_added_tokens_decoder()

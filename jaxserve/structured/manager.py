@@ -28,6 +28,8 @@ class StructuredOutputs:
             checkpoints), not logit_bias or allowed_token_ids.
         vocab_size: the model's logits width V: ids must be below it.
         eos_token_ids: allowed by a grammar once it is complete.
+        fill_threads: threads of the grammar library's batch mask fill; 0: row by row on the
+            engine thread (the execution plan decides: plan.GRAMMAR_FILL_THREADS).
     """
 
     def __init__(
@@ -35,8 +37,10 @@ class StructuredOutputs:
         tokenizer: Tokenizer | None,
         vocab_size: int,
         eos_token_ids: Iterable[int],
+        fill_threads: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
+        self.fill_threads = fill_threads
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.num_words = (vocab_size + 31) // 32
@@ -52,7 +56,9 @@ class StructuredOutputs:
 
                 tokenizer = self._need_tokenizer()
                 try:
-                    backend = LLGuidanceBackend(tokenizer, self.vocab_size, self.eos_token_ids)
+                    backend = LLGuidanceBackend(
+                        tokenizer, self.vocab_size, self.eos_token_ids, self.fill_threads
+                    )
                 except Exception as e:  # the library's own error type for a tokenizer it refuses
                     raise ValueError(
                         "SamplingParams.structured_outputs: llguidance cannot use this model's "

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import re
 
 import pytest
 
-from jaxserve import LLM
+from jaxserve import LLM, SamplingParams, StructuredOutputsParams
 from jaxserve.checkpoints_tools.tiny_random import tiny_random_llama_arch
 from jaxserve.config import EngineConfig
 from jaxserve.pallas_kernels.ragged_paged_attention import cpu_rows
@@ -49,6 +51,30 @@ def test_cpu_plan():
     for key in ("platform", "device_kind", "attention", "sampler_draw", "dtype", "kv_cache_dtype"):
         assert key in d
     assert d["tensor_parallel_size"] == 1
+    assert plan.grammar_fill_threads == d["grammar_fill_threads"] == 0  # row by row on the CPU
+
+
+def test_grammar_fill_threads_are_half_the_cpus_from_two_to_eight_on_accelerators(monkeypatch):
+    for cpus, threads in ((1, 0), (2, 2), (3, 2), (4, 2), (6, 3), (16, 8), (64, 8)):
+        monkeypatch.setattr(plan_module.os, "sched_getaffinity", lambda _, n=cpus: range(n))
+        assert plan_module.grammar_fill_threads("gpu") == threads
+        assert plan_module.grammar_fill_threads("tpu") == threads
+        assert plan_module.grammar_fill_threads("cpu") == 0
+
+
+def test_the_engine_fills_grammar_masks_with_the_plans_threads(monkeypatch):
+    """The plan's count reaches the grammar library: a pool where it says so (an accelerator's
+    plan, faked here), row by row where it says 0 (the CPU's)."""
+    monkeypatch.setitem(plan_module.GRAMMAR_FILL_THREADS, "cpu", 8)
+    llm = LLM(max_model_len=64, max_num_batched_tokens=32, max_num_seqs=2)
+    assert llm.engine.info.plan.grammar_fill_threads >= 2 or len(os.sched_getaffinity(0)) < 2
+    regex = StructuredOutputsParams(regex="[ab]{4}")
+    params = SamplingParams(max_tokens=6, structured_outputs=regex)
+    out = llm.generate(["x"], params, use_tqdm=False)[0].outputs[0]
+    assert re.fullmatch("[ab]{4}", out.text)
+    spec = llm.engine.structured.check(params)
+    want = llm.engine.info.plan.grammar_fill_threads
+    assert (spec.new_state().matcher.batch_filler is not None) == (want > 0)
 
 
 def test_an_explicit_backend_that_cannot_run_lists_what_can():

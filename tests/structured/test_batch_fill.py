@@ -13,9 +13,8 @@ import pytest
 from jaxserve import SamplingParams
 from jaxserve.checkpoints_tools.tiny_random import build_tiny_tokenizer
 from jaxserve.core.sched.output import SchedulerOutput
-from jaxserve.structured import llguidance_backend
 from jaxserve.structured.batch_fill import fill_batched
-from jaxserve.structured.llguidance_backend import LLGuidanceBatchFiller
+from jaxserve.structured.llguidance_backend import LLGuidanceBackend, LLGuidanceBatchFiller
 from jaxserve.structured.manager import StructuredOutputs
 from jaxserve.structured.request_constraints import ALL_ALLOWED
 from jaxserve.structured.step_masks import token_masks
@@ -45,12 +44,6 @@ PARAMS = [
 @pytest.fixture(scope="module")
 def tokenizer():
     return build_tiny_tokenizer()
-
-
-@pytest.fixture(autouse=True)
-def two_fill_threads(monkeypatch):
-    """The batch fill on whatever CPUs the test has (it is off on one: fill_threads)."""
-    monkeypatch.setattr(llguidance_backend, "fill_threads", lambda: 2)
 
 
 def _allowed(row: np.ndarray) -> np.ndarray:
@@ -132,7 +125,7 @@ def _per_row(reqs, so) -> tuple[dict[str, np.ndarray], dict[str, int]]:
 
 @pytest.mark.parametrize("vocab_size", [1061, 960])  # wider, narrower than the tokenizer
 def test_batch_masks_are_bit_identical_to_the_per_row_masks(tokenizer, vocab_size):
-    structured = StructuredOutputs(tokenizer, vocab_size, [EOS])
+    structured = StructuredOutputs(tokenizer, vocab_size, [EOS], fill_threads=2)
     rng = np.random.default_rng(vocab_size)
     batched_rows = settled = 0
     for _ in range(12):
@@ -161,15 +154,15 @@ def test_batch_masks_are_bit_identical_to_the_per_row_masks(tokenizer, vocab_siz
     assert batched_rows > 0 and settled == 0
 
 
-def test_fill_threads_are_half_the_cpus_from_two_to_eight_and_none_on_one(monkeypatch):
-    monkeypatch.undo()
-    for cpus, threads in ((1, 0), (2, 2), (3, 2), (4, 2), (6, 3), (16, 8), (64, 8)):
-        monkeypatch.setattr(llguidance_backend.os, "sched_getaffinity", lambda _, n=cpus: range(n))
-        assert llguidance_backend.fill_threads() == threads
+def test_no_fill_threads_fill_row_by_row_and_a_negative_count_is_refused(tokenizer):
+    state = StructuredOutputs(tokenizer, 1061, [EOS]).check(SamplingParams(**PARAMS[0]))
+    assert state.new_state().matcher.batch_filler is None  # fill_threads=0, the default
+    with pytest.raises(ValueError, match="fill_threads must be >= 0, got -1"):
+        LLGuidanceBackend(tokenizer, 1061, [EOS], fill_threads=-1)
 
 
 def test_the_filler_refuses_rows_of_another_width_or_past_the_block(tokenizer):
-    structured = StructuredOutputs(tokenizer, 1061, [EOS])
+    structured = StructuredOutputs(tokenizer, 1061, [EOS], fill_threads=2)
     state = structured.check(SamplingParams(**PARAMS[1])).new_state()
     filler = state.matcher.batch_filler
     assert isinstance(filler, LLGuidanceBatchFiller)
