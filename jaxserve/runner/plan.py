@@ -18,9 +18,8 @@
     warm-up threads         compilations at once: 1 on the CPU (XLA's CPU compiler already
                             spreads one compilation over the cores: two at once measured no
                             faster on 2 cores), up to 4 on accelerators (host-side compiles)
-    grammar fill threads    the grammar masks' batch fill (structured/batch_fill.py): none on
-                            the CPU (row by row on the engine thread), half the CPUs (2-8) on
-                            accelerators (GRAMMAR_FILL_THREADS)
+    grammar fill threads    the grammar masks' batch fill (structured/batch_fill.py): half
+                            the CPUs, 2-8; none on one CPU (MAX_GRAMMAR_FILL_THREADS)
 
 Nothing below the plan asks which platform it runs on: the model gets the attention object,
 the sampler gets the draw's name, the runner reads the bucket and RoPE flags.
@@ -75,14 +74,14 @@ RUN_AHEAD = {"cpu": "measured", "gpu": "always", "tpu": "always"}
 FUSED_STEP = {"cpu": False, "gpu": False, "tpu": False}
 FUSED_STEP_ENV = "JAXSERVE_FUSED_STEP"  # "1" / "0": fused / split whatever the platform
 
-# The threads that fill a step's grammar masks in one call (structured/batch_fill.py), by
-# platform: on an accelerator half the CPUs this process may use, at least 2 and at most 8 (none
-# on a single CPU), since the device computes beside them and the engine thread only waits for
-# them. On the CPU the forward they overlap already runs on every core (XLA's own pool): a fill
-# pool only adds its hand-over and its threads' waiting. Measured on 2 cores (the demo model,
-# 100% JSON, docs/benchmarks.md "The grammar fill on the CPU"): the pool cost +13-20% of the
-# unconstrained pass's CPU against +4-15% row by row on the engine thread.
-GRAMMAR_FILL_THREADS = {"cpu": 0, "gpu": 8, "tpu": 8}
+# The threads that fill a step's grammar masks in one call (structured/batch_fill.py): half the
+# CPUs this process may use, at least 2 and at most 8; none (row by row on the engine thread) on
+# a single CPU. The engine thread waits for the pool with the GIL released, so one pool thread
+# would only hand the work over; beyond 4 CPUs half stay with the runtime (the device's launches,
+# a CPU backend's compute, the server's threads). On the CPU backend the forward that the fill
+# overlaps runs on the same cores; there, on 2 cores, the pool and row by row measured the same
+# within the noise (docs/benchmarks.md, "The grammar fill's threads on the CPU").
+MAX_GRAMMAR_FILL_THREADS = 8
 
 # Largest |kernel - reference| accepted by the self-check, per dtype (outputs are O(1)).
 _SELF_CHECK_TOLERANCE = {"float32": 2e-3, "bfloat16": 6e-2, "float16": 1e-2}
@@ -120,7 +119,7 @@ class ExecutionPlan:
     # (T, R, B) and a sample per (R, sampler variant) (FUSED_STEP).
     fused_step: bool = False
     # Threads of the grammar masks' batch fill; 0: row by row on the engine thread
-    # (GRAMMAR_FILL_THREADS).
+    # (MAX_GRAMMAR_FILL_THREADS).
     grammar_fill_threads: int = 0
 
     def as_dict(self) -> dict[str, Any]:
@@ -232,7 +231,7 @@ def make_plan(
         async_scheduling=_async_scheduling(config.scheduler.async_scheduling, platform),
         run_ahead=_run_ahead(config.scheduler.async_scheduling, platform),
         fused_step=fused_step(platform),
-        grammar_fill_threads=grammar_fill_threads(platform),
+        grammar_fill_threads=grammar_fill_threads(),
     )
 
 
@@ -260,13 +259,12 @@ def fused_step(platform: str) -> bool:
     return FUSED_STEP[platform] if not value else value == "1"
 
 
-def grammar_fill_threads(platform: str) -> int:
-    """The grammar fill's threads on ``platform`` here: half the CPUs this process may use,
-    from 2 up to the platform's cap (GRAMMAR_FILL_THREADS); 0 on one CPU or a cap of 0."""
-    cap = GRAMMAR_FILL_THREADS[platform]
+def grammar_fill_threads() -> int:
+    """The grammar fill's threads here: half the CPUs this process may use, from 2 up to
+    MAX_GRAMMAR_FILL_THREADS; 0 on one CPU."""
     affinity = getattr(os, "sched_getaffinity", None)
     cpus = (len(affinity(0)) if affinity is not None else os.cpu_count()) or 1
-    return 0 if cpus < 2 or cap == 0 else min(cap, max(2, cpus // 2))
+    return 0 if cpus < 2 else min(MAX_GRAMMAR_FILL_THREADS, max(2, cpus // 2))
 
 
 def _sampler_draw(platform: str) -> str:

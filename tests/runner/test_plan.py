@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import re
 
 import pytest
@@ -51,30 +50,30 @@ def test_cpu_plan():
     for key in ("platform", "device_kind", "attention", "sampler_draw", "dtype", "kv_cache_dtype"):
         assert key in d
     assert d["tensor_parallel_size"] == 1
-    assert plan.grammar_fill_threads == d["grammar_fill_threads"] == 0  # row by row on the CPU
+    assert (
+        plan.grammar_fill_threads == d["grammar_fill_threads"] == plan_module.grammar_fill_threads()
+    )
 
 
-def test_grammar_fill_threads_are_half_the_cpus_from_two_to_eight_on_accelerators(monkeypatch):
+def test_grammar_fill_threads_are_half_the_cpus_from_two_to_eight_and_none_on_one(monkeypatch):
     for cpus, threads in ((1, 0), (2, 2), (3, 2), (4, 2), (6, 3), (16, 8), (64, 8)):
         monkeypatch.setattr(plan_module.os, "sched_getaffinity", lambda _, n=cpus: range(n))
-        assert plan_module.grammar_fill_threads("gpu") == threads
-        assert plan_module.grammar_fill_threads("tpu") == threads
-        assert plan_module.grammar_fill_threads("cpu") == 0
+        assert plan_module.grammar_fill_threads() == threads
 
 
-def test_the_engine_fills_grammar_masks_with_the_plans_threads(monkeypatch):
-    """The plan's count reaches the grammar library: a pool where it says so (an accelerator's
-    plan, faked here), row by row where it says 0 (the CPU's)."""
-    monkeypatch.setitem(plan_module.GRAMMAR_FILL_THREADS, "cpu", 8)
+@pytest.mark.parametrize("threads", [0, 2])
+def test_the_engine_fills_grammar_masks_with_the_plans_threads(monkeypatch, threads):
+    """The plan's count reaches the grammar library: a pool where it asks for one, row by row
+    where it asks for none; the output is valid either way."""
+    monkeypatch.setattr(plan_module, "grammar_fill_threads", lambda: threads)
     llm = LLM(max_model_len=64, max_num_batched_tokens=32, max_num_seqs=2)
-    assert llm.engine.info.plan.grammar_fill_threads >= 2 or len(os.sched_getaffinity(0)) < 2
+    assert llm.engine.info.plan.grammar_fill_threads == threads
     regex = StructuredOutputsParams(regex="[ab]{4}")
     params = SamplingParams(max_tokens=6, structured_outputs=regex)
     out = llm.generate(["x"], params, use_tqdm=False)[0].outputs[0]
     assert re.fullmatch("[ab]{4}", out.text)
-    spec = llm.engine.structured.check(params)
-    want = llm.engine.info.plan.grammar_fill_threads
-    assert (spec.new_state().matcher.batch_filler is not None) == (want > 0)
+    matcher = llm.engine.structured.check(params).new_state().matcher
+    assert (matcher.batch_filler is not None) == (threads > 0)
 
 
 def test_an_explicit_backend_that_cannot_run_lists_what_can():
