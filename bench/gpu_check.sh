@@ -9,7 +9,9 @@
 #      preset); n-gram and oracle speculation against plain decoding at batch 1 and 16 and the
 #      verification step's cost, and plain against itself at batch 16 and 1 (bench/spec_decode.py,
 #      the 57M preset),
-#   4. end to end on a Llama-3-8B-shaped bf16 checkpoint (bench/gpu_e2e.py --preset llama3-8b):
+#   4. structured outputs: 100% JSON-schema requests against unconstrained on the demo model,
+#      the masks overlapped with the forward (bench/structured.py; issue 32's >= 0.90x goal),
+#   5. end to end on a Llama-3-8B-shaped bf16 checkpoint (bench/gpu_e2e.py --preset llama3-8b):
 #      cold and warm start, output tok/s on 512 ShareGPT-like requests, transformers
 #      `generate` on the same GPU, the ratio.
 # Outputs go to $OUT if set, else ./gpu_check_out: one log per stage, the junit XML, the
@@ -34,7 +36,8 @@
 #   2  attention bandwidth, 3 backends x 2 page sizes             45      ~20-40
 #   3  precompiled: compile, load, compile again (3 processes)    75      ~40-60
 #      spec_decode: 6 engines of the 57M model, 1 and 16 at once  130      ~80-130
-#   4  end to end: everything left, at least                     270      ~240-330
+#   4  structured outputs (skipped without llguidance, below)     60      ~30-50
+#   5  end to end: everything left, at least                     270      ~240-330
 #      (bench/gpu_e2e.py --budget-s <that - 10>, three processes with their own deadlines):
 #        cold: the rest after the reserves below: load 16 GB (~30-45 s) + compile every bucket
 #          (10 token buckets x 2 sampler variants = 20 compilations; it stops compiling when
@@ -42,7 +45,7 @@
 #        transformers: reserve 75, cap 90: load (~25 s) + generate on the first 64 requests,
 #          stopped by generate(max_time) at its deadline;
 #        warm: reserve 60, then whatever is left: load + every bucket from the cache.
-#   5  summary.json and the tables                                          ~1
+#   6  summary.json and the tables                                          ~1
 #   (*) estimates from CPU measurements (disk ~0.3 GB/s, bf16 transposes ~0.3 GB/s on a 2-core
 #       VM) and typical H200 figures; the first device run's (an H100, 2026-12-05) are in
 #       docs/benchmarks.md.
@@ -53,7 +56,14 @@
 # GPU_CHECK_KEEP_COMPILE_CACHE=1 (keep $OUT/jax_compile_cache, removed by default: large).
 # GPU_CHECK_PLATFORM=cpu runs the same stages on the CPU with tiny presets (tests/bench uses it
 # to check this script's plumbing); GPU_CHECK_ATTENTION_PRESET, GPU_CHECK_ATTENTION_BACKENDS,
-# GPU_CHECK_E2E_PRESET and GPU_CHECK_E2E_ARGS override the stages' presets and options.
+# GPU_CHECK_E2E_PRESET and GPU_CHECK_E2E_ARGS override the stages' presets and options,
+# GPU_CHECK_STRUCTURED_ARGS the structured stage's.
+# Structured outputs need llguidance, which a device image may lack and cannot download: its
+# package folder (pure Python and one abi3 library, any CPython >= 3.8 on x86-64 Linux) copied to
+# bench/.device_libs/llguidance on a machine that has it, and that folder carried along (it is
+# git-ignored), is put on PYTHONPATH here:
+#   mkdir -p bench/.device_libs && cp -r "$(python -c 'import llguidance, os;
+#   print(os.path.dirname(llguidance.__file__))')" bench/.device_libs/
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu_check_out}"
@@ -76,6 +86,9 @@ fi
 # (tests/bench) keeps to the rest.
 reserve_attention=45
 reserve_e2e=270
+# The structured stage's minimum, and everything after the extras together.
+if [ "$platform" = cpu ]; then reserve_structured=20; else reserve_structured=25; fi
+reserve_tail=$((reserve_structured + reserve_e2e))
 extras=${GPU_CHECK_EXTRAS:-$([ "$platform" = gpu ] && echo 1 || echo 0)}
 reserve_extras=0
 if [ "$extras" = 1 ]; then reserve_extras=120; fi
@@ -126,14 +139,14 @@ stage() {
 
 # 0. Install (offline, no deps) if this machine has not yet; then what jax sees.
 if ! "$python" -c "import jaxserve.pallas_kernels" 2>/dev/null; then
-  stage install 60 $((reserve_attention + reserve_extras + reserve_e2e + 90)) \
+  stage install 60 $((reserve_attention + reserve_extras + reserve_tail + 90)) \
     "$python" -m pip install -q --no-deps --no-build-isolation -e .
   if ! "$python" -c "import jaxserve.pallas_kernels"; then
     echo "jaxserve does not import after pip install -e .: see $out/install.txt"
     exit 2
   fi
 fi
-stage probe 45 $((reserve_attention + reserve_extras + reserve_e2e + 90)) "$python" - "$out/devices.json" "$platform" <<'PY'
+stage probe 45 $((reserve_attention + reserve_extras + reserve_tail + 90)) "$python" - "$out/devices.json" "$platform" <<'PY'
 import importlib.metadata as md
 import json
 import sys
@@ -184,13 +197,13 @@ if [ -z "$workers" ]; then
 fi
 pytest_args=(--platform "$platform" -m gpu tests/pallas_kernels -v -rs -p no:cacheprovider)
 if [ "$workers" -gt 0 ]; then
-  stage kernel_tests 90 $((reserve_attention + reserve_extras + reserve_e2e + 25)) \
+  stage kernel_tests 90 $((reserve_attention + reserve_extras + reserve_tail + 25)) \
     env XLA_PYTHON_CLIENT_PREALLOCATE=false "$python" -m pytest "${pytest_args[@]}" \
     -n "$workers" -k "not bandwidth" --junitxml="$out/pytest_gpu.xml"
-  stage kernel_tests_bandwidth 25 $((reserve_attention + reserve_extras + reserve_e2e)) \
+  stage kernel_tests_bandwidth 25 $((reserve_attention + reserve_extras + reserve_tail)) \
     "$python" -m pytest "${pytest_args[@]}" -k bandwidth --junitxml="$out/pytest_gpu_bandwidth.xml"
 else
-  stage kernel_tests 115 $((reserve_attention + reserve_extras + reserve_e2e)) \
+  stage kernel_tests 115 $((reserve_attention + reserve_extras + reserve_tail)) \
     "$python" -m pytest "${pytest_args[@]}" --junitxml="$out/pytest_gpu.xml"
 fi
 
@@ -199,21 +212,37 @@ attention_args=(--preset "$attention_preset" --out "$out/attention_kernel.json")
 if [ -n "${GPU_CHECK_ATTENTION_BACKENDS:-}" ]; then
   attention_args+=(--backends "$GPU_CHECK_ATTENTION_BACKENDS")
 fi
-stage attention 45 $((reserve_extras + reserve_e2e)) "$python" bench/attention_kernel.py \
+stage attention 45 $((reserve_extras + reserve_tail)) "$python" bench/attention_kernel.py \
   "${attention_args[@]}"
 
 # 3. The issues' first device checks (GPU only, unless GPU_CHECK_EXTRAS says otherwise): executables compiled deviceless for this
 # chip's target load into an engine on it (bench/precompiled_check.py); speculative decoding
 # against plain decoding, and the cost of a verification step (bench/spec_decode.py).
 if [ "$extras" = 1 ]; then
-  stage precompiled 75 $((70 + reserve_e2e)) "$python" bench/precompiled_check.py \
+  stage precompiled 75 $((70 + reserve_tail)) "$python" bench/precompiled_check.py \
     --preset quick --out "$out/precompiled.json"
-  stage spec_decode 130 "$reserve_e2e" "$python" bench/spec_decode.py --batch-sizes 1,16 \
+  stage spec_decode 130 "$reserve_tail" "$python" bench/spec_decode.py --batch-sizes 1,16 \
     --workloads repetitive --methods ngram,ngram-auto,oracle --no-sampled-drafts --plain-variance \
     --output "$out/spec_decode.json"
 fi
 
-# 4. End to end: the checkpoint first (normally written by now), then everything left.
+# 4. Structured outputs: 100% JSON against unconstrained, in one engine (bench/structured.py).
+if [ -d bench/.device_libs ]; then export PYTHONPATH="$PWD/bench/.device_libs${PYTHONPATH:+:$PYTHONPATH}"; fi
+if [ "$platform" = cpu ]; then
+  structured_args="--num-requests 4 --max-tokens 8 --fractions 0,1 --modes overlapped --repeats 1"
+else
+  structured_args="--fractions 0,1 --modes overlapped --repeats 3"
+fi
+if "$python" -c "import llguidance" 2>/dev/null; then
+  # shellcheck disable=SC2086  # the arguments, split on purpose
+  stage structured 60 "$reserve_e2e" "$python" bench/structured.py \
+    ${GPU_CHECK_STRUCTURED_ARGS:-$structured_args} --output "$out/structured.json"
+else
+  echo "llguidance does not import: see this script's header" | tee "$out/structured.txt"
+  record structured skipped 0 0
+fi
+
+# 5. End to end: the checkpoint first (normally written by now), then everything left.
 s=$(date +%s)
 wait "$ckpt_pid"
 record checkpoint_wait $? $(($(date +%s) - s)) "$ckpt_limit"
@@ -224,7 +253,7 @@ stage e2e "$e2e_limit" 0 "$python" bench/gpu_e2e.py --preset "$e2e_preset" --cac
   ${GPU_CHECK_E2E_ARGS:-}
 if [ "${GPU_CHECK_KEEP_COMPILE_CACHE:-0}" != 1 ]; then rm -rf "$out/jax_compile_cache"; fi
 
-# 5. The summary: summary.json and the tables.
+# 6. The summary: summary.json and the tables.
 "$python" - "$out" "$total" "$(($(date +%s) - start))" "$platform" <<'PY'
 import json
 import re
@@ -354,6 +383,16 @@ if spec and "spec_decode" in stages:
         plain_batch_variance=spec.get("plain_batch_variance"),
     )
 
+structured = load("structured.json")
+if structured and "structured" in stages:
+    keys = ("fraction_constrained", "mode", "output_tok_per_s", "vs_unconstrained",
+            "vs_unconstrained_rounds", "constrained_valid", "constrained", "masks_ms_per_step",
+            "device_idle_ms_per_step", "cpu_ms_per_step")
+    stages["structured"].update(
+        rows=[{k: r.get(k) for k in keys} for r in structured.get("rows", [])],
+        recompilations_after_warmup=len(structured.get("recompilations_after_warmup", [])),
+    )
+
 e2e = load("e2e.json")
 if e2e and "e2e" in stages:
     stages["e2e"].update(
@@ -398,6 +437,12 @@ for name, st in stages.items():
         result += f"; verify {fmt(cost.get('ratio'), '.2f')}x a decode step"
         result += "".join(f"; plain@{v['batch']} vs @1: {v['differ']}/{v['requests']} differ"
                           for v in st.get("plain_batch_variance") or [])
+    elif name == "structured" and st.get("rows"):
+        result = " ".join(f"{fmt(100 * r['fraction_constrained'], '.0f')}% {r['mode']} "
+                          f"{fmt(r['vs_unconstrained'], '.2f')}x"
+                          f" (rounds {fmt(r['vs_unconstrained_rounds'], '.2f')}x)"
+                          for r in st["rows"] if r["fraction_constrained"] > 0)
+        result += f"; {st['recompilations_after_warmup']} compilations after warm-up"
     elif name == "e2e" and st.get("summary"):
         s = st["summary"]
         result = (f"jaxserve {fmt(s.get('jaxserve_output_tokens_per_s'))} tok/s, "

@@ -1,5 +1,6 @@
 """bench/gpu_check.sh: it parses, and on the CPU (GPU_CHECK_PLATFORM=cpu: the same stages with
-tiny presets) it runs every stage, writes summary.json and prints the tables. What it
+tiny presets; structured outputs as bench/structured.py's smoke run) it runs every stage, writes
+summary.json and prints the tables. What it
 measures on a GPU is not checked here; no time is asserted.
 
 Its end-to-end stage is bench/gpu_e2e.py's tiny preset (the suite's one run of it): the
@@ -78,17 +79,24 @@ def test_gpu_check_runs_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     summary = json.loads((out / "summary.json").read_text())
     stages = summary["stages"]
-    assert list(stages) == ["probe", "kernel_tests", "attention", "checkpoint_wait", "e2e"]
+    assert list(stages) == [
+        "probe", "kernel_tests", "attention", "structured", "checkpoint_wait", "e2e"
+    ]  # fmt: skip
     assert all(s["status"] == "ok" for s in stages.values())
     counts = stages["kernel_tests"]["counts"]
     assert counts["source"] == "junit xml" and counts["total"] > 0
     assert counts["skipped"] == counts["total"]  # the gpu-marked tests, on a CPU
     assert set(stages["attention"]["backends"]) == {"xla"}
+    structured = stages["structured"]
+    assert [r["fraction_constrained"] for r in structured["rows"]] == [0.0, 1.0]
+    assert structured["rows"][1]["constrained"] == 4  # JSON cut at 8 tokens: not valid yet
+    assert structured["recompilations_after_warmup"] == 0
     assert stages["checkpoint_wait"]["checkpoint"]["bytes"] > 0
     e2e = stages["e2e"]["summary"]
     assert e2e["jaxserve_output_tokens_per_s"] > 0 and e2e["jaxserve_over_hf"] > 0
     assert not (out / "jax_compile_cache").exists()  # removed: large on a GPU
     assert "end to end" in proc.stdout and "decode attention" in proc.stdout
+    assert "100% overlapped" in proc.stdout  # the structured stage's line
     _check_gpu_e2e_tiny(
         json.loads((out / "e2e_checkpoint.json").read_text()),
         json.loads((out / "e2e.json").read_text()),
