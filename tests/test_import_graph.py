@@ -43,6 +43,7 @@ HOST_MODULES = [
     "jaxserve.speculative_config",
     "jaxserve.spec_decode",
     "jaxserve.engine.run_ahead",
+    "jaxserve.engine.fan_out",
     "jaxserve.sampling_constraints",
     "jaxserve.structural_tag",
     "jaxserve.structured.manager",

@@ -24,19 +24,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-import numpy as np
-
 from jaxserve.config import EngineConfig
 from jaxserve.core.sched.scheduler import Scheduler
 from jaxserve.engine.background_warmup import BackgroundWarmup
 from jaxserve.engine.core import EngineCore
+from jaxserve.engine.fan_out import SampleFanOut
 from jaxserve.engine.interrupts import defer_sigint
 from jaxserve.engine.job_preview import JobPreview, check_warmup_for
 from jaxserve.engine.prompts import PromptProcessor, PromptType
@@ -44,7 +42,7 @@ from jaxserve.engine.request_state import RequestState
 from jaxserve.engine.run_ahead import RunAheadPolicy
 from jaxserve.kv_transfer_config import check_params_for
 from jaxserve.outputs import RequestOutput
-from jaxserve.request import Request, RequestStatus
+from jaxserve.request import RequestStatus
 from jaxserve.runner.factory import build_runner
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.step_trace import StepTrace
@@ -52,16 +50,7 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured.manager import StructuredOutputs
 from jaxserve.structured.request_constraints import ConstraintSpec
 
-_MASK63 = (1 << 63) - 1
 logger = logging.getLogger("jaxserve")
-
-
-def mix_seed(seed: int, index: int) -> int:
-    """A distinct 63-bit seed for child `index` of a seeded n > 1 request (splitmix64)."""
-    z = (seed + 0x9E3779B97F4A7C15 * (index + 1)) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return (z ^ (z >> 31)) & _MASK63
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,8 +101,8 @@ class LLMEngine:
         )
         self._states: dict[str, RequestState] = {}  # user request id -> state
         self._child_of: dict[str, tuple[str, int]] = {}  # scheduler id -> (user id, index)
-        self._seed_rng = np.random.default_rng(self.config.model.seed)
-        self._num_added = itertools.count()  # makes scheduler ids unique (_engine_ids)
+        # the scheduler requests of each user request (its n samples)
+        self._fan_out = SampleFanOut(self.config.model.seed, info.eos_token_ids)
         self._shut_down = False
         if self.background_warmup is not None:
             self.background_warmup.start()
@@ -225,9 +214,9 @@ class LLMEngine:
 
     def _queue(self, request_id: str, checked: CheckedRequest, priority: int) -> None:
         params, token_ids = checked.params, checked.token_ids
-        engine_ids = self._engine_ids(request_id, params.n)
+        engine_ids = self._fan_out.engine_ids(request_id, params.n)
         now = time.monotonic()
-        requests = self._make_requests(
+        requests = self._fan_out.requests(
             engine_ids, token_ids, params, priority, now, checked.constraints
         )
         state = RequestState(
@@ -237,46 +226,6 @@ class LLMEngine:
         self._states[request_id] = state
         for i, engine_id in enumerate(engine_ids):
             self._child_of[engine_id] = (request_id, i)
-
-    def _engine_ids(self, request_id: str, n: int) -> list[str]:
-        """The scheduler ids of a request's n samples: unique by construction (a counter), so
-        no user id can collide with another request's sample; the user id rides along for
-        logs."""
-        k = next(self._num_added)
-        return [f"{request_id}#{k}.{i}" for i in range(n)]
-
-    def _make_requests(
-        self,
-        engine_ids: list[str],
-        token_ids: list[int],
-        params: SamplingParams,
-        priority: int,
-        now: float,
-        constraints: ConstraintSpec | None = None,
-    ) -> list[Request]:
-        base = params.seed
-        if base is None:
-            base = int(self._seed_rng.integers(0, _MASK63, dtype=np.int64))
-        requests = []
-        for i, engine_id in enumerate(engine_ids):
-            child = params
-            if params.n > 1:
-                child = dataclasses.replace(
-                    params, n=1, prompt_logprobs=params.prompt_logprobs if i == 0 else None
-                )
-            requests.append(
-                Request(
-                    engine_id,
-                    token_ids,
-                    child,
-                    eos_token_ids=self.info.eos_token_ids,
-                    arrival_time=now,
-                    priority=priority,
-                    seed=base if i == 0 else mix_seed(base, i),
-                    constraints=None if constraints is None else constraints.new_state(),
-                )
-            )
-        return requests
 
     def abort_request(self, request_id: str | Iterable[str]) -> list[RequestOutput]:
         """Abort user requests (all their samples); unknown ids are ignored. Returns the final

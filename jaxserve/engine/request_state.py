@@ -1,7 +1,7 @@
 """Per-request output state of the LLMEngine: text, tokens, logprobs of each completion.
 
 One RequestState per user request; it owns one _CompletionState per sample (n > 1 fans out
-into n scheduler requests, whose ids the engine makes: see LLMEngine._engine_ids).
+into n scheduler requests, whose ids the engine makes: engine/fan_out.py).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, LLMEngine, SamplingParams
-from jaxserve.engine.llm_engine import mix_seed
+from jaxserve.engine.fan_out import mix_seed
 from jaxserve.runner.logprob_chunks import CHUNK_ROWS
 
 torch = pytest.importorskip("torch")
