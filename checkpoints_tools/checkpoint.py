@@ -65,10 +65,20 @@ def resolve_dtype(dtype: str, config_dtype: object = None) -> np.dtype:
 def place(
     value: np.ndarray | jax.Array, path: tuple[str, ...], param_sharding: ParamSharding | None
 ) -> jax.Array:
-    """Put one parameter on device: into param_sharding(path) if given, else the default."""
+    """Put one parameter on device: into param_sharding(path) if given, else the default.
+
+    On a mesh over several processes each process places its own shards from its own copy
+    (jax.make_array_from_callback): jax.device_put would first check, with a cross-process
+    collective, that every process holds the same value, and the load runs in a thread beside
+    the caller's own cross-process computations (runner/startup.py), whose order must be the
+    same in every process. So a load issues none."""
     if param_sharding is None:
         return jax.device_put(value)
-    return jax.device_put(value, param_sharding(path))
+    sharding = param_sharding(path)
+    if sharding.is_fully_addressable:
+        return jax.device_put(value, sharding)
+    host = np.asarray(value)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def set_path(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:

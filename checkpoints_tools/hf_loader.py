@@ -136,9 +136,19 @@ class _Stack:
 
 
 @jax.jit
-def _all_finite(x: jax.Array) -> jax.Array:
+def _finite(x: jax.Array) -> jax.Array:
     # One fused reduction on the array where it lives (sharded or not): no host copy, no sync.
     return jnp.all(jnp.isfinite(x))
+
+
+def _all_finite(x: jax.Array) -> jax.Array | bool:
+    """Whether ``x`` is all finite, left on device. On a mesh over several processes, this
+    process's shards only, each on its own device: a reduction over the whole mesh would be a
+    cross-process collective, which a load never issues (checkpoint.place); each process then
+    warns of what it holds."""
+    if x.is_fully_addressable:
+        return _finite(x)
+    return all(bool(_finite(shard.data)) for shard in x.addressable_shards)
 
 
 def _load_tensors(

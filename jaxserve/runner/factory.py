@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 import jax
 
 from jaxserve.checkpoints_tools import LoadedCheckpoint, TokenizerInfo, load_checkpoint
+from jaxserve.checkpoints_tools.orbax_checkpoint import is_orbax_checkpoint
 from jaxserve.checkpoints_tools.tokenizer import load_tokenizer
 from jaxserve.config import EngineConfig
 from jaxserve.core.host_block_pool import HostTier
@@ -249,15 +250,16 @@ def _check_processes(config: EngineConfig) -> None:
 def _weights_first(resolved: ResolvedModel) -> bool:
     """Whether the weights must load before the runner is built: an FP8 KV cache (its scales
     may come from a calibration pass over the weights: kv_attachments.kv_scales_of), a Hub
-    model (only its config.json is here yet, not the files that name its EOS ids), or a mesh
-    over several processes. There every process must issue its cross-process computations in
-    the same order, and the load issues them (placing each weight checks that the processes
-    hold the same value; the finiteness check reduces over the mesh): in a thread of its own,
-    beside the calling thread's, their order would be each process's own timing, and two
-    processes that disagree wait on each other's collectives until gloo or the coordination
-    service times out."""
+    model (only its config.json is here yet, not the files that name its EOS ids), or an Orbax
+    checkpoint on a mesh over several processes. There every process must issue its
+    cross-process computations in the same order; the built-in and Hugging Face loads issue
+    none (checkpoint.place), but Orbax's restore synchronises the processes itself: in a thread
+    beside the calling thread's computations their order would be each process's own timing,
+    and two processes that disagree wait on each other until gloo or the coordination service
+    times out."""
     fp8 = resolved.plan.kv_cache_dtype.startswith("float8")
-    return fp8 or resolved.source != resolved.config.model.model or jax.process_count() > 1
+    hub = resolved.source != resolved.config.model.model
+    return fp8 or hub or (jax.process_count() > 1 and is_orbax_checkpoint(resolved.source))
 
 
 def _with_tokenizer(resolved: ResolvedModel) -> LoadedCheckpoint:

@@ -40,7 +40,8 @@ jitted steps line up, and `jax.devices()` lists the devices of every process in 
 order. Host inputs are numpy arrays identical in every process, which jit places into the
 replicated sharding; outputs are fully replicated, so every process reads the sampled tokens
 from its own devices. Every process must issue its cross-process computations in the same
-order, so the engine issues them from one thread: the weights load before the runner is built
+order: the weights load beside the runner's build issuing none (each process places its own
+shards: checkpoints_tools/checkpoint.place), an Orbax checkpoint's before it
 (factory._weights_first), and a background warm-up is refused (factory._check_processes).
 On CPU, jax.config.update("jax_cpu_collectives_implementation", "gloo")
 gives the cross-process collectives (tests/runner/test_tensor_parallel.py runs two processes on

@@ -20,9 +20,10 @@ shapes, dtypes and shardings, checked leaf by leaf (abstract_weights.mismatch) b
 used; a checkpoint that differs (nothing known does) is logged and its runner built again from
 the loaded weights, compiled as before. Where the runner itself needs the weights' values to be
 built (an FP8 KV cache whose scales may come from a calibration pass), where only
-config.json is here yet (a Hub model), or on a mesh over several processes (the load's
-collectives must come in the same order in every process, which two threads would not
-keep), the load comes first (factory._weights_first).
+config.json is here yet (a Hub model), or for an Orbax checkpoint on a mesh over several
+processes (its restore synchronises the processes, and their cross-process computations must
+come in the same order in every process, which two threads would not keep; the other loads
+issue none: checkpoint.place), the load comes first (factory._weights_first).
 
 Failures: an error in the load thread stops the compilations at the next one (the error is
 raised in the calling thread, as the sequential load raised it); an error in the calling

@@ -119,7 +119,7 @@ class LLGuidanceBackend:
         eos_token_ids: the ids that end generation; the grammar allows them once complete.
         fill_threads: threads of its matchers' batch fill (a step's grammar rows in one call:
             batch_fill.py); 0: none, the rows filled one by one on the caller's thread. The
-            engine takes the execution plan's (plan.GRAMMAR_FILL_THREADS).
+            engine takes the execution plan's (plan.grammar_fill_threads).
     """
 
     name = "llguidance"

@@ -29,7 +29,7 @@ class StructuredOutputs:
         vocab_size: the model's logits width V: ids must be below it.
         eos_token_ids: allowed by a grammar once it is complete.
         fill_threads: threads of the grammar library's batch mask fill; 0: row by row on the
-            engine thread (the execution plan decides: plan.GRAMMAR_FILL_THREADS).
+            engine thread (the execution plan decides: plan.grammar_fill_threads).
     """
 
     def __init__(

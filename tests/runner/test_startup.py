@@ -145,15 +145,23 @@ def test_a_server_compiles_while_its_weights_load_and_generates_the_same_tokens(
     assert engine.get_stats()["recompilations"] == []
 
 
-def test_processes_of_one_mesh_load_first_and_refuse_a_background_warm_up(monkeypatch):
-    """The processes of one mesh must issue their collectives in the same order: the load (it
-    issues some) runs alone, before the runner is built, and a background warm-up (a stage
-    runs at each process's own time) is refused before anything is read or allocated."""
+def test_processes_of_one_mesh_overlap_only_a_load_without_collectives(monkeypatch):
+    """The processes of one mesh must issue their cross-process computations in the same
+    order. The built-in and Hugging Face loads issue none (checkpoint.place), so they overlap
+    the runner's build as on one process; an Orbax restore synchronises the processes itself,
+    so it runs alone, before the runner is built; a background warm-up (a stage runs at each
+    process's own time) is refused before anything is read or allocated."""
     events = _record_events(monkeypatch)
     # factory's view only: the mesh itself still sees this one process
     monkeypatch.setattr(factory, "jax", types.SimpleNamespace(process_count=lambda: 2))
     with pytest.raises(ValueError, match="enable_background_warmup=True with 2 jax processes"):
         LLMEngine("tiny-random-llama", warmup=True, enable_background_warmup=True, **ENGINE)
+    assert events == []
+    engine = LLMEngine("tiny-random-llama", **ENGINE)
+    assert events  # the load thread
+    assert len(_generate(engine)) == 2
+    events.clear()
+    monkeypatch.setattr(factory, "is_orbax_checkpoint", lambda source: True)
     engine = LLMEngine("tiny-random-llama", **ENGINE)
     assert events == []  # the sequential start-up: no load thread
     assert len(_generate(engine)) == 2
