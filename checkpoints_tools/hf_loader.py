@@ -142,10 +142,10 @@ def _finite(x: jax.Array) -> jax.Array:
 
 
 def _all_finite(x: jax.Array) -> jax.Array | bool:
-    """Whether ``x`` is all finite, left on device. On a mesh over several processes, this
-    process's shards only, each on its own device: a reduction over the whole mesh would be a
-    cross-process collective, which a load never issues (checkpoint.place); each process then
-    warns of what it holds."""
+    """Whether ``x`` is all finite: a device bool, no host round trip. On a mesh over several
+    processes, a host bool over this process's shards only, each reduced on its own device: a
+    reduction over the whole mesh would be a cross-process collective, which a load never issues
+    (checkpoint.place); each process then warns of what it holds."""
     if x.is_fully_addressable:
         return _finite(x)
     return all(bool(_finite(shard.data)) for shard in x.addressable_shards)

@@ -253,7 +253,8 @@ def _weights_first(resolved: ResolvedModel) -> bool:
     model (only its config.json is here yet, not the files that name its EOS ids), or an Orbax
     checkpoint on a mesh over several processes. There every process must issue its
     cross-process computations in the same order; the built-in and Hugging Face loads issue
-    none (checkpoint.place), but Orbax's restore synchronises the processes itself: in a thread
+    none (checkpoint.place), but Orbax's restore synchronises the processes itself (by default
+    with jax's sync_global_devices, a computation across every device): in a thread
     beside the calling thread's computations their order would be each process's own timing,
     and two processes that disagree wait on each other until gloo or the coordination service
     times out."""

@@ -155,8 +155,8 @@ def test_batch_masks_are_bit_identical_to_the_per_row_masks(tokenizer, vocab_siz
 
 
 def test_no_fill_threads_fill_row_by_row_and_a_negative_count_is_refused(tokenizer):
-    state = StructuredOutputs(tokenizer, 1061, [EOS]).check(SamplingParams(**PARAMS[0]))
-    assert state.new_state().matcher.batch_filler is None  # fill_threads=0, the default
+    spec = StructuredOutputs(tokenizer, 1061, [EOS]).check(SamplingParams(**PARAMS[0]))
+    assert spec.new_state().matcher.batch_filler is None  # fill_threads=0, the default
     with pytest.raises(ValueError, match="fill_threads must be >= 0, got -1"):
         LLGuidanceBackend(tokenizer, 1061, [EOS], fill_threads=-1)
 
