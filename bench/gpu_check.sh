@@ -229,7 +229,8 @@ fi
 # 4. Structured outputs: 100% JSON against unconstrained, in one engine (bench/structured.py).
 if [ -d bench/.device_libs ]; then export PYTHONPATH="$PWD/bench/.device_libs${PYTHONPATH:+:$PYTHONPATH}"; fi
 if [ "$platform" = cpu ]; then
-  structured_args="--num-requests 4 --max-tokens 8 --fractions 0,1 --modes overlapped --repeats 1"
+  structured_args="--num-requests 4 --max-tokens 8 --prompt-len 4 --max-num-seqs 4
+    --max-num-batched-tokens 4 --max-model-len 32 --fractions 0,1 --modes overlapped --repeats 1"
 else
   structured_args="--fractions 0,1 --modes overlapped --repeats 3"
 fi
