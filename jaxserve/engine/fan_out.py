@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
 
 import numpy as np
 
@@ -40,7 +39,7 @@ class SampleFanOut:
         eos_token_ids: the model's, given to every request.
     """
 
-    def __init__(self, seed: int | None, eos_token_ids: Sequence[int]) -> None:
+    def __init__(self, seed: int | None, eos_token_ids: frozenset[int]) -> None:
         self._seed_rng = np.random.default_rng(seed)
         self._num_added = itertools.count()
         self._eos_token_ids = eos_token_ids
